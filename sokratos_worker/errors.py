@@ -1,0 +1,51 @@
+"""The exception tree. Foreign errors (psycopg, httpx) are translated at the boundary.
+
+::
+
+    WorkerError
+    ├── DatabaseUnavailable          the database cannot be reached now (transient)
+    ├── LeaseLost                    another worker took the item over; settle refused
+    └── ItemError                    this item's attempt failed (counts as an attempt)
+        ├── InvalidPayload           never retried: straight to failed_operations
+        └── BackendsUnavailable      not the item's fault: the attempt is given back
+            └── BackendsMisconfigured  every backend said 401/403/404
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class DatabaseUnavailable(WorkerError):
+    """PostgreSQL cannot be reached or dropped the connection; try again later."""
+
+
+class LeaseLost(WorkerError):
+    """The item's lease expired and was taken over: this worker must not settle it."""
+
+
+class ItemError(WorkerError):
+    """Processing this item failed; the attempt is used and the item retried later."""
+
+    def __init__(self, message: str, *, backend: str | None = None) -> None:
+        super().__init__(message)
+        self.backend = backend
+
+
+class InvalidPayload(ItemError):
+    """The payload is malformed; ``field`` names what is wrong. Not retried."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"invalid payload: {field} {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class BackendsUnavailable(ItemError):
+    """No backend (LLM or embeddings) could be reached at all: give the attempt back."""
+
+
+class BackendsMisconfigured(BackendsUnavailable):
+    """Every backend refused with 401/403/404: a configuration problem, not the item's."""

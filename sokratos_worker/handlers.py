@@ -1,0 +1,36 @@
+"""The interface between the queue runner and the pipelines that process items."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from sokratos_worker.config import Settings
+from sokratos_worker.model import Effects, Item, NewMemory, Queue
+
+
+class Handler(Protocol):
+    """Processes the items of one queue.
+
+    ``handle`` returns the :class:`Effects` to commit, or raises:
+    :class:`~sokratos_worker.errors.InvalidPayload` (dead-lettered at once),
+    :class:`~sokratos_worker.errors.BackendsUnavailable` (attempt given back, claiming paused),
+    any other exception (a failed attempt: retried, dead-lettered on the last).
+    It must not write to the database: the store commits its effects with the settle.
+    """
+
+    def handle(self, item: Item) -> Effects:
+        """Decide what this item becomes."""
+        ...
+
+    def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
+        """Memories to save with the failed_operations row (distillation's raw archive)."""
+        ...
+
+    def probe(self) -> bool:
+        """True when the backends this handler needs answer again (ends a pause)."""
+        ...
+
+
+Handlers = Mapping[Queue, Handler]
+HandlerFactory = Callable[[Settings], Handlers]

@@ -1,0 +1,1 @@
+"""LLM chat and embedding backends over OpenAI-compatible HTTP (the only httpx users)."""

@@ -1,0 +1,111 @@
+"""What crosses module boundaries: queue items, handler results, memories. No I/O here.
+
+An item's life (``../shared/design/durability.md``)::
+
+    enqueue ─► ready ─claim─► leased ─effects + outcome + delete (one tx)─► gone
+                 ▲               │
+                 └─ run_after ◄──┤ failure, attempts < max
+                                 └─► failed_operations + outcome 'failed' + delete (one tx)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+
+class Queue(StrEnum):
+    """The two work queues; the value is the table name."""
+
+    TRIAGE = "pending_triage"
+    DISTILLATION = "pending_distillation"
+
+
+class Outcome(StrEnum):
+    """The one recorded end of every item (``work_outcomes.outcome``)."""
+
+    SAVED = "saved"
+    SKIPPED = "skipped"
+    ARCHIVED = "archived"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Item:
+    """A claimed queue row; ``attempt`` is the attempt this claim counted (1-based)."""
+
+    queue: Queue
+    id: int
+    payload: dict[str, Any]
+    attempt: int
+    source: str
+    idempotency_key: str | None
+    created_at: datetime
+    errors: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def op_type(self) -> str:
+        """The failed_operations op_type this item would be recorded under."""
+        if self.queue is Queue.DISTILLATION:
+            return "distillation"
+        return "email_triage" if self.source == "email" else "conversation_triage"
+
+    @property
+    def outcome_source(self) -> str:
+        """``work_outcomes.source``: conversation, email or distillation."""
+        return "distillation" if self.queue is Queue.DISTILLATION else self.source
+
+    def origin(self, chunk: int) -> str:
+        """The stable identity of the memory chunk this item writes (replays write nothing)."""
+        return f"{self.queue.value}:{self.id}:{chunk}"
+
+
+@dataclass(frozen=True)
+class NewMemory:
+    """One row for ``memories``; ``origin`` makes the insert idempotent."""
+
+    origin: str
+    summary: str
+    salience: float
+    memory_type: str = "general"
+    source: str = "conversation"
+    tags: tuple[str, ...] = ()
+    embedding: tuple[float, ...] | None = None
+    embedding_model: str | None = None
+    source_date: datetime | None = None
+    pipeline_id: int | None = None
+    entities: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Supersession:
+    """Mark ``old_memory_id`` superseded by the memory written under ``new_origin``."""
+
+    old_memory_id: int
+    new_origin: str
+
+
+@dataclass(frozen=True)
+class Effects:
+    """What a handler decided for one item; the store writes it in one transaction.
+
+    ``existing_memory_ids`` lists memories the item matched without writing (a
+    near-duplicate), so ``work_outcomes.memory_ids`` can point at them.
+    """
+
+    outcome: Outcome
+    detail: str = ""
+    memories: tuple[NewMemory, ...] = ()
+    supersessions: tuple[Supersession, ...] = ()
+    existing_memory_ids: tuple[int, ...] = ()
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class SettleResult:
+    """What a settle did: ``settled`` is False when the lease had been lost."""
+
+    settled: bool
+    memory_ids: tuple[int, ...] = field(default_factory=tuple)
