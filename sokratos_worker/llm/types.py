@@ -1,0 +1,116 @@
+"""The public face of the LLM layer: what pipelines call and what they get back.
+
+Pipelines depend only on these protocols and errors; ``sokratos_worker.llm.chat`` and
+``sokratos_worker.llm.embeddings`` implement them over HTTP, and tests may pass fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from sokratos_worker.errors import BackendsUnavailable, ItemError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class BackendAttempt:
+    """One backend's part in a call: ``answered``, ``failed`` or ``skipped``, and why."""
+
+    backend: str
+    result: str
+    reason: str = ""
+    duration_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChatResult(Generic[T]):
+    """A validated reply, which backend gave it, and what happened on the way."""
+
+    value: T
+    backend: str
+    tried: tuple[BackendAttempt, ...] = ()
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendState:
+    """A backend's circuit as ``status`` shows it: closed, open or half_open."""
+
+    name: str
+    circuit: str
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+class ChatClient(Protocol):
+    """Chat completions with structured output, across the backends in fallback order."""
+
+    def complete(
+        self,
+        *,
+        response_model: type[T],
+        system: str,
+        user: str,
+        max_tokens: int,
+        purpose: str,
+    ) -> ChatResult[T]:
+        """A reply validated against ``response_model``.
+
+        Raises :class:`ContextTooLong` when every backend said the input is too long,
+        :class:`NoBackendReachable` when no backend could be reached at all (and a health
+        probe right after failed too), and :class:`ChatFailed` for anything else.
+        """
+        ...
+
+    def probe(self) -> bool:
+        """True when at least one backend answers its health check now."""
+        ...
+
+    def states(self) -> list[BackendState]:
+        """Every backend's circuit state, for ``status`` and metrics."""
+        ...
+
+
+class Embedder(Protocol):
+    """One pinned embedding model; vectors are L2-normalised and of ``dim`` dimensions."""
+
+    model: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One vector per text, in order. Raises :class:`EmbeddingsUnavailable` or
+        :class:`EmbeddingFailed`."""
+        ...
+
+    def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
+        """Embed ``text``; if the server says it is too large, split it and embed the parts."""
+        ...
+
+    def probe(self) -> bool:
+        """True when the embedding server answers now."""
+        ...
+
+
+class ChatFailed(ItemError):
+    """Every backend was tried and none gave a valid reply for this request."""
+
+
+class ContextTooLong(ChatFailed):
+    """The input is longer than the backends' context; the caller may shorten it."""
+
+
+class NoBackendReachable(BackendsUnavailable):
+    """No chat backend could be reached at all (connect errors, circuits open, 5xx)."""
+
+
+class EmbeddingFailed(ItemError):
+    """The embedding server rejected this input (not an outage)."""
+
+
+class EmbeddingsUnavailable(BackendsUnavailable):
+    """The embedding server cannot be reached."""
