@@ -109,3 +109,12 @@ class SettleResult:
 
     settled: bool
     memory_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class CheckLine:
+    """One line of ``sokratos-worker check``: what was checked, whether it passed, and why."""
+
+    component: str
+    ok: bool
+    detail: str

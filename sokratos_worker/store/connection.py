@@ -1,0 +1,111 @@
+"""Connections, pools and the translation of psycopg errors into ours."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from sokratos_worker.errors import DatabaseUnavailable
+
+T = TypeVar("T")
+
+# SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
+_TRANSIENT_PREFIXES = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors that go away by themselves: lost connections, restarts, conflicts."""
+    if isinstance(exc, PoolTimeout | DatabaseUnavailable):
+        return True
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate is None:
+            # No SQLSTATE: the client lost or never had a connection (refused, reset, closed).
+            return not isinstance(exc, pg_errors.InsufficientPrivilege)
+        return sqlstate.startswith(_TRANSIENT_PREFIXES)
+    if isinstance(exc, psycopg.Error):
+        sqlstate = exc.sqlstate or ""
+        return sqlstate.startswith(_TRANSIENT_PREFIXES)
+    return False
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise transient psycopg errors as :class:`DatabaseUnavailable`."""
+    try:
+        yield
+    except (psycopg.Error, PoolTimeout) as exc:
+        if is_transient(exc):
+            raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+        raise
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
+    """One connection outside any pool (migrations, LISTEN, CLI commands)."""
+    with translated():
+        return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=int(timeout))
+
+
+def make_pool(conninfo: str, *, size: int, name: str = "sokratos-worker") -> ConnectionPool:
+    """A pool whose connections are probed before use and replaced when broken."""
+    return ConnectionPool(
+        conninfo,
+        min_size=1,
+        max_size=max(1, size),
+        kwargs={"autocommit": True, "connect_timeout": 10},
+        check=ConnectionPool.check_connection,
+        name=name,
+        timeout=15.0,
+        reconnect_timeout=0,  # never give up: the daemon decides when to stop waiting
+        open=True,
+    )
+
+
+def wait_for_database(
+    conninfo: str,
+    *,
+    deadline_s: float,
+    on_wait: Callable[[float, str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Return once a connection succeeds; raise :class:`DatabaseUnavailable` at the deadline."""
+    started = time.monotonic()
+    delay = 0.25
+    while True:
+        try:
+            with connect(conninfo, timeout=min(10.0, max(1.0, deadline_s))) as conn:
+                conn.execute("SELECT 1")
+            return
+        except DatabaseUnavailable as exc:
+            waited = time.monotonic() - started
+            if waited + delay > deadline_s:
+                raise DatabaseUnavailable(
+                    f"database still unreachable after {waited:.0f}s: {exc}"
+                ) from exc
+            if on_wait is not None:
+                on_wait(waited, str(exc))
+            sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2) -> T:
+    """Run ``fn`` again after a transient error (used for short, idempotent statements)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except DatabaseUnavailable:
+            if attempt == attempts:
+                raise
+            time.sleep(pause * attempt)
+    raise AssertionError("unreachable")  # pragma: no cover

