@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from sokratos_worker.config import Settings
+from sokratos_worker.llm.types import ChatClient, Embedder
+from sokratos_worker.store.connection import Database
 from sokratos_worker.model import Effects, Item, NewMemory, Queue
 
 
@@ -32,5 +35,16 @@ class Handler(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class HandlerContext:
+    """What a handler factory gets: configuration, the database and the backends."""
+
+    settings: Settings
+    database: Database
+    chat: ChatClient | None
+    embedder: Embedder | None
+
+
 Handlers = Mapping[Queue, Handler]
-HandlerFactory = Callable[[Settings], Handlers]
+# Builds the handlers for a process; queues without a handler are never claimed (items wait).
+HandlerFactory = Callable[[HandlerContext], Handlers]

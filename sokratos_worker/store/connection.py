@@ -109,3 +109,21 @@ def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2
                 raise
             time.sleep(pause * attempt)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class Database:
+    """The process's connection pool; ``connection()`` lends one autocommit connection."""
+
+    def __init__(self, conninfo: str, *, size: int) -> None:
+        self.conninfo = conninfo
+        self.pool = make_pool(conninfo, size=size)
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection; transient failures surface as DatabaseUnavailable."""
+        with translated(), self.pool.connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self.pool.close(timeout=5.0)
