@@ -1,0 +1,26 @@
+"""Pieces the daemon needs to run as a service: sd_notify, metrics and health endpoints.
+
+Self-contained: nothing here schedules, talks to PostgreSQL or reads settings; the daemon
+wires them in (``Notifier`` from the loop that proves progress, ``Metrics`` updated by the
+drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR`` is set).
+"""
+
+from __future__ import annotations
+
+from sokratos_worker.service.metrics import (
+    CIRCUIT_STATE_VALUES,
+    DURATION_BUCKETS,
+    Metrics,
+    MetricsServer,
+    parse_addr,
+)
+from sokratos_worker.service.sdnotify import Notifier
+
+__all__ = [
+    "CIRCUIT_STATE_VALUES",
+    "DURATION_BUCKETS",
+    "Metrics",
+    "MetricsServer",
+    "Notifier",
+    "parse_addr",
+]
