@@ -6,9 +6,21 @@ commit, and everything it inserts is keyed by ``origin`` so a replay writes noth
 
 from __future__ import annotations
 
-import psycopg
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import psycopg
+import structlog
+
+from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Effects
+from sokratos_worker.store.connection import Database
+
+log = structlog.get_logger(__name__)
+
+# Sokratos's reads skip these types: identity and reflections are not compared or superseded.
+_COVERAGE_EXCLUDED = ("identity", "reflection")
 
 
 def write_effects(conn: psycopg.Connection, effects: Effects) -> tuple[int, ...]:
@@ -58,3 +70,123 @@ def _vector(embedding: tuple[float, ...] | None) -> str | None:
     if embedding is None:
         return None
     return "[" + ",".join(repr(float(x)) for x in embedding) + "]"
+
+
+@dataclass(frozen=True)
+class MemorySnippet:
+    """A live memory offered to the contradiction check."""
+
+    id: int
+    summary: str
+
+
+# The cosine distance to %(vec)s, or NULL for rows embedded by another model or dimension
+# (pgvector refuses ``<=>`` across dimensions, and CASE keeps it from being evaluated).
+_DISTANCE = """(CASE WHEN m.embedding IS NOT NULL
+                      AND vector_dims(m.embedding) = %(dim)s
+                      AND (m.embedding_model IS NULL OR m.embedding_model = %(model)s)
+                 THEN m.embedding <=> %(vec)s::vector END)"""
+
+
+class MemoryReader:
+    """The read queries of the pipelines; every one fails open (a read never fails an item)."""
+
+    def __init__(self, database: Database, *, embedding_model: str | None) -> None:
+        self.database = database
+        self.embedding_model = embedding_model
+
+    def adaptive_param(self, key: str, default: float) -> float:
+        """``adaptive_params.value`` for ``key``; the default on no row or any error."""
+        rows = self._read(
+            "adaptive_param",
+            "SELECT value FROM adaptive_params WHERE key = %(key)s",
+            {"key": key},
+            fallback=[],
+        )
+        return float(rows[0][0]) if rows and rows[0][0] is not None else default
+
+    def coverage_count(self, vec: Sequence[float], max_distance: float = 0.3) -> int:
+        """How many live memories (not identity/reflection) lie within ``max_distance``."""
+        rows = self._read(
+            "coverage_count",
+            f"""SELECT count(*) FROM memories m
+                WHERE m.superseded_by IS NULL AND m.memory_type <> ALL(%(excluded)s)
+                  AND {_DISTANCE} < %(max)s""",
+            {**self._vec(vec), "excluded": list(_COVERAGE_EXCLUDED), "max": max_distance},
+            fallback=[(0,)],
+        )
+        return int(rows[0][0])
+
+    def near_duplicate(
+        self, vec: Sequence[float], max_distance: float = 0.05, window_s: float = 3600.0
+    ) -> int | None:
+        """A live, non-identity memory within ``max_distance`` written in the last hour."""
+        rows = self._read(
+            "near_duplicate",
+            f"""SELECT m.id FROM memories m
+                WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
+                  AND m.created_at > now() - make_interval(secs => %(window)s)
+                  AND {_DISTANCE} < %(max)s
+                ORDER BY {_DISTANCE} LIMIT 1""",
+            {**self._vec(vec), "max": max_distance, "window": window_s},
+            fallback=[],
+        )
+        return int(rows[0][0]) if rows else None
+
+    def similar_live(
+        self, vec: Sequence[float], max_distance: float = 0.4, limit: int = 3
+    ) -> list[MemorySnippet]:
+        """The nearest live, non-identity memories within ``max_distance``, nearest first."""
+        rows = self._read(
+            "similar_live",
+            f"""SELECT m.id, m.summary FROM memories m
+                WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
+                  AND {_DISTANCE} < %(max)s
+                ORDER BY {_DISTANCE}, m.id LIMIT %(limit)s""",
+            {**self._vec(vec), "max": max_distance, "limit": limit},
+            fallback=[],
+        )
+        return [MemorySnippet(int(r[0]), str(r[1])) for r in rows]
+
+    def fact_exists(self, vec: Sequence[float], max_distance: float = 0.15) -> bool:
+        """True when any memory at all (superseded and identity included) is this close."""
+        rows = self._read(
+            "fact_exists",
+            f"SELECT EXISTS (SELECT 1 FROM memories m WHERE {_DISTANCE} < %(max)s)",
+            {**self._vec(vec), "max": max_distance},
+            fallback=[(False,)],
+        )
+        return bool(rows[0][0])
+
+    def preference_traits(self) -> list[tuple[str, str]]:
+        """The user's ``preference`` traits by key; empty when Sokratos's table is absent."""
+        present = self._read(
+            "preference_traits",
+            "SELECT to_regclass('personality_traits') IS NOT NULL",
+            {},
+            fallback=[(False,)],
+        )
+        if not present[0][0]:
+            return []
+        rows = self._read(
+            "preference_traits",
+            """SELECT trait_key, trait_value FROM personality_traits
+               WHERE category = 'preference' ORDER BY trait_key""",
+            {},
+            fallback=[],
+        )
+        return [(str(r[0]), str(r[1])) for r in rows]
+
+    def _vec(self, vec: Sequence[float]) -> dict[str, Any]:
+        return {"vec": _vector(tuple(vec)), "dim": len(vec), "model": self.embedding_model}
+
+    def _read(
+        self, query: str, sql: str, params: dict[str, Any], *, fallback: list[Any]
+    ) -> list[Any]:
+        """Run one read; on any database error log it and return ``fallback``."""
+        try:
+            with self.database.connection() as conn:
+                return list(conn.execute(sql, params).fetchall())
+        except (psycopg.Error, DatabaseUnavailable) as exc:
+            log.warning("memory_read_failed", query=query, error=type(exc).__name__)
+            return fallback

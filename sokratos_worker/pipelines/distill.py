@@ -1,0 +1,156 @@
+"""Distillation of ``pending_distillation`` items into lasting facts (behaviour §5)."""
+
+from __future__ import annotations
+
+import structlog
+
+from sokratos_worker.errors import ItemError
+from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
+from sokratos_worker.pipelines import payload as fields
+from sokratos_worker.pipelines import prompts
+from sokratos_worker.pipelines.archive import Archive, archive_from_payload
+from sokratos_worker.pipelines.schemas import Distillation, Fact
+from sokratos_worker.pipelines.text import byte_len, chunk_text, truncate_within
+from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
+
+log = structlog.get_logger(__name__)
+
+DISTILL_MAX_BYTES = 16000
+DISTILL_MAX_TOKENS = 2048
+ARCHIVE_SALIENCE = 3.0
+ARCHIVE_TAG = "conversation_archive"
+
+
+class DistillationHandler:
+    """Extracts facts from an archive and plans them through the shared write path."""
+
+    def __init__(self, writer: MemoryWriter, chat: ChatClient, embedder: Embedder | None) -> None:
+        self.writer = writer
+        self.chat = chat
+        self.embedder = embedder
+
+    def handle(self, item: Item) -> Effects:
+        """Skip an empty archive, else plan the new facts it yields."""
+        archive = archive_from_payload(item.payload, item.created_at)
+        pipeline_id = fields.optional_int(item.payload, "pipeline_id")
+        fields.optional_str(item.payload, "conversation_id")
+        if archive.empty:
+            log.info("distillation_skipped", item_id=item.id, reason="empty_archive")
+            return Effects(Outcome.SKIPPED, detail="empty archive")
+        facts, backend = self._distil(item, archive)
+        return self._plan(item, facts, backend, pipeline_id)
+
+    def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
+        """The raw archive as ``conversation_archive`` memories, so the conversation survives."""
+        try:
+            archive = archive_from_payload(item.payload, item.created_at)
+        except ItemError:
+            return ()  # an invalid payload is kept whole in failed_operations instead
+        if archive.empty:
+            return ()
+        chunks = chunk_text(archive.text.strip())
+        vectors = self._embed_best_effort(item, chunks)
+        model = self.embedder.model if self.embedder is not None and vectors else None
+        return tuple(
+            NewMemory(
+                origin=item.origin(i),
+                summary=chunk,
+                salience=ARCHIVE_SALIENCE,
+                memory_type="general",
+                source=ARCHIVE_TAG,
+                tags=(ARCHIVE_TAG,),
+                embedding=tuple(vectors[i]) if vectors else None,
+                embedding_model=model,
+            )
+            for i, chunk in enumerate(chunks)
+        )
+
+    def probe(self) -> bool:
+        """True when a chat backend and, if configured, the embedding server answer."""
+        return self.chat.probe() and (self.embedder is None or self.embedder.probe())
+
+    def _distil(self, item: Item, archive: Archive) -> tuple[list[Fact], str]:
+        """Ask for facts; on "context too long" halve the archive once and ask again."""
+        limit = DISTILL_MAX_BYTES
+        for last in (False, True):
+            text = truncate_within(archive.text, limit)
+            try:
+                result = self.chat.complete(
+                    response_model=Distillation,
+                    system=prompts.DISTILLATION,
+                    user=text,
+                    max_tokens=DISTILL_MAX_TOKENS,
+                    purpose="distillation",
+                )
+            except ContextTooLong:
+                if last:
+                    raise
+                log.info("distillation_input_shortened", item_id=item.id, bytes=byte_len(text))
+                limit //= 2
+                continue
+            return result.value.facts, result.backend
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _plan(
+        self, item: Item, facts: list[Fact], backend: str, pipeline_id: int | None
+    ) -> Effects:
+        """Dedupe the facts (in the batch, then against memories) and plan the new ones."""
+        seen: set[str] = set()
+        memories: list[NewMemory] = []
+        supersessions: list[Supersession] = []
+        existing: list[int] = []
+        known = 0
+        for fact in facts:
+            key = fact.text.strip().lower()
+            if not key or key in seen:
+                continue
+            seen.add(key)
+            draft = MemoryDraft(
+                text=fact.text,
+                salience=fact.salience,
+                memory_type="general",
+                source="conversation",
+                tags=tuple(fact.tags),
+                pipeline_id=pipeline_id,
+            )
+            plan = self.writer.plan(item, draft, first_chunk=len(memories), fact_dedupe=True)
+            if plan.known_fact:
+                known += 1
+            elif plan.duplicate_of is not None:
+                existing.append(plan.duplicate_of)
+            memories.extend(plan.memories)
+            supersessions.extend(plan.supersessions)
+        log.info(
+            "distillation_planned",
+            item_id=item.id,
+            facts=len(facts),
+            new=len(memories),
+            known=known + len(existing),
+            superseded=len(supersessions),
+            backend=backend,
+        )
+        if not memories:
+            detail = f"no new fact ({len(facts)} extracted, {known + len(existing)} known)"
+            return Effects(
+                Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
+            )
+        return Effects(
+            Outcome.SAVED,
+            detail=f"{len(seen) - known - len(existing)} new facts of {len(facts)}",
+            memories=tuple(memories),
+            supersessions=tuple(supersessions),
+            existing_memory_ids=tuple(existing),
+            backend=backend,
+        )
+
+    def _embed_best_effort(self, item: Item, chunks: list[str]) -> list[list[float]]:
+        """Vectors for the archive chunks, or none: a raw archive is kept even without them."""
+        if self.embedder is None:
+            return []
+        try:
+            vectors = self.embedder.embed(chunks)
+        except ItemError as exc:
+            log.warning("archive_embedding_failed", item_id=item.id, error=type(exc).__name__)
+            return []
+        return vectors if len(vectors) == len(chunks) else []

@@ -1,0 +1,74 @@
+"""Reading payload fields with errors that name the field (the item is dead-lettered at once)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from sokratos_worker.errors import InvalidPayload
+
+
+def required_str(payload: dict[str, Any], name: str) -> str:
+    """A string field that must be present."""
+    value = payload.get(name)
+    if value is None:
+        raise InvalidPayload(name, "is missing")
+    if not isinstance(value, str):
+        raise InvalidPayload(name, f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def optional_str(payload: dict[str, Any], name: str) -> str | None:
+    """A string field that may be absent or null."""
+    value = payload.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidPayload(name, f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def optional_bool(payload: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean field; absent or null means ``default``."""
+    value = payload.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidPayload(name, f"must be a boolean, not {type(value).__name__}")
+    return value
+
+
+def optional_int(payload: dict[str, Any], name: str) -> int | None:
+    """An integer field (booleans refused); absent, null or 0 means none, as in Sokratos."""
+    value = payload.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidPayload(name, f"must be an integer, not {type(value).__name__}")
+    return value or None
+
+
+def optional_iso_datetime(payload: dict[str, Any], name: str) -> datetime | None:
+    """An ISO-8601 timestamp field; a naive one is taken as UTC."""
+    value = optional_str(payload, name)
+    if value is None or not value.strip():
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise InvalidPayload(name, "must be an ISO-8601 timestamp") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def lenient_datetime(value: object) -> datetime | None:
+    """An email Date (RFC 2822 or ISO-8601); unparsable means NULL, never a zero date."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            parsed = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

@@ -1,0 +1,169 @@
+"""Memory-write planning: chunk, embed, guard near-duplicates, check contradictions.
+
+Nothing here writes: the plan becomes :class:`~sokratos_worker.model.Effects` that the
+settle commits in one transaction with the item's deletion (behaviour §2, §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import structlog
+
+from sokratos_worker.errors import ItemError
+from sokratos_worker.llm.types import ChatClient, Embedder, EmbeddingFailed
+from sokratos_worker.model import Item, NewMemory, Supersession
+from sokratos_worker.pipelines import prompts
+from sokratos_worker.pipelines.schemas import ContradictionVerdicts
+from sokratos_worker.pipelines.text import chunk_text
+from sokratos_worker.store.memories import MemoryReader
+
+log = structlog.get_logger(__name__)
+
+NEAR_DUPLICATE_DISTANCE = 0.05
+CONTRADICTION_DISTANCE = 0.4
+CONTRADICTION_CANDIDATES = 3
+FACT_DUPLICATE_DISTANCE = 0.15
+CONTRADICTION_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class MemoryDraft:
+    """A memory the pipeline wants written, before chunking and embedding."""
+
+    text: str
+    salience: float
+    memory_type: str
+    source: str
+    tags: tuple[str, ...]
+    source_date: datetime | None = None
+    pipeline_id: int | None = None
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """The rows one draft becomes, or the existing memory that makes it redundant."""
+
+    memories: tuple[NewMemory, ...] = ()
+    supersessions: tuple[Supersession, ...] = ()
+    duplicate_of: int | None = None
+    known_fact: bool = False
+    contradiction_backend: str | None = None
+
+
+class MemoryWriter:
+    """Plans memory writes for one process; without an embedder it saves text only."""
+
+    def __init__(
+        self, reader: MemoryReader, chat: ChatClient | None, embedder: Embedder | None
+    ) -> None:
+        self.reader = reader
+        self.chat = chat
+        self.embedder = embedder
+
+    def plan(
+        self, item: Item, draft: MemoryDraft, *, first_chunk: int = 0, fact_dedupe: bool = False
+    ) -> WritePlan:
+        """Rows for ``draft`` with origins ``item.origin(first_chunk + i)``.
+
+        ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation).
+        Embedding outages propagate (the attempt is given back); a failed verdict does not.
+        """
+        chunks = chunk_text(draft.text)
+        if self.embedder is None:
+            bare = [(chunk, None) for chunk in chunks]
+            return WritePlan(memories=self._rows(item, draft, bare, first_chunk))
+        first = self._embed(chunks[0])
+        vec = first[0][1]
+        if fact_dedupe and self.reader.fact_exists(vec, FACT_DUPLICATE_DISTANCE):
+            return WritePlan(known_fact=True)
+        duplicate = self.reader.near_duplicate(vec, NEAR_DUPLICATE_DISTANCE)
+        if duplicate is not None:
+            return WritePlan(duplicate_of=duplicate)
+        embedded = list(first)
+        for chunk in chunks[1:]:
+            embedded.extend(self._embed(chunk))
+        memories = self._rows(item, draft, embedded, first_chunk)
+        supersessions, backend = self._contradictions(item, draft.text, vec, memories[0].origin)
+        return WritePlan(
+            memories=memories, supersessions=supersessions, contradiction_backend=backend
+        )
+
+    def _embed(self, text: str) -> list[tuple[str, list[float]]]:
+        """Embed one chunk (split by the server's limit) and check the pinned dimension."""
+        assert self.embedder is not None  # noqa: S101 - only called with an embedder
+        pairs = self.embedder.embed_splitting(text)
+        if not pairs:
+            raise EmbeddingFailed("the embedding server returned no vector")
+        for _, vec in pairs:
+            if len(vec) != self.embedder.dim:
+                raise EmbeddingFailed(
+                    f"embedding has {len(vec)} dimensions, expected {self.embedder.dim}"
+                )
+        return pairs
+
+    def _rows(
+        self,
+        item: Item,
+        draft: MemoryDraft,
+        chunks: Sequence[tuple[str, Sequence[float] | None]],
+        first_chunk: int,
+    ) -> tuple[NewMemory, ...]:
+        model = self.embedder.model if self.embedder is not None else None
+        return tuple(
+            NewMemory(
+                origin=item.origin(first_chunk + i),
+                summary=text,
+                salience=draft.salience,
+                memory_type=draft.memory_type,
+                source=draft.source,
+                tags=draft.tags,
+                embedding=tuple(vec) if vec is not None else None,
+                embedding_model=model if vec is not None else None,
+                source_date=draft.source_date,
+                pipeline_id=draft.pipeline_id,
+            )
+            for i, (text, vec) in enumerate(chunks)
+        )
+
+    def _contradictions(
+        self, item: Item, summary: str, vec: list[float], new_origin: str
+    ) -> tuple[tuple[Supersession, ...], str | None]:
+        """Supersessions of the live memories the LLM judges contradicted by ``summary``."""
+        if self.chat is None:
+            return (), None
+        candidates = self.reader.similar_live(vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES)
+        if not candidates:
+            return (), None
+        try:
+            result = self.chat.complete(
+                response_model=ContradictionVerdicts,
+                system=prompts.CONTRADICTION,
+                user=prompts.contradiction_input(summary, [c.summary for c in candidates]),
+                max_tokens=CONTRADICTION_MAX_TOKENS,
+                purpose="contradiction",
+            )
+        except ItemError as exc:
+            # A missing verdict only means no supersession; the memory itself is still worth saving.
+            log.warning(
+                "contradiction_check_failed",
+                item_id=item.id,
+                candidates=len(candidates),
+                error=type(exc).__name__,
+            )
+            return (), None
+        contradicted = result.value.contradicted(len(candidates))
+        log.info(
+            "contradiction_checked",
+            item_id=item.id,
+            candidates=len(candidates),
+            contradicted=len(contradicted),
+            backend=result.backend,
+        )
+        supersessions = tuple(
+            Supersession(old_memory_id=candidates[n - 1].id, new_origin=new_origin)
+            for n in contradicted
+        )
+        return supersessions, result.backend
