@@ -12,7 +12,7 @@ from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from sokratos_worker.errors import BackendsUnavailable, ItemError
+from sokratos_worker.errors import BackendsMisconfigured, BackendsUnavailable, ItemError
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -99,6 +99,16 @@ class Embedder(Protocol):
 class ChatFailed(ItemError):
     """Every backend was tried and none gave a valid reply for this request."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        tried: tuple[BackendAttempt, ...] = (),
+    ) -> None:
+        super().__init__(message, backend=backend)
+        self.tried = tried
+
 
 class ContextTooLong(ChatFailed):
     """The input is longer than the backends' context; the caller may shorten it."""
@@ -107,9 +117,25 @@ class ContextTooLong(ChatFailed):
 class NoBackendReachable(BackendsUnavailable):
     """No chat backend could be reached at all (connect errors, circuits open, 5xx)."""
 
+    def __init__(self, message: str, *, tried: tuple[BackendAttempt, ...] = ()) -> None:
+        super().__init__(message)
+        self.tried = tried
+
+
+class LLMBackendsMisconfigured(BackendsMisconfigured):
+    """Every chat backend refused with 401/403/404 (or no quota): fix the configuration."""
+
+    def __init__(self, message: str, *, tried: tuple[BackendAttempt, ...] = ()) -> None:
+        super().__init__(message)
+        self.tried = tried
+
 
 class EmbeddingFailed(ItemError):
     """The embedding server rejected this input (not an outage)."""
+
+
+class EmbeddingDimensionMismatch(EmbeddingFailed):
+    """The server's vectors do not have ``SOKRATOS_EMBEDDING_DIM`` dimensions."""
 
 
 class EmbeddingsUnavailable(BackendsUnavailable):

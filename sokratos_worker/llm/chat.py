@@ -1,0 +1,530 @@
+"""The chat client: OpenAI-compatible backends in fallback order.
+
+Per backend, one bounded tenacity loop retries transient errors (connect/read errors, 408,
+429 with Retry-After, 5xx); permanent answers move on to the next backend at once; a
+circuit breaker skips a backend that keeps failing; a semaphore caps its concurrency
+(llama.cpp never answers 429, it queues). Replies are cleaned and validated; one repair
+retry on the same backend feeds the validation error back. See docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import structlog
+from pydantic import BaseModel
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
+
+from sokratos_worker.config import BackendConfig
+from sokratos_worker.llm.breaker import CircuitBreaker
+from sokratos_worker.llm.gbnf import schema_to_gbnf
+from sokratos_worker.llm.http import Verdict, classify, excerpt, make_client, retry_after_seconds
+from sokratos_worker.llm.reply import ReplyInvalid, parse_reply
+from sokratos_worker.llm.types import (
+    BackendAttempt,
+    BackendState,
+    ChatFailed,
+    ChatResult,
+    ContextTooLong,
+    LLMBackendsMisconfigured,
+    NoBackendReachable,
+    T,
+)
+
+log = structlog.get_logger(__name__)
+
+REPAIR_PROMPT = (
+    "Your previous reply was not valid: {error}. "
+    "Reply again with only one JSON object that matches the schema."
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounds of the per-backend retry loop, the breaker and the health probe."""
+
+    attempts: int = 3  # HTTP attempts per backend for transient errors
+    backoff_base: float = 0.5
+    backoff_max: float = 8.0
+    retry_after_max: float = 30.0  # a longer Retry-After moves on to the next backend now
+    probe_timeout: float = 15.0  # a half-open probe's and a health probe's deadline
+    breaker_threshold: int = 3
+    breaker_cooldown: float = 120.0
+    breaker_max_cooldown: float = 600.0
+
+
+class _Transient(Exception):
+    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.retry_after = retry_after
+
+
+class _Permanent(Exception):
+    def __init__(self, verdict: Verdict, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.verdict = verdict
+        self.reason = reason
+        self.status = status
+
+
+class _Busy(Exception):
+    """Every concurrency slot of the backend stayed taken for a whole timeout."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    content: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+class _Backend:
+    """One configured backend with its HTTP client, slots and circuit."""
+
+    def __init__(
+        self, config: BackendConfig, policy: RetryPolicy, clock: Callable[[], float]
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        key = config.api_key.get_secret_value() if config.api_key else None
+        self.client = make_client(
+            name=config.name,
+            timeout=config.timeout,
+            api_key=key,
+            ca_file=config.ca_file,
+            tls_verify=config.tls_verify,
+            max_connections=config.max_concurrency + 2,
+        )
+        self.slots = threading.BoundedSemaphore(config.max_concurrency)
+        self.probe_timeout = min(config.timeout, policy.probe_timeout)
+        self.breaker = CircuitBreaker(
+            config.name,
+            threshold=policy.breaker_threshold,
+            cooldown=policy.breaker_cooldown,
+            max_cooldown=policy.breaker_max_cooldown,
+            probe_deadline=self.probe_timeout + 5.0,
+            clock=clock,
+        )
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI strict form: every property required, no additional properties, no defaults."""
+    result = copy.deepcopy(schema)
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            node.pop("default", None)
+            if node.get("type") == "object" and "properties" in node:
+                node["additionalProperties"] = False
+                node["required"] = list(node["properties"])
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(result)
+    return result
+
+
+def request_body(
+    config: BackendConfig,
+    response_model: type[BaseModel],
+    messages: list[dict[str, str]],
+    max_tokens: int,
+) -> dict[str, Any]:
+    """The chat-completions body in the structured-output form the backend understands."""
+    schema = response_model.model_json_schema()
+    body: dict[str, Any] = {
+        "model": config.model,
+        "messages": messages,
+        "temperature": config.temperature,  # Ollama defaults to 1.0 when it is omitted
+        "max_tokens": max_tokens,
+        "stream": False,
+    }
+    if config.structured_output == "json_schema":
+        # The nested form: llama.cpp silently ignores the flat one.
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": response_model.__name__,
+                "schema": strict_schema(schema),
+                "strict": True,
+            },
+        }
+    elif config.structured_output == "json_object":
+        body["response_format"] = {"type": "json_object", "schema": schema}
+    else:
+        body["grammar"] = schema_to_gbnf(schema)
+    return body
+
+
+class FallbackChatClient:
+    """:class:`~sokratos_worker.llm.types.ChatClient` over HTTP; thread-safe and synchronous."""
+
+    def __init__(
+        self,
+        backends: Sequence[BackendConfig],
+        *,
+        policy: RetryPolicy | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not backends:
+            raise ValueError("FallbackChatClient needs at least one backend")
+        self.policy = policy or RetryPolicy()
+        self._sleep = sleep
+        self._random = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self._backends = [_Backend(b, self.policy, clock) for b in backends]
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The backends in fallback order."""
+        return [b.name for b in self._backends]
+
+    def breaker(self, name: str) -> CircuitBreaker:
+        """The named backend's circuit breaker (for status and tests)."""
+        return self._backend(name).breaker
+
+    def close(self) -> None:
+        """Close every HTTP client."""
+        for backend in self._backends:
+            backend.client.close()
+
+    # -- ChatClient ------------------------------------------------------------------------
+
+    def complete(
+        self,
+        *,
+        response_model: type[T],
+        system: str,
+        user: str,
+        max_tokens: int,
+        purpose: str,
+    ) -> ChatResult[T]:
+        """A validated reply from the first backend that gives one (see the protocol)."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        tried: list[BackendAttempt] = []
+        kinds: list[str] = []
+        for backend in self._backends:
+            if not backend.breaker.allow():
+                tried.append(BackendAttempt(backend.name, "skipped", "circuit_open"))
+                kinds.append("skipped")
+                log.info("llm_backend_skipped", backend=backend.name, reason="circuit_open")
+                continue
+            started = time.perf_counter()
+            try:
+                value, answer = self._ask(backend, response_model, messages, max_tokens, purpose)
+            except _Busy:
+                kinds.append("skipped")
+                tried.append(self._attempt(backend, "skipped", "busy", started))
+                log.info("llm_backend_skipped", backend=backend.name, reason="busy")
+                continue
+            except _Transient as exc:
+                backend.breaker.record_failure(exc.reason)
+                kinds.append("unreachable")
+                tried.append(self._attempt(backend, "failed", exc.reason, started))
+                continue
+            except _Permanent as exc:
+                backend.breaker.record_success()  # it answered: the server itself is fine
+                if exc.verdict is Verdict.CONTEXT:
+                    tried.append(self._attempt(backend, "failed", exc.reason, started))
+                    # Never send the same oversize request to every backend: shorten first.
+                    raise ContextTooLong(
+                        f"{backend.name}: input exceeds the model's context",
+                        backend=backend.name,
+                        tried=tuple(tried),
+                    ) from None
+                kinds.append("refused" if exc.verdict is Verdict.REFUSED else "rejected")
+                tried.append(self._attempt(backend, "failed", exc.reason, started))
+                continue
+            except ReplyInvalid as exc:
+                backend.breaker.record_success()
+                kinds.append("invalid")
+                tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
+                continue
+            backend.breaker.record_success()
+            tried.append(self._attempt(backend, "answered", "", started))
+            return ChatResult(
+                value=value,
+                backend=backend.name,
+                tried=tuple(tried),
+                prompt_tokens=answer.prompt_tokens,
+                completion_tokens=answer.completion_tokens,
+            )
+        raise self._failure(tuple(tried), kinds, purpose)
+
+    def probe(self) -> bool:
+        """True when a backend answers ``GET {url}/models`` now; ends its circuit's wait."""
+        healthy = False
+        for backend in self._backends:
+            if self._probe_one(backend):
+                backend.breaker.allow_probe_now()
+                healthy = True
+        return healthy
+
+    def states(self) -> list[BackendState]:
+        """Every backend's circuit, with what ``status`` shows about it."""
+        return [
+            BackendState(
+                name=b.name,
+                circuit=str(b.breaker.state),
+                detail={
+                    "consecutive_failures": b.breaker.consecutive_failures,
+                    "cooldown_s": b.breaker.cooldown,
+                    "retry_in_s": round(b.breaker.retry_in(), 1),
+                    "last_error": b.breaker.last_error,
+                    "max_concurrency": b.config.max_concurrency,
+                },
+            )
+            for b in self._backends
+        ]
+
+    # -- one backend -----------------------------------------------------------------------
+
+    def _ask(
+        self,
+        backend: _Backend,
+        response_model: type[T],
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        purpose: str,
+    ) -> tuple[T, _Answer]:
+        """Ask, validate, and once more with the validation error if the reply is invalid."""
+        is_probe = backend.breaker.is_probe()
+        body = request_body(backend.config, response_model, messages, max_tokens)
+        answer = self._post(backend, body, purpose, is_probe)
+        try:
+            return self._parse(backend, response_model, answer, purpose)
+        except ReplyInvalid as exc:
+            log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=True)
+            repair = [
+                *messages,
+                {"role": "assistant", "content": answer.content},
+                {"role": "user", "content": REPAIR_PROMPT.format(error=exc.feedback)},
+            ]
+            body = request_body(backend.config, response_model, repair, max_tokens)
+            second = self._post(backend, body, purpose, is_probe)
+            try:
+                value, _ = self._parse(backend, response_model, second, purpose)
+            except ReplyInvalid:
+                log.warning(
+                    "llm_reply_invalid", backend=backend.name, purpose=purpose, repair=False
+                )
+                raise
+            return value, _Answer(
+                second.content,
+                _add(answer.prompt_tokens, second.prompt_tokens),
+                _add(answer.completion_tokens, second.completion_tokens),
+            )
+
+    def _parse(
+        self, backend: _Backend, response_model: type[T], answer: _Answer, purpose: str
+    ) -> tuple[T, _Answer]:
+        value, clamped = parse_reply(response_model, answer.content)
+        if clamped:
+            log.warning("llm_value_clamped", backend=backend.name, purpose=purpose, fields=clamped)
+        return value, answer
+
+    def _post(
+        self, backend: _Backend, body: dict[str, Any], purpose: str, is_probe: bool
+    ) -> _Answer:
+        """POST with the bounded retry loop; a half-open probe gets one short attempt."""
+        attempts = 1 if is_probe else self.policy.attempts
+        timeout = backend.probe_timeout if is_probe else backend.config.timeout
+        retrying = Retrying(
+            stop=self._stop(attempts),
+            wait=self._wait,
+            retry=retry_if_exception_type(_Transient),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        answer: _Answer | None = None
+        for attempt in retrying:
+            with attempt:
+                number = attempt.retry_state.attempt_number
+                answer = self._post_once(backend, body, purpose, number, timeout)
+        assert answer is not None  # noqa: S101 - reraise=True: the loop either returns or raises
+        return answer
+
+    def _post_once(
+        self, backend: _Backend, body: dict[str, Any], purpose: str, attempt: int, timeout: float
+    ) -> _Answer:
+        if not backend.slots.acquire(timeout=backend.config.timeout):
+            raise _Busy
+        started = time.perf_counter()
+        try:
+            response = backend.client.post(
+                f"{backend.config.url}/chat/completions", json=body, timeout=timeout
+            )
+        except httpx.TimeoutException as exc:
+            self._log_failed(backend, attempt, started, purpose, reason="timeout", status=None)
+            raise _Transient("timeout") from exc
+        except httpx.HTTPError as exc:
+            reason = f"connection_error: {type(exc).__name__}"
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=None)
+            raise _Transient(reason) from exc
+        finally:
+            backend.slots.release()
+        return self._read(backend, response, attempt, started, purpose)
+
+    def _read(
+        self,
+        backend: _Backend,
+        response: httpx.Response,
+        attempt: int,
+        started: float,
+        purpose: str,
+    ) -> _Answer:
+        status = response.status_code
+        verdict = classify(status, excerpt(response) if status >= 300 else "")
+        if verdict is Verdict.TRANSIENT:
+            wait = retry_after_seconds(response.headers.get("Retry-After"))
+            reason = f"http_{status}"
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
+            raise _Transient(reason, status, wait)
+        if verdict is not Verdict.OK:
+            reason = f"http_{status}" + (f" {verdict.value}" if verdict is Verdict.CONTEXT else "")
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
+            raise _Permanent(verdict, reason, status)
+        try:
+            payload = response.json()
+        except ValueError as exc:
+            self._log_failed(
+                backend, attempt, started, purpose, reason="malformed_response", status=status
+            )
+            raise _Transient("malformed_response", status) from exc
+        answer = _answer_from(payload)
+        log.info(
+            "llm_call_finished",
+            backend=backend.name,
+            attempt=attempt,
+            duration_ms=_ms(started),
+            prompt_tokens=answer.prompt_tokens,
+            completion_tokens=answer.completion_tokens,
+            purpose=purpose,
+        )
+        return answer
+
+    # -- retry policy ----------------------------------------------------------------------
+
+    def _stop(self, attempts: int) -> Callable[[RetryCallState], bool]:
+        limit = self.policy.retry_after_max
+
+        def stop(state: RetryCallState) -> bool:
+            if state.attempt_number >= attempts:
+                return True
+            exc = state.outcome.exception() if state.outcome else None
+            # Waiting out a long Retry-After would delay the fallback (litellm #3274).
+            return isinstance(exc, _Transient) and (exc.retry_after or 0.0) > limit
+
+        return stop
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, _Transient) and exc.retry_after is not None:
+            return exc.retry_after
+        ceiling = min(
+            self.policy.backoff_max, self.policy.backoff_base * 2.0 ** (state.attempt_number - 1)
+        )
+        return ceiling * (0.5 + self._random.random() / 2)  # jitter in [ceiling/2, ceiling]
+
+    # -- outcome ---------------------------------------------------------------------------
+
+    def _failure(
+        self, tried: tuple[BackendAttempt, ...], kinds: list[str], purpose: str
+    ) -> Exception:
+        """The error for a call no backend answered validly (durability.md's attempt table)."""
+        summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
+        log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
+        if all(k == "refused" for k in kinds):
+            return LLMBackendsMisconfigured(
+                f"every LLM backend refused the request ({summary})", tried=tried
+            )
+        if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
+            sent = any(k == "unreachable" for k in kinds)
+            if not self.probe() or not sent:
+                return NoBackendReachable(f"no LLM backend reachable ({summary})", tried=tried)
+            # The servers are up again or were all along: this request itself broke them.
+        return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
+
+    def _probe_one(self, backend: _Backend) -> bool:
+        try:
+            response = backend.client.get(
+                f"{backend.config.url}/models", timeout=backend.probe_timeout
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _backend(self, name: str) -> _Backend:
+        for backend in self._backends:
+            if backend.name == name:
+                return backend
+        raise KeyError(name)
+
+    def _attempt(
+        self, backend: _Backend, result: str, reason: str, started: float
+    ) -> BackendAttempt:
+        return BackendAttempt(backend.name, result, reason, _ms(started))
+
+    def _log_failed(
+        self,
+        backend: _Backend,
+        attempt: int,
+        started: float,
+        purpose: str,
+        *,
+        reason: str,
+        status: int | None,
+    ) -> None:
+        log.warning(
+            "llm_call_failed",
+            backend=backend.name,
+            attempt=attempt,
+            duration_ms=_ms(started),
+            purpose=purpose,
+            reason=reason,
+            status=status,
+        )
+
+
+def _answer_from(payload: Any) -> _Answer:
+    """Content (or reasoning_content when content is empty) and token counts."""
+    content = ""
+    usage: dict[str, Any] = {}
+    if isinstance(payload, dict):
+        choices = payload.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            message = choices[0].get("message") or {}
+            content = (message.get("content") or "").strip()
+            if not content:
+                content = (message.get("reasoning_content") or "").strip()
+        raw_usage = payload.get("usage")
+        usage = raw_usage if isinstance(raw_usage, dict) else {}
+    return _Answer(content, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None and b is None else (a or 0) + (b or 0)
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 1)
+
+
+__all__ = ["FallbackChatClient", "RetryPolicy", "request_body", "strict_schema"]

@@ -1,0 +1,97 @@
+"""httpx clients and the pure decisions about HTTP answers, shared by chat and embeddings."""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import ssl
+import time
+from enum import StrEnum
+
+import httpx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_CONTEXT_PATTERNS = re.compile(
+    r"exceed_context_size|context_length_exceeded|maximum context length"
+    r"|exceeds? (?:the )?context (?:window|length|size)|context window|too many tokens"
+    r"|prompt is too long",
+    re.IGNORECASE,
+)
+_BODY_EXCERPT = 512
+
+
+class Verdict(StrEnum):
+    """What an HTTP status (and body) means for the call."""
+
+    OK = "ok"
+    TRANSIENT = "transient"  # retry on the same backend, bounded
+    CONTEXT = "context_too_long"  # tell the caller to shorten the input
+    REFUSED = "refused"  # configuration or account: next backend, not the item's fault
+    REJECTED = "rejected"  # this request was refused: next backend
+
+
+def classify(status: int, body: str) -> Verdict:
+    """The verdict for a status and the start of its body."""
+    if 200 <= status < 300:
+        return Verdict.OK
+    if status in (400, 413) and _CONTEXT_PATTERNS.search(body):
+        return Verdict.CONTEXT
+    if status == 429 and "insufficient_quota" in body:
+        return Verdict.REFUSED  # OpenAI: retrying an empty account never helps
+    if status in (408, 429) or status >= 500:
+        return Verdict.TRANSIENT
+    if status in (401, 403, 404):
+        return Verdict.REFUSED
+    return Verdict.REJECTED
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    current = time.time() if now is None else now
+    return max(0.0, when.timestamp() - current)
+
+
+def excerpt(response: httpx.Response) -> str:
+    """The first bytes of an error body: enough to classify, never a whole reply."""
+    return response.content[:_BODY_EXCERPT].decode("utf-8", errors="replace")
+
+
+def make_client(
+    *,
+    name: str,
+    timeout: float,
+    api_key: str | None = None,
+    ca_file: str | None = None,
+    tls_verify: bool = True,
+    max_connections: int = 10,
+) -> httpx.Client:
+    """A thread-safe client: TLS verified by default, ``ca_file`` honoured."""
+    verify: ssl.SSLContext | bool = True
+    if not tls_verify:
+        log.warning("tls_verification_disabled", backend=name)
+        verify = False
+    elif ca_file:
+        verify = ssl.create_default_context(cafile=ca_file)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(
+        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+        verify=verify,
+        headers=headers,
+        limits=httpx.Limits(max_connections=max_connections),
+    )
+
+
+__all__ = ["Verdict", "classify", "excerpt", "make_client", "retry_after_seconds"]

@@ -1,0 +1,77 @@
+"""Turn a model's reply text into a validated pydantic value, clamping out-of-range numbers.
+
+Contract §5: out-of-range numbers are clamped and logged; anything else that does not
+validate is a failed call (the caller feeds the error back once, then moves on).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from sokratos_worker.llm.cleaning import clean_llm_json
+
+T = TypeVar("T", bound=BaseModel)
+
+_BOUND_ERRORS = {"less_than_equal", "less_than", "greater_than_equal", "greater_than"}
+
+
+class ReplyInvalid(ValueError):
+    """The reply is not JSON or does not match the model; ``feedback`` is safe to send back."""
+
+    def __init__(self, feedback: str) -> None:
+        super().__init__(feedback)
+        self.feedback = feedback
+
+
+def parse_reply(model: type[T], text: str) -> tuple[T, list[str]]:
+    """The validated value and the dotted paths of any numbers that were clamped."""
+    cleaned = clean_llm_json(text)
+    try:
+        data: Any = json.loads(cleaned)
+    except ValueError as exc:
+        raise ReplyInvalid(f"the reply is not a JSON object ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ReplyInvalid("the reply must be one JSON object")
+    clamped: list[str] = []
+    for _ in range(20):  # each round clamps at least one field; bounded for safety
+        try:
+            return model.model_validate(data), clamped
+        except ValidationError as exc:
+            fixes = [e for e in exc.errors() if e["type"] in _BOUND_ERRORS]
+            if not fixes or len(fixes) != len(exc.errors()):
+                raise ReplyInvalid(_feedback(exc)) from exc
+            for error in fixes:
+                _clamp(data, error["loc"], error["ctx"], error["type"])
+                clamped.append(".".join(str(p) for p in error["loc"]))
+    raise ReplyInvalid("the reply could not be brought into range")
+
+
+def _clamp(data: Any, loc: tuple[int | str, ...], ctx: dict[str, Any], kind: str) -> None:
+    container = data
+    for part in loc[:-1]:
+        container = container[part]
+    bound = next(iter(ctx.values()))
+    if kind in {"less_than", "greater_than"}:
+        # A strict bound excludes itself: step to the nearest value inside it.
+        down = kind == "less_than"
+        if isinstance(container[loc[-1]], int) and isinstance(bound, int):
+            bound = bound - 1 if down else bound + 1
+        else:
+            bound = math.nextafter(float(bound), -math.inf if down else math.inf)
+    container[loc[-1]] = bound
+
+
+def _feedback(exc: ValidationError) -> str:
+    """A short description of what is wrong, without echoing the reply's values."""
+    parts = []
+    for error in exc.errors()[:10]:
+        where = ".".join(str(p) for p in error["loc"]) or "(root)"
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+__all__ = ["ReplyInvalid", "parse_reply"]

@@ -1,0 +1,333 @@
+"""The fallback chat client against scripted OpenAI-compatible servers over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+
+import pytest
+from pydantic import BaseModel, Field
+
+from sokratos_worker.errors import BackendsMisconfigured
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.llm.types import (
+    ChatFailed,
+    ContextTooLong,
+    LLMBackendsMisconfigured,
+    NoBackendReachable,
+)
+from sokratos_worker.testing import Reply, ScriptedLLM, json_responder
+from tests.llm.conftest import backend
+
+Servers = Callable[..., ScriptedLLM]
+MakeClient = Callable[..., FallbackChatClient]
+
+
+class Verdict(BaseModel):
+    save: bool
+    salience: float = Field(ge=0, le=10)
+
+
+GOOD = {"save": True, "salience": 7}
+
+
+def ask(client: FallbackChatClient) -> object:
+    return client.complete(
+        response_model=Verdict, system="sys", user="hello", max_tokens=64, purpose="test"
+    )
+
+
+def test_first_backend_answers_and_request_is_explicit(servers: Servers, make_client: MakeClient):
+    a = servers()
+    a.script(Reply.chat(GOOD, prompt_tokens=5, completion_tokens=3))
+    client = make_client(backend(a, "a", temperature=0.2))
+
+    result = client.complete(
+        response_model=Verdict, system="sys", user="hi", max_tokens=99, purpose="triage"
+    )
+
+    assert result.value == Verdict(save=True, salience=7)
+    assert result.backend == "a"
+    assert (result.prompt_tokens, result.completion_tokens) == (5, 3)
+    assert [t.result for t in result.tried] == ["answered"]
+    (body,) = a.bodies()
+    assert body["temperature"] == 0.2
+    assert body["max_tokens"] == 99
+    assert body["model"] == "scripted"
+    assert body["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+def test_structured_output_forms(servers: Servers, make_client: MakeClient):
+    srv = servers(chat=json_responder(GOOD))
+    for form in ("json_schema", "json_object", "grammar"):
+        ask(make_client(backend(srv, form, structured_output=form)))
+    nested, flat, grammar = srv.bodies()
+
+    fmt = nested["response_format"]
+    assert fmt["type"] == "json_schema"
+    assert fmt["json_schema"]["name"] == "Verdict"
+    assert fmt["json_schema"]["strict"] is True
+    schema = fmt["json_schema"]["schema"]
+    assert schema["additionalProperties"] is False
+    assert schema["required"] == ["save", "salience"]
+
+    assert flat["response_format"]["type"] == "json_object"
+    assert flat["response_format"]["schema"]["properties"]["salience"]["maximum"] == 10
+    assert "grammar" not in flat
+
+    assert "response_format" not in grammar
+    assert grammar["grammar"].startswith("root ::=")
+    assert '"\\"salience\\""' in grammar["grammar"]
+
+
+def test_fallback_order_and_why_skipped(servers: Servers, make_client: MakeClient, sleeps):
+    a, b, c = servers(), servers(), servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(500, "boom"))
+    b.script(Reply.error(401, "bad key", type="authentication_error"))
+    c.script(Reply.chat(GOOD))
+    client = make_client(backend(a, "a"), backend(b, "b"), backend(c, "c"))
+
+    result = ask(client)
+
+    assert result.backend == "c"
+    assert [(t.backend, t.result) for t in result.tried] == [
+        ("a", "failed"),
+        ("b", "failed"),
+        ("c", "answered"),
+    ]
+    assert result.tried[0].reason == "http_500"
+    assert result.tried[1].reason == "http_401"
+    # 5xx is retried up to the policy's three attempts; 401 never; c once.
+    assert (a.count(), b.count(), c.count()) == (3, 1, 1)
+    assert len(sleeps) == 2
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404])
+def test_permanent_errors_are_not_retried(servers: Servers, make_client: MakeClient, status):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.error(status, "no"))
+    result = ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert result.backend == "b"
+    assert a.count() == 1
+
+
+def test_insufficient_quota_is_not_retried(servers: Servers, make_client: MakeClient):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.error(429, "quota", type="insufficient_quota"))
+    assert ask(make_client(backend(a, "a"), backend(b, "b"))).backend == "b"
+    assert a.count() == 1
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Reply.error(503, "Loading model", type="unavailable_error"),
+        Reply.error(502, "bad gateway"),
+        Reply.error(408, "request timeout"),
+        Reply.error(429, "slow down", type="rate_limit_exceeded"),
+        Reply.disconnect(),
+        Reply.text("<html>not json</html>"),
+    ],
+    ids=["503-loading", "502", "408", "429", "dropped", "malformed"],
+)
+def test_transient_errors_are_retried_on_the_same_backend(
+    servers: Servers, make_client: MakeClient, sleeps, failure
+):
+    a = servers()
+    a.script(failure, failure, Reply.chat(GOOD))
+    result = ask(make_client(backend(a, "a")))
+    assert result.backend == "a"
+    assert a.count() == 3
+    assert len(sleeps) == 2
+
+
+def test_backoff_is_exponential_with_bounded_jitter(
+    servers: Servers, make_client: MakeClient, sleeps
+):
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(500))
+    client = make_client(backend(a, "a"), attempts=5, backoff_base=0.5, backoff_max=1.5)
+    with pytest.raises((ChatFailed, NoBackendReachable)):
+        ask(client)
+    assert a.count() == 5
+    ceilings = [0.5, 1.0, 1.5, 1.5]
+    assert len(sleeps) == 4
+    for delay, ceiling in zip(sleeps, ceilings, strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+
+
+def test_retry_after_is_honoured(servers: Servers, make_client: MakeClient, sleeps):
+    a = servers()
+    a.script(Reply.error(429, "slow", retry_after=2), Reply.chat(GOOD))
+    assert ask(make_client(backend(a, "a"))).backend == "a"
+    assert sleeps == [2.0]
+
+
+def test_long_retry_after_moves_on_without_sleeping(
+    servers: Servers, make_client: MakeClient, sleeps
+):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.script(Reply.error(429, "slow", retry_after=3600))
+    result = ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert result.backend == "b"
+    assert a.count() == 1
+    assert sleeps == []
+
+
+def test_read_timeout_is_transient_and_real(servers: Servers, make_client: MakeClient, sleeps):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.hang(10))
+    client = make_client(backend(a, "a", timeout=0.2), backend(b, "b"), attempts=2)
+    result = ask(client)
+    assert result.backend == "b"
+    assert result.tried[0].reason == "timeout"
+    assert a.count() == 2
+
+
+def test_validation_repair_retry_feeds_the_error_back(servers: Servers, make_client: MakeClient):
+    a = servers()
+    a.script(Reply.chat({"save": "maybe"}), Reply.chat(GOOD))
+    result = ask(make_client(backend(a, "a")))
+    assert result.backend == "a"
+    assert a.count() == 2
+    repair = a.bodies()[1]["messages"]
+    assert repair[2] == {"role": "assistant", "content": '{"save": "maybe"}'}
+    assert repair[3]["role"] == "user"
+    assert "save" in repair[3]["content"]
+    assert (result.prompt_tokens, result.completion_tokens) == (22, 14)
+
+
+def test_invalid_twice_falls_through_to_next_backend(servers: Servers, make_client: MakeClient):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.chat("I think the answer is yes"))
+    result = ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert result.backend == "b"
+    assert a.count() == 2
+    assert result.tried[0].reason.startswith("invalid_reply")
+
+
+def test_invalid_everywhere_is_chat_failed_not_outage(servers: Servers, make_client: MakeClient):
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.chat({"salience": 3}))
+    with pytest.raises(ChatFailed) as caught:
+        ask(make_client(backend(a, "a")))
+    assert not isinstance(caught.value, ContextTooLong)
+    assert a.count() == 2
+    assert caught.value.tried[0].backend == "a"
+
+
+def test_reply_cleaning_think_tags_fences_trailing_commas(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    wrapped = '<think>hmm {"no": 1}</think>\nSure!\n```json\n{"save": true, "salience": 4,}\n```'
+    a.script(Reply.chat(wrapped))
+    result = ask(make_client(backend(a, "a")))
+    assert result.value == Verdict(save=True, salience=4)
+    assert a.count() == 1
+
+
+def test_out_of_range_numbers_are_clamped(servers: Servers, make_client: MakeClient):
+    a = servers()
+    a.script(Reply.chat({"save": False, "salience": 42}))
+    result = ask(make_client(backend(a, "a")))
+    assert result.value.salience == 10
+    assert a.count() == 1
+
+
+def test_reasoning_content_is_used_when_content_is_empty(servers: Servers, make_client: MakeClient):
+    a = servers()
+    body = Reply.chat("").json_body
+    body["choices"][0]["message"]["reasoning_content"] = json.dumps(GOOD)
+    a.script(Reply(json_body=body))
+    assert ask(make_client(backend(a, "a"))).value.save is True
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply.error(
+            400,
+            "request (5000 tokens) exceeds the available context size (n_ctx 4096)",
+            type="exceed_context_size_error",
+        ),
+        Reply.error(
+            400,
+            "This model's maximum context length is 8192 tokens",
+            type="invalid_request_error",
+            code="context_length_exceeded",
+        ),
+    ],
+    ids=["llama.cpp", "openai"],
+)
+def test_context_too_long_is_raised_at_once(servers: Servers, make_client: MakeClient, reply):
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.script(reply)
+    with pytest.raises(ContextTooLong) as caught:
+        ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert caught.value.backend == "a"
+    assert (a.count(), b.count()) == (1, 0)  # never the same oversize request everywhere
+
+
+def test_nothing_reachable_and_probe_fails_is_no_backend_reachable(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(503, "Loading model"))
+    a.on("/v1/models", lambda r: Reply.error(503, "Loading model"))
+    dead = backend(a, "dead", url="http://127.0.0.1:9/v1")  # discard port: refused
+    with pytest.raises(NoBackendReachable) as caught:
+        ask(make_client(backend(a, "a"), dead))
+    assert [t.backend for t in caught.value.tried] == ["a", "dead"]
+    assert a.count("/v1/models") == 1
+
+
+def test_server_errors_with_a_healthy_probe_are_the_items_fault(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(500, "this request crashes me"))
+    with pytest.raises(ChatFailed):
+        ask(make_client(backend(a, "a")))
+    assert a.count("/v1/models") == 1
+
+
+def test_all_refused_is_misconfigured(servers: Servers, make_client: MakeClient):
+    a, b = servers(), servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(401, "bad key"))
+    b.on("/v1/chat/completions", lambda r: Reply.error(404, "model not found"))
+    with pytest.raises(LLMBackendsMisconfigured) as caught:
+        ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert isinstance(caught.value, BackendsMisconfigured)
+    assert (a.count(), b.count()) == (1, 1)
+
+
+def test_api_key_is_sent_as_bearer(servers: Servers, make_client: MakeClient):
+    a = servers(chat=json_responder(GOOD))
+    ask(make_client(backend(a, "a", api_key="sk-test")))
+    assert a.requests[0].headers["authorization"] == "Bearer sk-test"
+
+
+def test_concurrency_limit_per_backend(servers: Servers, make_client: MakeClient):
+    a = servers(chat=json_responder(GOOD), latency=0.05)
+    client = make_client(backend(a, "a", max_concurrency=2))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ask(client)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not errors
+    assert a.count() == 8
+    assert a.max_in_flight == 2
