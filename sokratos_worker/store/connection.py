@@ -127,3 +127,7 @@ class Database:
     def close(self) -> None:
         """Close every pooled connection."""
         self.pool.close(timeout=5.0)
+
+
+# The connection type handed to store functions (so callers need not import psycopg).
+Connection = psycopg.Connection

@@ -1,0 +1,100 @@
+"""Assemble a worker process: migrations, pool, backends, handlers; then serve or tick once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+
+from sokratos_worker.config import ConfigError, Settings
+from sokratos_worker.daemon import EXIT_OK, Worker, build_worker
+from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
+from sokratos_worker.store import status as status_store
+from sokratos_worker.store.connection import Database
+from sokratos_worker.store.migrations import apply_migrations
+
+log = structlog.get_logger(__name__)
+
+
+def default_handlers(context: HandlerContext) -> Handlers:
+    """The production pipelines: triage and distillation."""
+    from sokratos_worker.pipelines import build_handlers  # noqa: PLC0415
+
+    return build_handlers(context)
+
+
+@contextmanager
+def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any]]:
+    """The chat client and embedder, with the local demonstration model when asked for."""
+    from sokratos_worker.llm import build_chat_client, build_embedder  # noqa: PLC0415
+
+    local = None
+    if settings.local_model:
+        from sokratos_worker.llm.local import start_local_server  # noqa: PLC0415
+
+        local = start_local_server()
+        settings = settings.model_copy(
+            update={"llm_backends": [*settings.llm_backends, local.backend]}
+        )
+        log.warning(
+            "local_demonstration_model_enabled",
+            backend=local.backend.name,
+            warning="SmolLM2-135M is a tiny demonstration model: its memories are guesses."
+            " Do not use SOKRATOS_LOCAL_MODEL=true with a real memory store.",
+        )
+    try:
+        yield settings, build_chat_client(settings), build_embedder(settings)
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def _check_embedding_column(settings: Settings, database: Database) -> None:
+    with database.connection() as conn:
+        fixed = status_store.database_has_fixed_embedding(conn)
+    if fixed is not None and not settings.embeddings_enabled:
+        raise ConfigError(
+            "SOKRATOS_EMBEDDING_URL",
+            "is required: this database's memories.embedding is NOT NULL (a Sokratos"
+            " database), so memories cannot be saved without an embedding model",
+        )
+    if fixed and settings.embedding_dim and fixed != settings.embedding_dim:
+        raise ConfigError(
+            "SOKRATOS_EMBEDDING_DIM",
+            f"is {settings.embedding_dim} but memories.embedding is vector({fixed})",
+        )
+
+
+def run_worker(
+    settings: Settings,
+    conninfo: str,
+    handler_factory: HandlerFactory | None,
+    *,
+    once: bool,
+    migrate: bool,
+) -> int:
+    """``run`` and ``run --once``."""
+    if migrate:
+        apply_migrations(conninfo)
+    database = Database(conninfo, size=settings.concurrency + 4)
+    try:
+        _check_embedding_column(settings, database)
+        with backends(settings) as (settings, chat, embedder):
+            worker = build_worker(
+                settings, database, handler_factory or default_handlers, chat, embedder
+            )
+            return run_once(worker) if once else worker.serve()
+    finally:
+        database.close()
+
+
+def run_once(worker: Worker) -> int:
+    """One heartbeat tick: spool, due email checks, then drain what is ready now."""
+    worker.tick(email=True)
+    worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
+    worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
+    worker.runner.shutdown(worker.settings.shutdown_grace)
+    worker._report(0)  # noqa: SLF001 - the tick's report covers the drain just finished
+    return EXIT_OK

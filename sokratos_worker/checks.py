@@ -1,0 +1,45 @@
+"""``sokratos-worker check``: configuration, database, backends, embeddings, mail."""
+
+from __future__ import annotations
+
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.model import CheckLine
+from sokratos_worker.store.connection import connect
+
+
+def run_checks(settings: Settings) -> list[CheckLine]:
+    """One line per check, in the order an operator would fix them."""
+    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
+
+    lines = [CheckLine("configuration", True, "valid")]
+    try:
+        with database_url(settings, wait=False) as url, connect(url) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+            vector = conn.execute(
+                "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
+            ).fetchone()
+            lines.append(CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}"))
+            lines.append(
+                CheckLine("pgvector", vector is not None,
+                          f"version {vector[0]}" if vector else
+                          "extension not installed: run 'sokratos-worker migrate' as a superuser")
+            )
+    except DatabaseUnavailable as exc:
+        lines.append(CheckLine("database", False, f"{exc}; check SOKRATOS_DATABASE_URL"))
+    if not settings.llm_backends and not settings.local_model:
+        lines.append(CheckLine("llm_backends", False,
+                               "none configured (SOKRATOS_LLM_BACKENDS): items wait in their queues"))
+    else:
+        from sokratos_worker.llm.probe import probe_backends  # noqa: PLC0415
+
+        lines.extend(probe_backends(settings))
+    if not settings.embeddings_enabled:
+        lines.append(CheckLine("embeddings", True,
+                               "not configured: memories saved without embeddings,"
+                               " no coverage note or contradiction check"))
+    if settings.email_accounts:
+        from sokratos_worker.email.check import probe_accounts  # noqa: PLC0415
+
+        lines.extend(probe_accounts(settings))
+    return lines

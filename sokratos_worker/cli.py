@@ -1,0 +1,344 @@
+"""The ``sokratos-worker`` command: argument parsing and wiring; the work lives elsewhere.
+
+Logs go to stderr; stdout carries only a command's own output. Exit codes: 0 success,
+1 anything else, 75 database unreachable past SOKRATOS_STARTUP_TIMEOUT, 78 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from sokratos_worker import __version__
+from sokratos_worker.config import ConfigError, Settings, load_settings
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
+from sokratos_worker.handlers import HandlerFactory
+from sokratos_worker.logs import configure_logging
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_TEMPFAIL = 75
+EXIT_CONFIG = 78
+
+_EPILOG = """\
+configuration: environment variables SOKRATOS_* (see deploy/sokratos-worker.env.example);
+any variable X may be given as X_FILE or as a file X in $CREDENTIALS_DIRECTORY.
+With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DATA_DIR.
+
+exit codes: 0 ok, 1 error, 75 database unreachable (SOKRATOS_STARTUP_TIMEOUT), 78 bad config.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, with help text."""
+    parser = argparse.ArgumentParser(
+        prog="sokratos-worker",
+        description="Durable background pipelines for Sokratos: conversation and email triage,"
+        " distillation of archived conversations, and email checks.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"sokratos-worker {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="run the daemon in the foreground until SIGTERM/SIGINT",
+        description="Apply pending migrations, then drain the queues: heartbeat ticks every"
+        " SOKRATOS_HEARTBEAT_INTERVAL, instant wake-ups on new work (LISTEN/NOTIFY), email"
+        " checks. SIGTERM/SIGINT finishes items in flight within SOKRATOS_SHUTDOWN_GRACE and"
+        " exits 0; a second signal exits at once.",
+    )
+    run.add_argument(
+        "--once", action="store_true",
+        help="one heartbeat tick then exit: lease sweep, spool import, due email checks,"
+        " drain every item ready now (up to SOKRATOS_TICK_BUDGET)",
+    )
+    run.add_argument(
+        "--no-migrate", action="store_true",
+        help="do not apply migrations at start (same as SOKRATOS_MIGRATE_ON_START=false)",
+    )
+
+    commands.add_parser(
+        "migrate", help="apply pending database migrations and exit",
+        description="Apply the numbered SQL migrations that are not yet recorded, under an"
+        " advisory lock (safe to run from several hosts at once).",
+    )
+
+    enqueue = commands.add_parser(
+        "enqueue", help="add an item to a queue",
+        description="Prints the new item id (or the existing id for a known --key), or"
+        " 'spooled PATH' when the database is unreachable. Exit 1 on invalid input.",
+    )
+    kinds = enqueue.add_subparsers(dest="kind", metavar="KIND", required=True)
+    triage = kinds.add_parser("triage", help="a conversation exchange to score and save")
+    triage.add_argument("--exchange", required=True,
+                        help="the exchange text ('[tool] result' lines, 'user: …',"
+                        " 'assistant: …'); '-' reads stdin")
+    triage.add_argument("--tools-used", action="store_true",
+                        help="the reply was grounded in tool results (lower threshold)")
+    triage.add_argument("--key", help="idempotency key: the same key is enqueued once")
+    distill = kinds.add_parser("distillation", help="an archived conversation to distil")
+    distill.add_argument("--file", required=True,
+                         help="JSON payload: {\"messages\": [...]} or {\"archive_text\": ...};"
+                         " '-' reads stdin")
+    distill.add_argument("--key", help="idempotency key: the same key is enqueued once")
+
+    status = commands.add_parser(
+        "status", help="queues, recent failures, live workers, email accounts",
+        description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
+        " failures in the last 24 h by op_type; each live worker's state and backends;"
+        " email accounts and their last check.",
+    )
+    status.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    failed = commands.add_parser("failed", help="inspect and replay failed_operations")
+    actions = failed.add_subparsers(dest="action", metavar="ACTION", required=True)
+    flist = actions.add_parser("list", help="failures, newest first")
+    flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
+    flist.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    flist.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    fshow = actions.add_parser("show", help="one failure with its full context_data")
+    fshow.add_argument("id", type=int)
+    fretry = actions.add_parser(
+        "retry", help="re-enqueue the stored payload as a new item (once per failure)"
+    )
+    fretry.add_argument("ids", type=int, nargs="*", metavar="ID")
+    fretry.add_argument("--all", action="store_true", help="every failure not yet retried")
+    fretry.add_argument("--op-type", help="with --all: only this op_type")
+    fpurge = actions.add_parser("purge", help="delete failures older than DAYS")
+    fpurge.add_argument("--older-than", type=int, required=True, metavar="DAYS")
+
+    commands.add_parser(
+        "check", help="validate configuration and probe the database, backends and mail",
+        description="One line per check; exit 1 naming what failed.",
+    )
+    commands.add_parser(
+        "demo", help="try everything locally with the bundled tiny model (needs the local extra)",
+        description="Embedded PostgreSQL, the bundled SmolLM2 model, sample conversations, an"
+        " email-like item and an archive with tool calls; runs until the queues are empty and"
+        " prints the memories and outcomes it produced.",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, handler_factory: HandlerFactory | None = None) -> int:
+    """Entry point; tests and benchmarks pass their own ``handler_factory``."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(settings.log_level, settings.effective_log_format())
+    command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
+    try:
+        if args.command == "run":
+            return _run(args, settings, handler_factory)
+        return command(args, settings)
+    except ConfigError as exc:
+        print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except DatabaseUnavailable as exc:
+        print(f"sokratos-worker: {exc}. Check SOKRATOS_DATABASE_URL and that PostgreSQL"
+              " is running.", file=sys.stderr)
+        return EXIT_TEMPFAIL
+    except WorkerError as exc:
+        print(f"sokratos-worker: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+# -- database for a command ----------------------------------------------------------
+
+
+@contextmanager
+def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
+    """The configured URL, or the embedded PostgreSQL (attached or started for the command)."""
+    from sokratos_worker.store.connection import wait_for_database  # noqa: PLC0415
+    from sokratos_worker.store.embedded import start_embedded  # noqa: PLC0415
+
+    embedded = None
+    if settings.database_url is not None:
+        url = settings.database_url.get_secret_value()
+    else:
+        embedded = start_embedded(settings.data_dir)
+        url = embedded.uri
+    try:
+        if wait:
+            wait_for_database(
+                url,
+                deadline_s=settings.startup_timeout,
+                on_wait=lambda waited, err: log.warning(
+                    "waiting_for_database", waited_s=round(waited, 1), error=err,
+                    deadline_s=settings.startup_timeout,
+                ),
+            )
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace, settings: Settings, factory: HandlerFactory | None) -> int:
+    from sokratos_worker.app import run_worker  # noqa: PLC0415 - heavy imports
+
+    with database_url(settings) as url:
+        migrate = settings.migrate_on_start and not args.no_migrate
+        return run_worker(settings, url, factory, once=args.once, migrate=migrate)
+
+
+def _migrate(_: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
+
+    with database_url(settings) as url:
+        applied = apply_migrations(url)
+    print("applied: " + ", ".join(applied) if applied else "up to date")
+    return EXIT_OK
+
+
+def _read_arg(value: str) -> str:
+    return sys.stdin.read() if value == "-" else value
+
+
+def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker import client  # noqa: PLC0415
+    from sokratos_worker.model import Queue  # noqa: PLC0415
+
+    try:
+        if args.kind == "triage":
+            exchange = _read_arg(args.exchange)
+            if not exchange.strip():
+                raise InvalidPayload("--exchange", "is empty")
+            payload: dict[str, Any] = client.triage_payload(exchange, tools_used=args.tools_used)
+            queue = Queue.TRIAGE
+        else:
+            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
+            try:
+                payload = json.loads(text)
+            except ValueError as exc:
+                raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
+            if not isinstance(payload, dict):
+                raise InvalidPayload("--file", "must hold a JSON object")
+            queue = Queue.DISTILLATION
+        try:
+            with database_url(settings, wait=False) as url:
+                result = client.enqueue(
+                    url, queue, payload, key=args.key, spool_dir=settings.spool_dir
+                )
+        except DatabaseUnavailable:
+            raise
+        except Exception as exc:
+            if isinstance(exc, InvalidPayload | WorkerError):
+                raise
+            # The embedded server could not even start: spool, so the enqueue is not lost.
+            log.warning("embedded_postgres_unavailable", error=str(exc))
+            from sokratos_worker.spool import spool_enqueue  # noqa: PLC0415
+
+            path = spool_enqueue(settings.spool_dir, queue, payload,
+                                 idempotency_key=args.key, source=None)
+            print(f"spooled {path}")
+            return EXIT_OK
+    except InvalidPayload as exc:
+        print(f"sokratos-worker: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        print(f"sokratos-worker: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker.status import collect_status, render_status  # noqa: PLC0415
+
+    report = collect_status(settings)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(render_status(report))
+    return EXIT_OK
+
+
+def _failed(args: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker.store import failures  # noqa: PLC0415
+    from sokratos_worker.store.connection import connect  # noqa: PLC0415
+
+    with database_url(settings) as url, connect(url) as conn:
+        if args.action == "list":
+            rows = failures.list_failures(conn, op_type=args.op_type, limit=args.limit)
+            for row in rows:
+                if args.json:
+                    print(json.dumps(row, default=str))
+                else:
+                    retried = f" retried as {row['retried_as']}" if row["retried_at"] else ""
+                    print(f"{row['id']:>6}  {row['created_at']:%Y-%m-%d %H:%M}  "
+                          f"{row['op_type']:<20} {row['error_message'][:90]}{retried}")
+            if not rows and not args.json:
+                print("no failures")
+            return EXIT_OK
+        if args.action == "show":
+            row = failures.get_failure(conn, args.id)
+            if row is None:
+                print(f"sokratos-worker: no failure with id {args.id}", file=sys.stderr)
+                return EXIT_FAILURE
+            print(json.dumps(row, default=str, indent=2, ensure_ascii=False))
+            return EXIT_OK
+        if args.action == "retry":
+            ids = list(args.ids)
+            if args.all:
+                ids = failures.retryable_ids(conn, op_type=args.op_type)
+            if not ids:
+                print("sokratos-worker: name failure IDs or --all", file=sys.stderr)
+                return EXIT_FAILURE if not args.all else EXIT_OK
+            code = EXIT_OK
+            for failure_id in ids:
+                result = failures.retry_failure(conn, failure_id)
+                print(f"{failure_id}: {result.message}")
+                if result.item_id is None:
+                    code = EXIT_FAILURE
+            return code
+        deleted = failures.purge_failures(conn, older_than_days=args.older_than)
+        print(f"deleted {deleted} failures older than {args.older_than} days")
+        return EXIT_OK
+
+
+def _check(_: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker.checks import run_checks  # noqa: PLC0415
+
+    lines = run_checks(settings)
+    for line in lines:
+        print(f"{'ok  ' if line.ok else 'FAIL'}  {line.component}: {line.detail}")
+    failed = [line.component for line in lines if not line.ok]
+    if failed:
+        print(f"sokratos-worker: check failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _demo(_: argparse.Namespace, settings: Settings) -> int:
+    from sokratos_worker.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(settings)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
+    "migrate": _migrate,
+    "enqueue": _enqueue,
+    "status": _status,
+    "failed": _failed,
+    "check": _check,
+    "demo": _demo,
+    "run": lambda a, s: _run(a, s, None),
+}

@@ -1,0 +1,117 @@
+"""Producing work from Python: the same two calls as the SQL functions, plus the spool.
+
+>>> from sokratos_worker.client import enqueue_triage
+>>> enqueue_triage(conninfo, "user: I moved to Lisbon\\nassistant: Noted!", key="msg-42")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
+from sokratos_worker.model import Queue
+from sokratos_worker.spool import spool_enqueue
+from sokratos_worker.store import queue as store
+from sokratos_worker.store.connection import connect
+from sokratos_worker.store.sanitize import sanitize_payload
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """An accepted enqueue: the item id, or the spool file when the database was down."""
+
+    item_id: int | None = None
+    spooled: Path | None = None
+
+
+def triage_payload(
+    exchange: str,
+    *,
+    tools_used: bool = False,
+    pipeline_id: int | None = None,
+    occurred_at: datetime | None = None,
+) -> dict[str, Any]:
+    """A conversation triage payload (contract §4)."""
+    return {
+        "exchange": exchange,
+        "tools_used": tools_used,
+        "pipeline_id": pipeline_id,
+        "occurred_at": occurred_at.isoformat() if occurred_at else None,
+    }
+
+
+def enqueue(
+    conninfo: str,
+    queue: Queue,
+    payload: dict[str, Any],
+    *,
+    key: str | None = None,
+    source: str | None = None,
+    spool_dir: Path | None = None,
+) -> Enqueued:
+    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead.
+
+    Raises :class:`InvalidPayload` naming the field when the payload is malformed.
+    """
+    clean, notes = sanitize_payload(payload)
+    if not isinstance(clean, dict):
+        raise InvalidPayload("payload", "must be a JSON object")
+    if notes:
+        clean["_sanitized"] = notes
+    try:
+        with connect(conninfo, timeout=5.0) as conn:
+            return Enqueued(
+                item_id=store.enqueue(conn, queue, clean, idempotency_key=key, source=source)
+            )
+    except DatabaseUnavailable:
+        if spool_dir is None:
+            raise
+        _validate_offline(queue, clean, source)
+        return Enqueued(
+            spooled=spool_enqueue(spool_dir, queue, clean, idempotency_key=key, source=source)
+        )
+
+
+def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
+    """The same required fields as sokratos_check_payload, so the spool never holds junk."""
+    if queue is Queue.TRIAGE:
+        field = "text" if source == "email" else "exchange"
+        if not isinstance(payload.get(field), str):
+            raise InvalidPayload(f"payload.{field}", "is required and must be a string")
+    elif not isinstance(payload.get("messages"), list) and not isinstance(
+        payload.get("archive_text"), str
+    ):
+        raise InvalidPayload(
+            "payload.messages", "(an array) or payload.archive_text (a string) is required"
+        )
+
+
+def enqueue_triage(
+    conninfo: str,
+    exchange: str,
+    *,
+    tools_used: bool = False,
+    pipeline_id: int | None = None,
+    occurred_at: datetime | None = None,
+    key: str | None = None,
+    spool_dir: Path | None = None,
+) -> Enqueued:
+    """Enqueue a conversation exchange for triage."""
+    payload = triage_payload(
+        exchange, tools_used=tools_used, pipeline_id=pipeline_id, occurred_at=occurred_at
+    )
+    return enqueue(conninfo, Queue.TRIAGE, payload, key=key, spool_dir=spool_dir)
+
+
+def enqueue_distillation(
+    conninfo: str,
+    payload: dict[str, Any],
+    *,
+    key: str | None = None,
+    spool_dir: Path | None = None,
+) -> Enqueued:
+    """Enqueue an archived conversation (``messages`` or ``archive_text``) for distillation."""
+    return enqueue(conninfo, Queue.DISTILLATION, payload, key=key, spool_dir=spool_dir)

@@ -1,0 +1,346 @@
+"""The long-running process: scheduler, NOTIFY wake-ups, signals, sd_notify, metrics.
+
+The only module that schedules (APScheduler). The heartbeat tick is the safety net; new
+work wakes the runner at once through LISTEN/NOTIFY on a dedicated connection.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import structlog
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from sokratos_worker import __version__
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
+from sokratos_worker.runner import Runner, State
+from sokratos_worker.service.metrics import Metrics, MetricsServer
+from sokratos_worker.service.sdnotify import Notifier
+from sokratos_worker.spool import import_spool
+from sokratos_worker.store import failures as failures_store
+from sokratos_worker.store import status as status_store
+from sokratos_worker.store.connection import Database, connect
+from sokratos_worker.store.queue import NOTIFY_CHANNEL
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_SOFTWARE = 1
+
+
+def new_worker_id() -> str:
+    """Unique per process: host, pid and a random suffix (pids are reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Worker:
+    """One process's runner and the services around it."""
+
+    settings: Settings
+    database: Database
+    handlers: Handlers
+    context: HandlerContext
+    worker_id: str = field(default_factory=new_worker_id)
+    notifier: Notifier = field(default_factory=Notifier)
+    metrics: Metrics = field(default_factory=Metrics)
+    runner: Runner = field(init=False)
+    _last_watchdog: float = 0.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _signals: int = 0
+
+    def __post_init__(self) -> None:
+        self.runner = Runner(
+            settings=self.settings,
+            database=self.database,
+            handlers=self.handlers,
+            worker_id=self.worker_id,
+            on_state=self._on_state,
+            on_progress=self._watchdog,
+            on_item_done=lambda q, kind, secs: self.metrics.item_settled(q.value, kind, secs),
+        )
+
+    # -- the tick --------------------------------------------------------------------
+
+    def tick(self, *, email: bool = True) -> None:
+        """One heartbeat: spool import, due email checks, heartbeat row, report, wake."""
+        imported = self._safely("spool_import", lambda: import_spool(
+            self.settings.spool_dir, self.database))
+        if email and self.settings.email_accounts and self.settings.email_check_interval > 0:
+            self.check_email()
+        self.runner.wake(notified=False)
+        self._record_heartbeat()
+        self._report(imported or 0)
+
+    def check_email(self) -> None:
+        """Check every due account; one broken account never stops the others."""
+        from sokratos_worker.email.check import check_due_accounts  # noqa: PLC0415
+
+        self._safely(
+            "email_check",
+            lambda: check_due_accounts(self.settings, self.database.conninfo),
+        )
+
+    def maintenance(self) -> None:
+        """Retention: processed_emails, the optional failed_operations TTL, old heartbeats."""
+
+        def prune() -> dict[str, int]:
+            from sokratos_worker.email.check import prune_processed_emails  # noqa: PLC0415
+
+            with self.database.connection() as conn:
+                return {
+                    "processed_emails": prune_processed_emails(
+                        conn, self.settings.processed_emails_ttl_days
+                    ),
+                    "failed_operations": status_store.prune_failures_ttl(
+                        conn, ttl_days=self.settings.failed_ops_ttl_days
+                    ),
+                    "worker_heartbeats": status_store.prune_heartbeats(
+                        conn, older_than_s=7 * 86400
+                    ),
+                }
+
+        pruned = self._safely("maintenance", prune)
+        if pruned:
+            log.info("maintenance_finished", pruned=pruned)
+
+    def _safely(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except DatabaseUnavailable as exc:
+            log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
+        except Exception:  # noqa: BLE001 - a failing chore must not stop the tick
+            log.exception(f"{what}_failed")
+        return None
+
+    def _record_heartbeat(self) -> None:
+        detail = {
+            "backends": [
+                {"name": s.name, "circuit": s.circuit} for s in self._backend_states()
+            ],
+            "concurrency": self.settings.concurrency,
+            "in_flight": self.runner.inflight_count(),
+            "queues": [q.value for q in self.runner.queues],
+            "why": self.runner.state_detail,
+        }
+        for state in self._backend_states():
+            self.metrics.set_circuit(state.name, state.circuit)
+        self._safely(
+            "heartbeat",
+            lambda: self._write_heartbeat(self.runner.state, detail),
+        )
+
+    def _write_heartbeat(self, state: str, detail: dict[str, Any]) -> None:
+        with self.database.connection() as conn:
+            status_store.record_heartbeat(
+                conn,
+                worker_id=self.worker_id,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                version=__version__,
+                state=state,
+                detail=detail,
+            )
+
+    def _backend_states(self) -> list[Any]:
+        chat = self.context.chat
+        return list(chat.states()) if chat is not None else []
+
+    def _report(self, imported: int) -> None:
+        stats = self.runner.take_stats()
+        recent = self._safely("recent_failures", self._recent_failures) or []
+        log.info(
+            "tick_finished",
+            queues={q: dict(c) for q, c in stats.counts.items()},
+            backends=dict(stats.backends),
+            spool_imported=imported,
+            recent_failures=recent,
+            state=self.runner.state,
+        )
+        self.metrics.tick_finished(time.time())
+
+    def _recent_failures(self) -> list[dict[str, Any]]:
+        with self.database.connection() as conn:
+            rows = failures_store.recent_failures(conn, hours=6)
+        return [
+            {
+                "op_type": r["op_type"],
+                "count": r["count"],
+                "last_error": r["last_error"],
+                "last_at": r["last_at"].isoformat(),
+            }
+            for r in rows
+        ]
+
+    # -- state, watchdog ---------------------------------------------------------------
+
+    def _on_state(self, state: str, detail: str) -> None:
+        text = state if not detail else f"{state}: {detail}"
+        self.notifier.status(text[:200])
+        self.metrics.set_worker_state(state)
+        self.metrics.set_database_up(state != State.WAITING_FOR_DATABASE)
+        if state in (State.WAITING_FOR_DATABASE, State.NO_BACKEND):
+            log.warning("worker_state", state=state, detail=detail)
+        else:
+            log.info("worker_state", state=state)
+
+    def _watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        now = time.monotonic()
+        if interval is not None and now - self._last_watchdog >= interval / 2:
+            self.notifier.watchdog()
+            self._last_watchdog = now
+
+    # -- LISTEN/NOTIFY ------------------------------------------------------------------
+
+    def listen_forever(self) -> None:
+        """Wake the runner on every NOTIFY; reconnect by itself and drain after reconnecting."""
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                with connect(self.database.conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    log.info("listening", channel=NOTIFY_CHANNEL)
+                    self.runner.wake(notified=False)  # whatever arrived while we were away
+                    delay = 0.5
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self.runner.wake()
+            except DatabaseUnavailable as exc:
+                log.warning("listen_reconnecting", error=str(exc), retry_in_s=delay)
+            except Exception as exc:  # noqa: BLE001 - psycopg errors from a dropped socket
+                log.warning("listen_reconnecting", error=str(exc).strip(), retry_in_s=delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, 10.0)
+
+    # -- the whole life -----------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; then drain within the grace and exit 0."""
+        faulthandler.enable()
+        self._install_signals()
+        metrics_server = self._start_metrics()
+        scheduler = self._start_scheduler()
+        listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
+        listener.start()
+        self.runner.start()
+        self.tick(email=False)
+        self.notifier.ready(f"{State.RUNNING}: queues {', '.join(q.value for q in self.runner.queues) or 'none (no backend configured)'}")
+        log.info(
+            "worker_started",
+            worker_id=self.worker_id,
+            concurrency=self.settings.concurrency,
+            queues=[q.value for q in self.runner.queues],
+            heartbeat_s=self.settings.heartbeat_interval,
+        )
+        while not self._stop.wait(1.0):
+            self._watchdog()
+        self.notifier.stopping(f"{State.STOPPING}: finishing items in flight")
+        log.info("worker_stopping", grace_s=self.settings.shutdown_grace,
+                 in_flight=self.runner.inflight_count())
+        scheduler.shutdown(wait=False)
+        released = self.runner.shutdown(self.settings.shutdown_grace)
+        self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
+        if metrics_server is not None:
+            metrics_server.stop()
+        log.info("worker_stopped", released=released)
+        return EXIT_OK
+
+    def _install_signals(self) -> None:
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                log.warning("second_signal_exiting_now", signal=signal.Signals(signum).name)
+                os._exit(EXIT_SOFTWARE)
+            log.info("signal_received", signal=signal.Signals(signum).name)
+            self._stop.set()
+            self.runner.request_stop()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def _start_scheduler(self) -> BackgroundScheduler:
+        scheduler = BackgroundScheduler(
+            job_defaults={"coalesce": True, "max_instances": 1},
+            timezone="UTC",
+        )
+        interval = self.settings.heartbeat_interval
+        scheduler.add_job(
+            self.tick, "interval", seconds=interval, id="heartbeat",
+            misfire_grace_time=max(1, int(interval)),
+        )
+        if self.settings.email_accounts and self.settings.email_check_interval > 0:
+            # Checked every minute; each account is due on its own interval.
+            every = min(60.0, self.settings.email_check_interval)
+            scheduler.add_job(
+                self.check_email, "interval", seconds=every, id="email_check",
+                misfire_grace_time=max(1, int(every)),
+            )
+        scheduler.add_job(
+            self.maintenance, "interval", hours=1, id="maintenance", misfire_grace_time=3600
+        )
+        scheduler.add_listener(_log_job_event, EVENT_JOB_ERROR | EVENT_JOB_MISSED)
+        scheduler.start()
+        return scheduler
+
+    def _start_metrics(self) -> MetricsServer | None:
+        if not self.settings.metrics_addr:
+            return None
+        self.metrics.on_scrape(self._refresh_metrics)
+        server = MetricsServer(self.settings.metrics_addr, self.metrics, readiness=self._ready)
+        server.start()
+        log.info("metrics_listening", addr=self.settings.metrics_addr)
+        return server
+
+    def _ready(self) -> bool:
+        try:
+            with self.database.connection() as conn:
+                conn.execute("SELECT 1")
+        except Exception:  # noqa: BLE001 - any failure means not ready
+            return False
+        return True
+
+    def _refresh_metrics(self, metrics: Metrics) -> None:
+        try:
+            with self.database.connection() as conn:
+                metrics.set_queues(status_store.queue_stats(conn))
+                metrics.set_failures(status_store.failures_24h(conn))
+        except Exception:  # noqa: BLE001 - a scrape during an outage shows stale gauges
+            metrics.set_database_up(False)
+
+
+def _log_job_event(event: JobExecutionEvent) -> None:
+    if event.exception is not None:
+        log.error("scheduled_job_failed", job=event.job_id, error=str(event.exception))
+    else:
+        log.warning("scheduled_job_missed", job=event.job_id,
+                    scheduled_at=str(event.scheduled_run_time))
+
+
+def build_worker(
+    settings: Settings, database: Database, handler_factory: HandlerFactory,
+    chat: Any, embedder: Any,
+) -> Worker:
+    """Wire the handlers for this process."""
+    context = HandlerContext(settings=settings, database=database, chat=chat, embedder=embedder)
+    handlers = handler_factory(context)
+    if not handlers:
+        log.warning(
+            "no_handlers",
+            reason="no LLM backend configured (SOKRATOS_LLM_BACKENDS is empty)",
+            effect="items wait in their queues; they are never failed for this",
+        )
+    return Worker(settings=settings, database=database, handlers=handlers, context=context)

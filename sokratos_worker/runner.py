@@ -1,0 +1,508 @@
+"""The drain: claim items for free slots, run their handlers in threads, settle each one.
+
+One dispatcher thread claims a batch for the idle slots when woken (NOTIFY, a tick, or a
+timer for the next backoff); a busy slot claims its next item in the transaction that
+settles the previous one, so under load an item costs about one commit. A process never
+holds more items than it has slots.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import structlog
+
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, ItemError
+from sokratos_worker.handlers import Handler
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
+from sokratos_worker.policy import Step, after_failure, describe, retry_delay
+from sokratos_worker.store import queue as store
+from sokratos_worker.store.connection import Connection, Database
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+WORKER_DIED = "worker died during the last attempt"
+
+
+class State:
+    """What the worker is doing, as logs, ``status`` and sd_notify report it."""
+
+    RUNNING = "running"
+    WAITING_FOR_DATABASE = "waiting for database"
+    NO_BACKEND = "no backend"
+    STOPPING = "stopping"
+
+
+@dataclass
+class Stats:
+    """Counts per queue since the last :meth:`Runner.take_stats` (the tick's report)."""
+
+    counts: dict[str, Counter[str]] = field(default_factory=dict)
+    backends: Counter[str] = field(default_factory=Counter)
+
+    def add(self, queue: Queue, kind: str, backend: str | None = None) -> None:
+        """Count one event (claimed, saved, skipped, archived, failed, retried, given_back)."""
+        self.counts.setdefault(queue.value, Counter())[kind] += 1
+        if backend:
+            self.backends[backend] += 1
+
+
+class Runner:
+    """Runs handlers for the queues that have one; items of other queues wait."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        database: Database,
+        handlers: Mapping[Queue, Handler],
+        worker_id: str,
+        on_state: Callable[[str, str], None] | None = None,
+        on_progress: Callable[[], None] | None = None,
+        on_item_done: Callable[[Queue, str, float], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.database = database
+        self.handlers = dict(handlers)
+        self.worker_id = worker_id
+        self.queues = [q for q in Queue if q in self.handlers]
+        self.state = State.RUNNING
+        self.state_detail = ""
+        self._on_state = on_state
+        self._on_progress = on_progress
+        self._on_item_done = on_item_done
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[Queue, int], Item] = {}
+        self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop_claiming = threading.Event()
+        self._stopped = threading.Event()
+        self._notified = False
+        self._paused_until = 0.0
+        self._pause_delay = 5.0
+        self._stats = Stats()
+        self._threads: list[threading.Thread] = []
+        self._rotation = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, *, drain_only: bool = False, budget_s: float | None = None) -> None:
+        """Start the slot threads, the lease renewer and the dispatcher."""
+        for index in range(self.settings.concurrency):
+            self._spawn(self._slot_loop, f"slot-{index}")
+        self._spawn(self._renew_loop, "lease-renewer")
+        self._spawn(lambda: self._dispatch_loop(drain_only, budget_s), "dispatcher")
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        # Daemon threads: a second signal must be able to exit at once (leases cover it).
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def wake(self, *, notified: bool = True) -> None:
+        """New work may be ready (NOTIFY, tick, reconnect): claim for the idle slots now."""
+        if notified:
+            self._notified = True
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        """Stop claiming; items in flight go on."""
+        self._stop_claiming.set()
+        self._wake.set()
+
+    def wait_drained(self, timeout: float | None = None) -> bool:
+        """Block until the dispatcher has finished a drain-only run."""
+        return self._stopped.wait(timeout)
+
+    def shutdown(self, grace_s: float) -> int:
+        """Stop claiming, let in-flight items finish within ``grace_s``, release the rest.
+
+        Returns how many items were released (their attempt given back).
+        """
+        self._set_state(State.STOPPING, "")
+        self.request_stop()
+        deadline = time.monotonic() + grace_s
+        while self.inflight_count() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leftovers = self._take_inflight()
+        released = self._release(leftovers)
+        for _ in range(self.settings.concurrency):
+            self._handoff.put(None)
+        return released
+
+    def inflight_count(self) -> int:
+        """Items claimed and not yet settled by this process."""
+        with self._lock:
+            return len(self._inflight)
+
+    def take_stats(self) -> Stats:
+        """The counts since the last call (for ``tick_finished``)."""
+        with self._lock:
+            stats, self._stats = self._stats, Stats()
+        return stats
+
+    # -- dispatcher ------------------------------------------------------------------
+
+    def _dispatch_loop(self, drain_only: bool, budget_s: float | None) -> None:
+        started = time.monotonic()
+        db_delay = 0.2
+        try:
+            while not self._stop_claiming.is_set():
+                self._progress()
+                if budget_s is not None and time.monotonic() - started > budget_s:
+                    log.info("tick_budget_spent", budget_s=budget_s)
+                    break
+                if self._paused():
+                    self._wait(min(1.0, max(0.05, self._paused_until - time.monotonic())))
+                    self._maybe_resume()
+                    continue
+                self._wake.clear()
+                self._notified = False
+                try:
+                    asked, got = self._claim_for_idle_slots()
+                    next_in = None if got or asked == 0 else self._next_ready_in()
+                except DatabaseUnavailable as exc:
+                    self._set_state(State.WAITING_FOR_DATABASE, str(exc))
+                    log.warning("waiting_for_database", error=str(exc), retry_in_s=db_delay)
+                    self._wait(db_delay)
+                    db_delay = min(db_delay * 2, 5.0)
+                    continue
+                db_delay = 0.2
+                if self.state == State.WAITING_FOR_DATABASE:
+                    self._set_state(State.RUNNING, "")
+                    log.info("database_reachable_again")
+                if drain_only and got == 0 and self.inflight_count() == 0:
+                    break
+                if asked and got == asked:
+                    continue  # the batch was full: more may be waiting
+                self._wait(self._idle_timeout(next_in, drain_only))
+        finally:
+            if drain_only:
+                deadline = time.monotonic() + self.settings.shutdown_grace + 5
+                while self.inflight_count() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                self._stopped.set()
+
+    def _idle_timeout(self, next_in: float | None, drain_only: bool) -> float:
+        if drain_only:
+            return 0.05
+        timeout = self.settings.heartbeat_interval
+        if next_in is not None:
+            timeout = min(timeout, next_in + 0.01)
+        return max(0.01, min(timeout, 5.0 if self.inflight_count() else timeout))
+
+    def _wait(self, seconds: float) -> None:
+        # Wake at least every second so the watchdog sees progress.
+        end = time.monotonic() + seconds
+        while not self._stop_claiming.is_set():
+            left = end - time.monotonic()
+            if left <= 0 or self._wake.wait(min(left, 1.0)):
+                return
+            self._progress()
+
+    def _claim_for_idle_slots(self) -> tuple[int, int]:
+        free = self.settings.concurrency - self.inflight_count()
+        if free <= 0 or not self.queues:
+            return 0, 0
+        asked, got = free, 0
+        order = self.queues[self._rotation :] + self.queues[: self._rotation]
+        self._rotation = (self._rotation + 1) % max(1, len(self.queues))
+        with self.database.connection() as conn:
+            for q in order:
+                if free <= 0:
+                    break
+                items = store.claim(
+                    conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
+                )
+                for item in items:
+                    self._track(item)
+                    self._handoff.put(item)
+                free -= len(items)
+                got += len(items)
+        return asked, got
+
+    def _next_ready_in(self) -> float | None:
+        with self.database.connection() as conn:
+            return store.next_ready_in(conn, self.queues)
+
+    def _track(self, item: Item) -> None:
+        with self._lock:
+            self._inflight[(item.queue, item.id)] = item
+            self._stats.add(item.queue, "claimed")
+        log.debug("item_claimed", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
+
+    def _untrack(self, item: Item) -> bool:
+        with self._lock:
+            return self._inflight.pop((item.queue, item.id), None) is not None
+
+    def _take_inflight(self) -> list[Item]:
+        with self._lock:
+            items = list(self._inflight.values())
+            self._inflight.clear()
+        return items
+
+    # -- pause when no backend can be reached ----------------------------------------
+
+    def _paused(self) -> bool:
+        return time.monotonic() < self._paused_until or self.state == State.NO_BACKEND
+
+    def _pause(self, reason: str) -> None:
+        with self._lock:
+            already = self.state == State.NO_BACKEND
+            self._paused_until = time.monotonic() + self._pause_delay
+            if already:
+                self._pause_delay = min(self._pause_delay * 2, 60.0)
+        if not already:
+            log.warning("claiming_paused", reason=reason, retry_in_s=self._pause_delay)
+        self._set_state(State.NO_BACKEND, reason)
+
+    def _maybe_resume(self) -> None:
+        if time.monotonic() < self._paused_until:
+            return
+        if any(self._probe(h) for h in self.handlers.values()):
+            self._pause_delay = 5.0
+            self._paused_until = 0.0
+            self._set_state(State.RUNNING, "")
+            log.info("claiming_resumed")
+            self.wake(notified=False)
+        else:
+            self._pause(self.state_detail or "backends still unreachable")
+
+    @staticmethod
+    def _probe(handler: Handler) -> bool:
+        try:
+            return handler.probe()
+        except Exception as exc:  # noqa: BLE001 - a probe that crashes is a failed probe
+            log.warning("backend_probe_failed", error=describe(exc))
+            return False
+
+    # -- slots -----------------------------------------------------------------------
+
+    def _slot_loop(self) -> None:
+        while True:
+            item = self._handoff.get()
+            if item is None:
+                return
+            while item is not None:
+                item = self._process(item)
+            if self._notified:
+                self._wake.set()
+
+    def _process(self, item: Item) -> Item | None:
+        """Handle and settle one item; returns the next item claimed with the settle."""
+        started = time.monotonic()
+        bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=item.attempt)
+        handler = self.handlers[item.queue]
+        try:
+            if item.attempt > self.settings.max_attempts:
+                raise ItemError(WORKER_DIED)
+            problem = store.payload_problem(item)
+            if problem is not None:
+                raise problem
+            effects = handler.handle(item)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded, none escapes
+            self._settle_failure(item, exc, handler, bound)
+            self._finished(item, started, "failed")
+            return None
+        next_item = self._settle_success(item, effects, bound, started)
+        self._finished(item, started, effects.outcome.value)
+        return next_item
+
+    def _finished(self, item: Item, started: float, kind: str) -> None:
+        if self._on_item_done is not None:
+            self._on_item_done(item.queue, kind, time.monotonic() - started)
+
+    def _settle_success(
+        self, item: Item, effects: Effects, bound: structlog.BoundLogger, started: float
+    ) -> Item | None:
+        want_next = 0 if self._stop_claiming.is_set() or self._paused() else 1
+
+        def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
+            return store.settle_success(
+                conn,
+                item,
+                effects,
+                owner=self.worker_id,
+                claim_next=want_next,
+                lease_s=self.settings.lease,
+            )
+
+        done = self._with_database(item, settle, bound)
+        if done is None:
+            return None
+        result, next_items = done
+        if result.settled:
+            with self._lock:
+                self._stats.add(item.queue, effects.outcome.value, effects.backend)
+            bound.info(
+                "item_settled",
+                outcome=effects.outcome.value,
+                memory_ids=list(result.memory_ids),
+                backend=effects.backend,
+                duration_ms=round((time.monotonic() - started) * 1000, 1),
+            )
+        else:
+            self._report_fenced(item, bound)
+        self._untrack(item)
+        for next_item in next_items:
+            self._track(next_item)
+        return next_items[0] if next_items else None
+
+    def _settle_failure(
+        self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
+    ) -> None:
+        decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
+        backend = getattr(exc, "backend", None)
+        if decision.step is Step.GIVE_BACK:
+            self._with_database(
+                item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
+            )
+            with self._lock:
+                self._stats.add(item.queue, "given_back")
+            bound.warning("attempt_given_back", reason=decision.reason)
+            self._pause(decision.reason)
+        elif decision.step is Step.RETRY:
+            delay = retry_delay(
+                item.attempt, base_s=self.settings.retry_base, max_s=self.settings.retry_max
+            )
+            ok = self._with_database(
+                item,
+                lambda c: store.schedule_retry(
+                    c, item, owner=self.worker_id, error=decision.reason, delay_s=delay,
+                    backend=backend,
+                ),
+                bound,
+            )
+            if ok:
+                with self._lock:
+                    self._stats.add(item.queue, "retried")
+                bound.warning("item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1))
+            elif ok is False:
+                self._report_fenced(item, bound)
+        else:
+            memories = () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
+            result = self._with_database(
+                item,
+                lambda c: store.dead_letter(
+                    c, item, owner=self.worker_id, error=decision.reason, backend=backend,
+                    memories=memories,
+                ),
+                bound,
+            )
+            if result is not None and result.settled:
+                kind = Outcome.ARCHIVED.value if memories else Outcome.FAILED.value
+                with self._lock:
+                    self._stats.add(item.queue, kind)
+                bound.error(
+                    "item_dead_lettered",
+                    op_type=item.op_type,
+                    error=decision.reason,
+                    outcome=kind,
+                    memory_ids=list(result.memory_ids),
+                    hint="see 'sokratos-worker failed list'; replay with 'failed retry ID'",
+                )
+            elif result is not None:
+                self._report_fenced(item, bound)
+        self._untrack(item)
+
+    @staticmethod
+    def _archive(
+        handler: Handler, item: Item, bound: structlog.BoundLogger
+    ) -> tuple[NewMemory, ...]:
+        try:
+            return handler.final_failure_memories(item)
+        except Exception as exc:  # noqa: BLE001 - the dead-letter must still be written
+            bound.warning("archive_memories_failed", error=describe(exc))
+            return ()
+
+    def _report_fenced(self, item: Item, bound: structlog.BoundLogger) -> None:
+        try:
+            with self.database.connection() as conn:
+                landed = store.outcome_exists(conn, item)
+        except DatabaseUnavailable:
+            landed = False
+        if landed:
+            bound.info("item_already_settled")
+        else:
+            bound.warning("lease_lost", hint="another worker took the item over; it finishes it")
+
+    def _with_database(
+        self,
+        item: Item,
+        fn: Callable[[Connection], T],
+        bound: structlog.BoundLogger,
+    ) -> T | None:
+        """Run a settle, retrying through a database outage while the lease lasts."""
+        deadline = time.monotonic() + self.settings.lease * 0.8
+        delay = 0.2
+        while True:
+            try:
+                with self.database.connection() as conn:
+                    return fn(conn)
+            except DatabaseUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    bound.error(
+                        "settle_abandoned",
+                        error=str(exc),
+                        hint="the lease expires and the item is claimed again",
+                    )
+                    self._untrack(item)
+                    return None
+                bound.warning("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # -- leases ----------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        interval = max(0.5, self.settings.lease / 3)
+        while not self._stopped.wait(interval):
+            with self._lock:
+                by_queue: dict[Queue, list[int]] = {}
+                for q, item_id in self._inflight:
+                    by_queue.setdefault(q, []).append(item_id)
+            try:
+                with self.database.connection() as conn:
+                    for q, ids in by_queue.items():
+                        kept = store.renew(
+                            conn, q, owner=self.worker_id, ids=ids, lease_s=self.settings.lease
+                        )
+                        for lost in set(ids) - kept:
+                            log.warning("lease_lost", queue=q.value, item_id=lost)
+            except DatabaseUnavailable as exc:
+                log.warning("lease_renewal_failed", error=str(exc))
+
+    def _release(self, items: list[Item]) -> int:
+        released = 0
+        if not items:
+            return 0
+        try:
+            with self.database.connection() as conn:
+                for item in items:
+                    if store.give_back(conn, item, owner=self.worker_id):
+                        released += 1
+                        log.info("item_released", queue=item.queue.value, item_id=item.id)
+        except DatabaseUnavailable as exc:
+            log.warning("release_failed", error=str(exc), hint="the leases expire instead")
+        return released
+
+    # -- reporting -------------------------------------------------------------------
+
+    def _set_state(self, state: str, detail: str) -> None:
+        changed = state != self.state or detail != self.state_detail
+        self.state, self.state_detail = state, detail
+        if changed and self._on_state is not None:
+            self._on_state(state, detail)
+
+    def _progress(self) -> None:
+        if self._on_progress is not None:
+            self._on_progress()

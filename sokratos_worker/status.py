@@ -1,0 +1,90 @@
+"""``sokratos-worker status``: collect one report from the database and render it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.spool import pending_files
+from sokratos_worker.store import status as status_store
+from sokratos_worker.store.connection import connect
+
+
+def collect_status(settings: Settings) -> dict[str, Any]:
+    """The contract's ``status --json`` object (plus a few more keys)."""
+    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
+
+    report: dict[str, Any] = {
+        "database": "unreachable",
+        "queues": {},
+        "failures_24h": {},
+        "workers": [],
+        "email_accounts": [],
+        "spooled": pending_files(settings.spool_dir),
+        "embeddings": "configured" if settings.embeddings_enabled
+        else "not configured: memories are saved without embeddings; no contradiction check",
+        "backends_configured": [b.name for b in settings.llm_backends],
+    }
+    if not settings.llm_backends and not settings.local_model:
+        report["warning"] = "no LLM backend configured: items wait in their queues"
+    try:
+        with database_url(settings, wait=False) as url, connect(url) as conn:
+            report["database"] = "ok"
+            report["queues"] = status_store.queue_stats(conn)
+            report["failures_24h"] = status_store.failures_24h(conn)
+            report["outcomes"] = status_store.outcome_counts(conn)
+            report["workers"] = status_store.live_workers(
+                conn, stale_after_s=max(180.0, settings.heartbeat_interval * 3)
+            )
+            report["email_accounts"] = _accounts(settings, conn)
+    except DatabaseUnavailable as exc:
+        report["error"] = str(exc)
+    return report
+
+
+def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
+    if not settings.email_accounts:
+        return []
+    from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
+
+    known = {a["name"]: a for a in account_statuses(conn)}
+    return [
+        known.get(a.name, {"name": a.name, "last_check_at": None, "last_error": None})
+        for a in settings.email_accounts
+    ]
+
+
+def render_status(report: dict[str, Any]) -> str:
+    """Human-readable text for a terminal."""
+    lines = [f"database: {report['database']}" + (f" ({report['error']})" if "error" in report else "")]
+    if "warning" in report:
+        lines.append(f"warning: {report['warning']}")
+    for name, q in report["queues"].items():
+        age = q["oldest_ready_age_s"]
+        lines.append(
+            f"{name}: {q['ready']} ready, {q['backing_off']} backing off, {q['leased']} leased"
+            + (f", oldest ready {age:.0f}s" if age is not None else "")
+        )
+        for owner, count in q.get("leased_by", {}).items():
+            lines.append(f"    leased by {owner}: {count}")
+    if report.get("spooled"):
+        lines.append(f"spool: {report['spooled']} enqueues waiting for import")
+    failures = report["failures_24h"]
+    lines.append(
+        "failures (24h): "
+        + (", ".join(f"{k} {v}" for k, v in failures.items()) if failures else "none")
+    )
+    if not report["workers"]:
+        lines.append("workers: none running")
+    for w in report["workers"]:
+        backends = ", ".join(f"{b['name']} {b['circuit']}" for b in w["backends"]) or "none"
+        lines.append(
+            f"worker {w['worker_id']}: {w['state']}, last tick {w['last_tick_at']},"
+            f" backends: {backends}"
+        )
+    for a in report["email_accounts"]:
+        err = f", last error: {a['last_error']}" if a.get("last_error") else ""
+        lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
+    lines.append(f"embeddings: {report['embeddings']}")
+    return "\n".join(lines)

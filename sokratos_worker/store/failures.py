@@ -1,0 +1,142 @@
+"""failed_operations: record, list, show, replay and purge."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from sokratos_worker.model import Queue
+from sokratos_worker.store import queue as store
+
+_RETRY_SUFFIX = re.compile(r"#retry-(\d+)$")
+
+
+def record_failure(
+    conn: psycopg.Connection, *, op_type: str, label: str, error: str, context: Any
+) -> int:
+    """A failure outside the queues (e.g. a spool file that can never be imported)."""
+    row = conn.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message, context_data)"
+        " VALUES (%s, %s, %s, %s) RETURNING id",
+        (op_type, label, error, Jsonb(context)),
+    ).fetchone()
+    assert row is not None  # noqa: S101 - INSERT … RETURNING
+    return int(row[0])
+
+
+def list_failures(
+    conn: psycopg.Connection, *, op_type: str | None = None, limit: int = 50
+) -> list[dict[str, Any]]:
+    """Newest first, without the (possibly large) context."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            """SELECT id, op_type, label, error_message, created_at, source_queue, item_id,
+                      idempotency_key, attempts, retried_at, retried_as
+               FROM failed_operations
+               WHERE %(op)s::text IS NULL OR op_type = %(op)s
+               ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
+            {"op": op_type, "limit": limit},
+        )
+        return list(cur.fetchall())
+
+
+def get_failure(conn: psycopg.Connection, failure_id: int) -> dict[str, Any] | None:
+    """One failure with its full context_data."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute("SELECT * FROM failed_operations WHERE id = %s", (failure_id,))
+        return cur.fetchone()
+
+
+@dataclass(frozen=True)
+class RetryResult:
+    """What ``failed retry`` did for one failure."""
+
+    failure_id: int
+    item_id: int | None
+    message: str
+
+
+def retry_key(original: str | None, failure_id: int) -> str:
+    """The new item's key: the original with ``#retry-N`` appended (N counts up)."""
+    base = original or f"failed_operations:{failure_id}"
+    match = _RETRY_SUFFIX.search(base)
+    if match:
+        return f"{base[: match.start()]}#retry-{int(match.group(1)) + 1}"
+    return f"{base}#retry-1"
+
+
+def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
+    """Re-enqueue the stored payload as a new item, exactly once."""
+    with conn.transaction():
+        row = conn.execute(
+            """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue
+               FROM failed_operations WHERE id = %s FOR UPDATE""",
+            (failure_id,),
+        ).fetchone()
+        if row is None:
+            return RetryResult(failure_id, None, f"no failure with id {failure_id}")
+        context, key, retried_at, retried_as, source_queue = row
+        if retried_at is not None:
+            return RetryResult(
+                failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
+            )
+        if not isinstance(context, dict) or "payload" not in context or not source_queue:
+            return RetryResult(
+                failure_id,
+                None,
+                "refused: this failure has no stored payload (not written by sokratos-worker)",
+            )
+        queue = Queue(source_queue)
+        source = context.get("source") if queue is Queue.TRIAGE else None
+        item_id = store.enqueue(
+            conn, queue, context["payload"], idempotency_key=retry_key(key, failure_id),
+            source=source,
+        )
+        conn.execute(
+            "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
+            (item_id, failure_id),
+        )
+    return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
+
+
+def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
+    """Failures with a stored payload that were not retried yet."""
+    rows = conn.execute(
+        """SELECT id FROM failed_operations
+           WHERE retried_at IS NULL AND source_queue IS NOT NULL
+             AND (%(op)s::text IS NULL OR op_type = %(op)s)
+           ORDER BY id""",
+        {"op": op_type},
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def purge_failures(conn: psycopg.Connection, *, older_than_days: int) -> int:
+    """Delete failures older than the given age; returns how many."""
+    cur = conn.execute(
+        "DELETE FROM failed_operations WHERE created_at < now() - make_interval(days => %s)",
+        (older_than_days,),
+    )
+    return cur.rowcount
+
+
+def recent_failures(
+    conn: psycopg.Connection, *, hours: int = 6, limit: int = 5
+) -> list[dict[str, Any]]:
+    """Failures grouped by op_type (Sokratos's heartbeat view): count, latest error, time."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            """SELECT op_type, count(*) AS count,
+                      (array_agg(left(error_message, 120) ORDER BY created_at DESC))[1] AS last_error,
+                      max(created_at) AS last_at
+               FROM failed_operations
+               WHERE created_at > now() - make_interval(hours => %s)
+               GROUP BY op_type ORDER BY max(created_at) DESC LIMIT %s""",
+            (hours, limit),
+        )
+        return list(cur.fetchall())

@@ -1,0 +1,374 @@
+"""Claim, renew, settle and release queue items: the same code for both queues.
+
+Every state change after a claim is fenced by ``lease_owner`` and the attempt the claim
+counted, so a worker whose lease was taken over can change nothing. Effects, the outcome
+row and the deletion of the item are one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg import sql
+from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
+
+from sokratos_worker.errors import InvalidPayload, LeaseLost
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
+from sokratos_worker.store.memories import write_effects
+from sokratos_worker.store.sanitize import clean_text
+
+log = structlog.get_logger(__name__)
+
+NOTIFY_CHANNEL = "sokratos_worker"
+
+
+@dataclass(frozen=True)
+class _QueueSql:
+    """The statements of one queue, composed once."""
+
+    claim: sql.Composed
+    delete_fenced: sql.Composed
+    retry: sql.Composed
+    give_back: sql.Composed
+    renew: sql.Composed
+    settle_plain: sql.Composed
+
+
+def _compose(queue: Queue) -> _QueueSql:
+    table = sql.Identifier(queue.value)
+    source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
+    fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
+    return _QueueSql(
+        claim=sql.SQL(
+            """WITH picked AS (
+                   SELECT id FROM {table}
+                   WHERE run_after <= now()
+                     AND (lease_expires_at IS NULL OR lease_expires_at < now())
+                   ORDER BY run_after, id
+                   LIMIT %(n)s
+                   FOR UPDATE SKIP LOCKED)
+               UPDATE {table} AS t
+               SET attempts = t.attempts + 1,
+                   lease_owner = %(owner)s,
+                   lease_expires_at = now() + make_interval(secs => %(lease)s)
+               FROM picked WHERE t.id = picked.id
+               RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
+                         t.created_at, t.attempt_errors"""
+        ).format(table=table, source=source),
+        delete_fenced=sql.SQL(
+            "DELETE FROM {table} AS t WHERE {fence}"
+            " RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempt_errors"
+        ).format(table=table, fence=fence, source=source),
+        retry=sql.SQL(
+            """UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL,
+                   run_after = now() + make_interval(secs => %(delay)s),
+                   last_error = %(error)s::text,
+                   attempt_errors = attempt_errors || jsonb_build_array(jsonb_build_object(
+                       'at', now(), 'attempt', %(attempt)s::int, 'error', %(error)s::text,
+                       'backend', %(backend)s::text))
+               WHERE {fence} RETURNING id"""
+        ).format(table=table, fence=fence),
+        give_back=sql.SQL(
+            """UPDATE {table} SET attempts = attempts - 1, lease_owner = NULL,
+                   lease_expires_at = NULL
+               WHERE {fence} RETURNING id"""
+        ).format(table=table, fence=fence),
+        renew=sql.SQL(
+            """UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+               WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s) RETURNING id"""
+        ).format(table=table),
+        # The fast path: delete and record the outcome in one statement (one round trip).
+        settle_plain=sql.SQL(
+            """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
+                          RETURNING t.id, t.idempotency_key, {source} AS source)
+               INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome,
+                                          memory_ids, detail, attempts, backend)
+               SELECT %(queue)s::text, d.id, d.idempotency_key, d.source, %(outcome)s::text,
+                      %(memory_ids)s::bigint[], %(detail)s::text, %(attempt)s::int,
+                      %(backend)s::text
+               FROM d RETURNING item_id"""
+        ).format(table=table, fence=fence, source=source),
+    )
+
+
+_SQL = {queue: _compose(queue) for queue in Queue}
+
+_INSERT_OUTCOME = sql.SQL(
+    """INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome, memory_ids,
+                                  detail, attempts, backend)
+       VALUES (%(queue)s, %(item_id)s, %(key)s, %(source)s, %(outcome)s, %(memory_ids)s,
+               %(detail)s, %(attempt)s, %(backend)s)"""
+)
+
+_INSERT_FAILED = sql.SQL(
+    """INSERT INTO failed_operations (op_type, label, error_message, context_data, source_queue,
+                                      item_id, idempotency_key, attempts)
+       VALUES (%(op_type)s, %(label)s, %(error)s, %(context)s, %(queue)s, %(item_id)s,
+               %(key)s, %(attempt)s)
+       ON CONFLICT (source_queue, item_id) WHERE item_id IS NOT NULL DO NOTHING
+       RETURNING id"""
+)
+
+
+def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
+    item_id, payload, key, source, attempts, created_at, errors = row
+    return Item(
+        queue=queue,
+        id=int(item_id),
+        payload=payload if isinstance(payload, dict) else {"__payload__": payload},
+        attempt=int(attempts),
+        source=str(source),
+        idempotency_key=key,
+        created_at=created_at,
+        errors=tuple(errors or ()),
+    )
+
+
+def payload_problem(item: Item) -> InvalidPayload | None:
+    """A payload that is not a JSON object cannot be handled by any pipeline."""
+    if "__payload__" in item.payload and len(item.payload) == 1:
+        kind = type(item.payload["__payload__"]).__name__
+        return InvalidPayload("payload", f"must be a JSON object, got {kind}")
+    return None
+
+
+def claim(
+    conn: psycopg.Connection, queue: Queue, *, owner: str, limit: int, lease_s: float
+) -> list[Item]:
+    """Lease up to ``limit`` ready items, counting the attempt (autocommit: one statement)."""
+    if limit <= 0:
+        return []
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(_SQL[queue].claim, {"n": limit, "owner": owner, "lease": lease_s})
+        return [_item_from_row(queue, row) for row in cur.fetchall()]
+
+
+def renew(
+    conn: psycopg.Connection, queue: Queue, *, owner: str, ids: Sequence[int], lease_s: float
+) -> set[int]:
+    """Extend the leases of ``ids``; returns the ids still ours."""
+    if not ids:
+        return set()
+    rows = conn.execute(
+        _SQL[queue].renew, {"owner": owner, "ids": list(ids), "lease": lease_s}
+    ).fetchall()
+    return {int(row[0]) for row in rows}
+
+
+def _fence(item: Item, owner: str) -> dict[str, Any]:
+    return {"id": item.id, "owner": owner, "attempt": item.attempt}
+
+
+def settle_success(
+    conn: psycopg.Connection,
+    item: Item,
+    effects: Effects,
+    *,
+    owner: str,
+    claim_next: int = 0,
+    lease_s: float = 300.0,
+) -> tuple[SettleResult, list[Item]]:
+    """Commit the effects, the outcome row and the deletion; optionally claim more work.
+
+    Claiming the next item in the same transaction saves a commit per item under load.
+    """
+    next_items: list[Item] = []
+    try:
+        with conn.transaction():
+            if not effects.memories and not effects.supersessions:
+                params = {
+                    **_fence(item, owner),
+                    "queue": item.queue.value,
+                    "outcome": effects.outcome.value,
+                    "memory_ids": list(effects.existing_memory_ids),
+                    "detail": clean_text(effects.detail),
+                    "backend": effects.backend,
+                }
+                if conn.execute(_SQL[item.queue].settle_plain, params).fetchone() is None:
+                    raise _Fenced
+                memory_ids: tuple[int, ...] = effects.existing_memory_ids
+            else:
+                memory_ids = _settle_with_effects(conn, item, effects, owner)
+            if claim_next > 0:
+                next_items = claim(conn, item.queue, owner=owner, limit=claim_next, lease_s=lease_s)
+    except _Fenced:
+        return SettleResult(settled=False), []
+    return SettleResult(settled=True, memory_ids=memory_ids), next_items
+
+
+def _settle_with_effects(
+    conn: psycopg.Connection, item: Item, effects: Effects, owner: str
+) -> tuple[int, ...]:
+    if conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone() is None:
+        raise _Fenced
+    memory_ids = write_effects(conn, effects)
+    conn.execute(
+        _INSERT_OUTCOME,
+        {
+            "queue": item.queue.value,
+            "item_id": item.id,
+            "key": item.idempotency_key,
+            "source": item.outcome_source,
+            "outcome": effects.outcome.value,
+            "memory_ids": list(memory_ids),
+            "detail": clean_text(effects.detail),
+            "attempt": item.attempt,
+            "backend": effects.backend,
+        },
+    )
+    return memory_ids
+
+
+class _Fenced(Exception):  # noqa: N818 - internal control flow, never escapes this module
+    """The fenced delete found nothing: the lease is no longer ours."""
+
+
+def schedule_retry(
+    conn: psycopg.Connection,
+    item: Item,
+    *,
+    owner: str,
+    error: str,
+    delay_s: float,
+    backend: str | None = None,
+) -> bool:
+    """Clear the lease and retry after ``delay_s``; False if the lease was lost."""
+    params = {
+        **_fence(item, owner),
+        "delay": delay_s,
+        "error": clean_text(error),
+        "backend": backend,
+    }
+    return conn.execute(_SQL[item.queue].retry, params).fetchone() is not None
+
+
+def give_back(conn: psycopg.Connection, item: Item, *, owner: str) -> bool:
+    """Release the lease and un-count the attempt (not the item's fault)."""
+    return conn.execute(_SQL[item.queue].give_back, _fence(item, owner)).fetchone() is not None
+
+
+def dead_letter(
+    conn: psycopg.Connection,
+    item: Item,
+    *,
+    owner: str,
+    error: str,
+    backend: str | None = None,
+    memories: tuple[NewMemory, ...] = (),
+) -> SettleResult:
+    """failed_operations row (whole payload, every attempt's error) + outcome + delete.
+
+    With ``memories`` (distillation's raw archive) they are saved in the same transaction
+    and the outcome is ``archived`` instead of ``failed``.
+    """
+    error = clean_text(error)
+    try:
+        with conn.transaction():
+            row = conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
+            if row is None:
+                raise _Fenced
+            _, payload, key, source, history = row
+            attempts = [*(history or []), {"attempt": item.attempt, "error": error}]
+            if backend:
+                attempts[-1]["backend"] = backend
+            outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
+            memory_ids = write_effects(conn, Effects(outcome=outcome, memories=memories))
+            context = {
+                "queue": item.queue.value,
+                "item_id": item.id,
+                "source": source,
+                "payload": payload,
+                "attempts": attempts,
+            }
+            conn.execute(
+                _INSERT_FAILED,
+                {
+                    "op_type": item.op_type,
+                    "label": f"{item.queue.value} item {item.id}",
+                    "error": error,
+                    "context": Jsonb(context),
+                    "queue": item.queue.value,
+                    "item_id": item.id,
+                    "key": key,
+                    "attempt": item.attempt,
+                },
+            )
+            conn.execute(
+                _INSERT_OUTCOME,
+                {
+                    "queue": item.queue.value,
+                    "item_id": item.id,
+                    "key": key,
+                    "source": item.outcome_source,
+                    "outcome": outcome.value,
+                    "memory_ids": list(memory_ids),
+                    "detail": error,
+                    "attempt": item.attempt,
+                    "backend": backend,
+                },
+            )
+    except _Fenced:
+        return SettleResult(settled=False)
+    return SettleResult(settled=True, memory_ids=memory_ids)
+
+
+def outcome_exists(conn: psycopg.Connection, item: Item) -> bool:
+    """True when the item already has its outcome (a commit that landed before a drop)."""
+    row = conn.execute(
+        "SELECT 1 FROM work_outcomes WHERE queue = %s AND item_id = %s",
+        (item.queue.value, item.id),
+    ).fetchone()
+    return row is not None
+
+
+def next_ready_in(conn: psycopg.Connection, queues: Sequence[Queue]) -> float | None:
+    """Seconds until the earliest item becomes claimable (backoff or lease), None if empty."""
+    parts = [
+        sql.SQL(
+            "SELECT min(GREATEST(run_after, COALESCE(lease_expires_at, run_after))) AS t FROM {}"
+        ).format(sql.Identifier(q.value))
+        for q in queues
+    ]
+    if not parts:
+        return None
+    query = sql.SQL("SELECT EXTRACT(EPOCH FROM (min(t) - now())) FROM ({}) AS u").format(
+        sql.SQL(" UNION ALL ").join(parts)
+    )
+    row = conn.execute(query).fetchone()
+    if row is None or row[0] is None:
+        return None
+    return max(0.0, float(row[0]))
+
+
+def enqueue(
+    conn: psycopg.Connection,
+    queue: Queue,
+    payload: dict[str, Any],
+    *,
+    idempotency_key: str | None = None,
+    source: str | None = None,
+) -> int:
+    """Add an item through ``sokratos_enqueue`` (validation, idempotency, NOTIFY)."""
+    if source is None:
+        source = "distillation" if queue is Queue.DISTILLATION else "conversation"
+    try:
+        row = conn.execute(
+            "SELECT sokratos_enqueue(%s, %s, %s, %s)",
+            (queue.value, Jsonb(payload, dumps=_dumps), idempotency_key, source),
+        ).fetchone()
+    except psycopg.errors.InvalidParameterValue as exc:
+        message = exc.diag.message_primary or str(exc)
+        field, _, problem = message.partition(" ")
+        raise InvalidPayload(field, problem) from exc
+    assert row is not None  # noqa: S101 - the function always returns an id
+    return int(row[0])
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)

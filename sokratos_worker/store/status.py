@@ -1,0 +1,140 @@
+"""What ``status`` shows and what the daemon records about itself (worker_heartbeats)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from sokratos_worker.model import Queue
+
+
+def queue_stats(conn: psycopg.Connection) -> dict[str, dict[str, Any]]:
+    """Per queue: ready, backing off, leased (and by whom), oldest ready age."""
+    stats: dict[str, dict[str, Any]] = {}
+    for q in Queue:
+        row = conn.execute(
+            sql.SQL(
+                """SELECT
+                     count(*) FILTER (WHERE run_after <= now() AND
+                         (lease_expires_at IS NULL OR lease_expires_at < now())),
+                     count(*) FILTER (WHERE run_after > now() AND
+                         (lease_expires_at IS NULL OR lease_expires_at < now())),
+                     count(*) FILTER (WHERE lease_expires_at >= now()),
+                     EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE run_after <= now()
+                         AND (lease_expires_at IS NULL OR lease_expires_at < now())))
+                   FROM {}"""
+            ).format(sql.Identifier(q.value))
+        ).fetchone()
+        assert row is not None  # noqa: S101 - aggregate query
+        owners = conn.execute(
+            sql.SQL(
+                "SELECT lease_owner, count(*) FROM {} WHERE lease_expires_at >= now()"
+                " GROUP BY lease_owner ORDER BY lease_owner"
+            ).format(sql.Identifier(q.value))
+        ).fetchall()
+        stats[q.value] = {
+            "ready": int(row[0]),
+            "backing_off": int(row[1]),
+            "leased": int(row[2]),
+            "leased_by": {str(o): int(n) for o, n in owners},
+            "oldest_ready_age_s": None if row[3] is None else round(float(row[3]), 1),
+        }
+    return stats
+
+
+def failures_24h(conn: psycopg.Connection) -> dict[str, int]:
+    """Failures in the last 24 hours by op_type."""
+    rows = conn.execute(
+        "SELECT op_type, count(*) FROM failed_operations"
+        " WHERE created_at > now() - interval '24 hours' GROUP BY op_type ORDER BY op_type"
+    ).fetchall()
+    return {str(op): int(n) for op, n in rows}
+
+
+def outcome_counts(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
+    """Outcomes recorded so far, by queue."""
+    rows = conn.execute(
+        "SELECT queue, outcome, count(*) FROM work_outcomes GROUP BY queue, outcome"
+    ).fetchall()
+    result: dict[str, dict[str, int]] = {}
+    for queue, outcome, count in rows:
+        result.setdefault(str(queue), {})[str(outcome)] = int(count)
+    return result
+
+
+def live_workers(conn: psycopg.Connection, *, stale_after_s: float) -> list[dict[str, Any]]:
+    """Workers that ticked recently, with the state and backends they reported."""
+    rows = conn.execute(
+        """SELECT worker_id, hostname, pid, version, started_at, last_tick_at, state, detail
+           FROM worker_heartbeats
+           WHERE last_tick_at > now() - make_interval(secs => %s) AND state <> 'stopped'
+           ORDER BY worker_id""",
+        (stale_after_s,),
+    ).fetchall()
+    return [
+        {
+            "worker_id": r[0],
+            "hostname": r[1],
+            "pid": r[2],
+            "version": r[3],
+            "started_at": r[4].isoformat() if r[4] else None,
+            "last_tick_at": r[5].isoformat() if r[5] else None,
+            "state": r[6],
+            "backends": (r[7] or {}).get("backends", []),
+            "detail": r[7] or {},
+        }
+        for r in rows
+    ]
+
+
+def record_heartbeat(
+    conn: psycopg.Connection,
+    *,
+    worker_id: str,
+    hostname: str,
+    pid: int,
+    version: str,
+    state: str,
+    detail: dict[str, Any],
+) -> None:
+    """Upsert this worker's row in worker_heartbeats."""
+    conn.execute(
+        """INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,
+                                          state, detail)
+           VALUES (%s, %s, %s, %s, now(), %s, %s)
+           ON CONFLICT (worker_id) DO UPDATE SET last_tick_at = now(), state = EXCLUDED.state,
+               detail = EXCLUDED.detail""",
+        (worker_id, hostname, pid, version, state, Jsonb(detail)),
+    )
+
+
+def prune_heartbeats(conn: psycopg.Connection, *, older_than_s: float) -> int:
+    """Forget workers that have not ticked for a long time."""
+    return conn.execute(
+        "DELETE FROM worker_heartbeats WHERE last_tick_at < now() - make_interval(secs => %s)",
+        (older_than_s,),
+    ).rowcount
+
+
+def prune_failures_ttl(conn: psycopg.Connection, *, ttl_days: int) -> int:
+    """The optional failed_operations TTL (0 keeps everything)."""
+    if ttl_days <= 0:
+        return 0
+    return conn.execute(
+        "DELETE FROM failed_operations WHERE created_at < now() - make_interval(days => %s)",
+        (ttl_days,),
+    ).rowcount
+
+
+def database_has_fixed_embedding(conn: psycopg.Connection) -> int | None:
+    """The fixed dimension of memories.embedding (Sokratos: 2560) and whether it is NOT NULL."""
+    row = conn.execute(
+        """SELECT a.atttypmod, a.attnotnull FROM pg_attribute a
+           WHERE a.attrelid = 'memories'::regclass AND a.attname = 'embedding'"""
+    ).fetchone()
+    if row is None or not row[1]:
+        return None
+    return int(row[0]) if row[0] and row[0] > 0 else 0

@@ -1,0 +1,37 @@
+"""Small helpers to arrange and count rows in tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+
+
+def enqueue_many(conn: psycopg.Connection, n: int, *, behaviour: str = "ok",
+                 queue: str = "pending_triage", prefix: str = "k") -> list[int]:
+    """Enqueue ``n`` items through the SQL function; returns their ids."""
+    ids = []
+    for i in range(n):
+        payload: dict[str, Any] = (
+            {"exchange": f"user: item {i}\nassistant: ok", "behaviour": behaviour}
+            if queue == "pending_triage"
+            else {"archive_text": f"archive {i}", "behaviour": behaviour}
+        )
+        fn = "sokratos_enqueue_triage" if queue == "pending_triage" else "sokratos_enqueue_distillation"
+        row = conn.execute(f"SELECT {fn}(%s::jsonb, %s)", (json.dumps(payload), f"{prefix}{i}")).fetchone()
+        assert row is not None
+        ids.append(int(row[0]))
+    return ids
+
+
+def count(conn: psycopg.Connection, query: str, *params: Any) -> int:
+    """The single integer a COUNT query returns."""
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def outcomes(conn: psycopg.Connection) -> dict[int, str]:
+    """item_id → outcome for every recorded outcome."""
+    return {int(i): str(o) for i, o in conn.execute("SELECT item_id, outcome FROM work_outcomes")}
