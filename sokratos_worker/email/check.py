@@ -1,0 +1,316 @@
+"""Email checks: fetch what is above each account's checkpoint and enqueue its triage.
+
+For each message, :func:`sokratos_worker.store.email.record_message` commits the processed
+mark, the triage item and the new checkpoint together, so mail is never marked processed
+before its triage is durably queued (Sokratos hazard 1) and the checkpoint never passes a
+message that was not fetched (hazard 2). Messages are handled one by one, in UID order
+(hazard 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import structlog
+
+from sokratos_worker.config import EmailAccountConfig, Settings
+from sokratos_worker.email.imap import FetchedMessage, ImapError, ImapSession, MailboxState
+from sokratos_worker.email.parse import (
+    HEADER_LIMIT_BYTES,
+    format_email_summary,
+    message_key,
+    parse_email,
+    truncate_bytes,
+)
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.model import CheckLine
+from sokratos_worker.store import email as store
+
+log = structlog.get_logger(__name__)
+
+# A silent server must not hold up the tick: every socket read gives up after this.
+IMAP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class AccountReport:
+    """What one account's check did; ``error`` is set when it failed (and was recorded)."""
+
+    name: str
+    checked: bool = False
+    fetched: int = 0
+    enqueued: int = 0
+    seen_without_triage: int = 0
+    duplicates: int = 0
+    uidvalidity_reset: bool = False
+    skipped_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True unless the check failed."""
+        return self.error is None
+
+
+@dataclass
+class _Counts:
+    fetched: int = 0
+    enqueued: int = 0
+    seen_without_triage: int = 0
+    duplicates: int = 0
+
+
+def is_due(checkpoint: store.Checkpoint | None, interval_s: float, now: datetime) -> bool:
+    """Due when neither the last check nor the last failure is within the interval."""
+    if checkpoint is None:
+        return True
+    stamps = [t for t in (checkpoint.checked_at, checkpoint.last_error_at) if t is not None]
+    return not stamps or max(stamps) <= now - timedelta(seconds=interval_s)
+
+
+def build_payload(
+    account: EmailAccountConfig, uidvalidity: int, message: FetchedMessage
+) -> tuple[str, dict[str, Any]]:
+    """The processed_emails key and the triage payload of contract §4 (email shape)."""
+    parsed = parse_email(message.raw)
+    payload: dict[str, Any] = {
+        "account": account.name,
+        "mailbox": account.mailbox,
+        "uidvalidity": uidvalidity,
+        "uid": message.uid,
+        "message_id": parsed.message_id,
+        "from": truncate_bytes(parsed.from_, HEADER_LIMIT_BYTES),
+        "to": truncate_bytes(parsed.to, HEADER_LIMIT_BYTES),
+        "cc": truncate_bytes(parsed.cc, HEADER_LIMIT_BYTES),
+        "subject": truncate_bytes(parsed.subject, HEADER_LIMIT_BYTES),
+        "date": parsed.date.isoformat() if parsed.date else None,
+        "internal_date": message.internal_date.isoformat() if message.internal_date else None,
+        "attachments": [{"name": a.name, "size": a.size} for a in parsed.attachments],
+        "text": format_email_summary(parsed),
+        "size": len(message.raw),
+        "notes": list(parsed.notes),
+    }
+    return message_key(account.name, parsed), payload
+
+
+def _is_old(message: FetchedMessage, cutoff: datetime | None) -> bool:
+    """Before the initial-lookback cutoff (a missing INTERNALDATE counts as new)."""
+    return (
+        cutoff is not None
+        and message.internal_date is not None
+        and (message.internal_date < cutoff)
+    )
+
+
+def _record(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    state: MailboxState,
+    message: FetchedMessage,
+    *,
+    cutoff: datetime | None,
+    counts: _Counts,
+) -> None:
+    key, payload = build_payload(account, state.uidvalidity, message)
+    old = _is_old(message, cutoff)
+    record = store.MessageRecord(
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=state.uidvalidity,
+        uid=message.uid,
+        key=key,
+        payload=None if old else payload,
+    )
+    new, item_id = store.record_message(conn, record)
+    counts.fetched += 1
+    if not new:
+        counts.duplicates += 1
+    elif old:
+        counts.seen_without_triage += 1
+    else:
+        counts.enqueued += 1
+    log.debug(
+        "email_message_recorded",
+        account=account.name,
+        uid=message.uid,
+        new=new,
+        triaged=item_id is not None,
+        item_id=item_id,
+        size=len(message.raw),
+        notes=len(payload["notes"]),
+    )
+
+
+def check_account(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    checkpoint: store.Checkpoint | None,
+    *,
+    lookback_s: float,
+    now: datetime,
+    timeout: float,
+) -> AccountReport:
+    """One account's check; raises :class:`ImapError` (after committing what it could)."""
+    counts = _Counts()
+    reset = False
+    with ImapSession(account, timeout=timeout) as session:
+        state = session.examine()
+        last_uid = checkpoint.last_uid if checkpoint else 0
+        if checkpoint is not None and checkpoint.uidvalidity not in (None, state.uidvalidity):
+            log.warning(
+                "email_uidvalidity_changed",
+                account=account.name,
+                mailbox=account.mailbox,
+                old=checkpoint.uidvalidity,
+                new=state.uidvalidity,
+            )
+            store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
+            last_uid, reset = 0, True
+        # Until one check completes (first check, or after a reset), old mail is only seen.
+        first = reset or checkpoint is None or checkpoint.checked_at is None
+        cutoff = now - timedelta(seconds=lookback_s) if first else None
+        for batch in session.batches(session.refs_above(last_uid)):
+            for message in batch:
+                _record(conn, account, state, message, cutoff=cutoff, counts=counts)
+    store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
+    return AccountReport(
+        name=account.name,
+        checked=True,
+        fetched=counts.fetched,
+        enqueued=counts.enqueued,
+        seen_without_triage=counts.seen_without_triage,
+        duplicates=counts.duplicates,
+        uidvalidity_reset=reset,
+    )
+
+
+def _failed(
+    conn: store.Connection, account: EmailAccountConfig, error: str, now: datetime
+) -> AccountReport:
+    store.record_error(conn, account.name, account.mailbox, error, now)
+    log.warning("email_check_failed", account=account.name, error=error)
+    return AccountReport(name=account.name, error=error)
+
+
+def _check_one(
+    conn: store.Connection, account: EmailAccountConfig, settings: Settings, now: datetime
+) -> AccountReport:
+    checkpoint = store.load_checkpoint(conn, account.name, account.mailbox)
+    if not is_due(checkpoint, settings.email_check_interval, now):
+        return AccountReport(name=account.name, skipped_reason="not due")
+    if not store.advisory_lock(conn, account.name):
+        return AccountReport(name=account.name, skipped_reason="checked by another worker")
+    try:
+        report = check_account(
+            conn,
+            account,
+            checkpoint,
+            lookback_s=settings.email_initial_lookback,
+            now=now,
+            timeout=IMAP_TIMEOUT_S,
+        )
+    except ImapError as exc:
+        return _failed(conn, account, str(exc), now)
+    except DatabaseUnavailable:
+        raise
+    except Exception as exc:  # one account's surprise never stops the others
+        log.exception("email_check_crashed", account=account.name)
+        return _failed(conn, account, f"{type(exc).__name__}: {exc}", now)
+    finally:
+        store.release_lock(conn, account.name)
+    log.info(
+        "email_check_finished",
+        account=account.name,
+        fetched=report.fetched,
+        enqueued=report.enqueued,
+        seen_without_triage=report.seen_without_triage,
+        duplicates=report.duplicates,
+        uidvalidity_reset=report.uidvalidity_reset,
+    )
+    return report
+
+
+def check_due_accounts(
+    settings: Settings, conninfo: str, *, now: datetime | None = None
+) -> list[AccountReport]:
+    """Check every configured account that is due; one report per account, in config order.
+
+    An account is due when its last check (or last failure) is older than
+    ``settings.email_check_interval``; an interval of 0 disables checks (returns ``[]``).
+    IMAP failures (connection, TLS, login, protocol) are logged with the account's name,
+    stored in ``email_checkpoints.last_error`` and returned in the report: they never raise
+    and never stop the other accounts. What was committed before a failure stays committed.
+    Raises :class:`sokratos_worker.errors.DatabaseUnavailable` only when PostgreSQL cannot
+    be reached. ``now`` (aware) is injectable for tests.
+    """
+    if settings.email_check_interval <= 0 or not settings.email_accounts:
+        return []
+    current = now or datetime.now(UTC)
+    reports: list[AccountReport] = []
+    with store.connect(conninfo) as conn:
+        for account in settings.email_accounts:
+            reports.append(_check_one(conn, account, settings, current))
+    return reports
+
+
+def probe_accounts(settings: Settings, *, timeout: float = 15.0) -> list[CheckLine]:
+    """Log in and EXAMINE each account (changes nothing); one line per account for ``check``."""
+    lines: list[CheckLine] = []
+    for account in settings.email_accounts:
+        component = f"email account {account.name}"
+        try:
+            with ImapSession(account, timeout=timeout) as session:
+                state = session.examine()
+        except ImapError as exc:
+            lines.append(CheckLine(component, ok=False, detail=str(exc)))
+            continue
+        lines.append(
+            CheckLine(
+                component,
+                ok=True,
+                detail=f"{account.host}:{account.imap_port} {account.mailbox}: "
+                f"{state.exists} messages, UIDVALIDITY {state.uidvalidity}",
+            )
+        )
+    return lines
+
+
+def account_statuses(
+    conn: store.Connection, accounts: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """``status``'s ``email_accounts``: ``{"name", "last_check_at", "last_error"}`` per account.
+
+    Also ``mailbox`` and ``last_error_at``; timestamps are ISO-8601 strings or None. With
+    ``accounts`` (the configured names), accounts never checked are listed too, and rows of
+    accounts no longer configured are left out.
+    """
+    rows = {row["account"]: row for row in store.account_rows(conn)}
+    names = list(accounts) if accounts is not None else list(rows)
+    out: list[dict[str, Any]] = []
+    for name in names:
+        row = rows.get(name, {})
+        checked, failed = row.get("checked_at"), row.get("last_error_at")
+        out.append(
+            {
+                "name": name,
+                "mailbox": row.get("mailbox"),
+                "last_check_at": checked.isoformat() if checked else None,
+                "last_error": row.get("last_error"),
+                "last_error_at": failed.isoformat() if failed else None,
+            }
+        )
+    return out
+
+
+def prune_processed_emails(conn: store.Connection, ttl_days: int) -> int:
+    """Delete processed_emails older than ``ttl_days`` that no checkpoint can fetch again.
+
+    Returns the number of rows deleted; see
+    :func:`sokratos_worker.store.email.prune_processed_emails` for the rule.
+    """
+    deleted = store.prune_processed_emails(conn, ttl_days)
+    log.info("processed_emails_pruned", deleted=deleted, ttl_days=ttl_days)
+    return deleted

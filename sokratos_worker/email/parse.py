@@ -1,0 +1,315 @@
+"""Raw RFC 5322 bytes → :class:`ParsedEmail`, and Sokratos's email summary format.
+
+Parsing never raises: whatever a mail server hands over (broken MIME, unknown charsets, NUL
+bytes, undecodable base64) becomes a best-effort text plus a note in ``notes`` saying what
+was wrong, so one bad message never stops a check (``durability.md`` "Bad input").
+"""
+
+from __future__ import annotations
+
+import email
+import email.header
+import email.utils
+import hashlib
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from email import policy
+from email.message import Message
+from html.parser import HTMLParser
+
+# Sokratos truncates the body to 2000 bytes before triage (behaviour §4.3).
+BODY_LIMIT_BYTES = 2000
+# Address lists and subjects are bounded too, so one message cannot make a huge payload.
+HEADER_LIMIT_BYTES = 2000
+# The attachment list appended to the summary is bounded separately.
+ATTACHMENTS_LIMIT_BYTES = 500
+# processed_emails.message_id is varchar(255) in Sokratos's schema.
+KEY_LIMIT = 255
+
+_BLOCK_TAGS = frozenset(
+    {"p", "div", "br", "tr", "li", "h1", "h2", "h3", "h4", "h5", "h6", "table", "ul", "ol"}
+    | {"blockquote", "pre", "hr", "section", "article", "header", "footer"}
+)
+_SKIP_TAGS = frozenset({"script", "style", "head", "title"})
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """An attachment's name and decoded size; its content is never stored."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ParsedEmail:
+    """What triage needs from one message; ``body`` is the full extracted text."""
+
+    message_id: str | None
+    from_: str
+    to: str
+    cc: str
+    subject: str
+    date: datetime | None
+    date_raw: str
+    body: str
+    attachments: tuple[Attachment, ...] = ()
+    notes: tuple[str, ...] = ()
+    raw_body: bytes = field(default=b"", repr=False)
+
+
+def truncate_bytes(text: str, limit: int) -> str:
+    """Sokratos's ``Truncate``: cut to ``limit`` UTF-8 bytes on a character boundary, add "..."."""
+    encoded = text.encode("utf-8")
+    if len(encoded) <= limit:
+        return text
+    return encoded[:limit].decode("utf-8", errors="ignore") + "..."
+
+
+class _HtmlText(HTMLParser):
+    """Text content of an HTML document: tags dropped, blocks on their own lines."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in _SKIP_TAGS:
+            self._skip += 1
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _SKIP_TAGS:
+            self._skip = max(0, self._skip - 1)
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if not self._skip:
+            self.parts.append(data)
+
+
+def html_to_text(markup: str) -> str:
+    """Readable text from HTML using only the standard library's parser."""
+    parser = _HtmlText()
+    try:
+        parser.feed(markup)
+        parser.close()
+    except Exception:  # html.parser is lenient, but a crash must not escape
+        return re.sub(r"<[^>]*>", " ", markup)
+    text = "".join(parser.parts)
+    lines = (re.sub(r"[ \t\r\f\v\xa0]+", " ", line).strip() for line in text.split("\n"))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
+    """Decode with the declared charset; an unknown one falls back to UTF-8 with replacement."""
+    name = (charset or "utf-8").strip().strip('"').lower() or "utf-8"
+    try:
+        return data.decode(name, errors="replace")
+    except LookupError:
+        notes.append(f"unknown charset {name!r}: decoded as UTF-8 with replacement characters")
+        return data.decode("utf-8", errors="replace")
+
+
+def _decode_header(value: str, notes: list[str]) -> str:
+    """An RFC 2047 header value as text, unfolded; bad encoded words never raise."""
+    unfolded = re.sub(r"\r?\n[ \t]+", " ", value).strip()
+    try:
+        pieces = email.header.decode_header(unfolded)
+    except Exception:  # a malformed encoded word keeps its raw form
+        return unfolded
+    out: list[str] = []
+    for piece, charset in pieces:
+        if isinstance(piece, str):
+            out.append(piece)
+        else:
+            out.append(_decode_bytes(piece, charset or "ascii", notes))
+    return "".join(out).strip()
+
+
+def _header(msg: Message, name: str, notes: list[str]) -> str:
+    """All values of one header, decoded and joined; read raw so parsing cannot raise."""
+    wanted = name.lower()
+    values = [
+        _decode_header(str(value), notes) for key, value in msg.raw_items() if key.lower() == wanted
+    ]
+    return ", ".join(v for v in values if v)
+
+
+def _parse_date(value: str) -> datetime | None:
+    """An RFC 5322 date, or None when unparsable (Sokratos wrote year 1; we write NULL)."""
+    if not value:
+        return None
+    try:
+        parsed = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if parsed.tzinfo is None:
+        return None  # "-0000" means no zone information: not a usable instant
+    return parsed
+
+
+def _payload_bytes(part: Message, notes: list[str]) -> bytes:
+    """A part's decoded content; broken transfer encodings give their best effort."""
+    try:
+        data = part.get_payload(decode=True)
+    except Exception as exc:  # a broken part becomes a note, not a crash
+        notes.append(f"undecodable part {part.get_content_type()}: {type(exc).__name__}")
+        return b""
+    if isinstance(data, bytes):
+        return data
+    return b""
+
+
+def _is_attachment(part: Message) -> bool:
+    disposition = part.get_content_disposition()
+    if disposition == "attachment":
+        return True
+    if part.get_filename():
+        return True
+    return part.get_content_maintype() not in {"text", "multipart", "message"}
+
+
+def _attachment_name(part: Message, notes: list[str]) -> str:
+    try:
+        name = part.get_filename()
+    except Exception:  # RFC 2231 parameters can be malformed
+        name = None
+    if name:
+        return _decode_header(name, notes)
+    return f"(unnamed {part.get_content_type()})"
+
+
+def _defect_notes(msg: Message) -> list[str]:
+    names = sorted({type(d).__name__ for part in msg.walk() for d in getattr(part, "defects", [])})
+    return [f"malformed MIME: {', '.join(names)}"] if names else []
+
+
+def _walk(msg: Message, notes: list[str]) -> tuple[str, str, list[Attachment]]:
+    """The first text/plain and text/html bodies and the attachments, depth first."""
+    plain = html = ""
+    attachments: list[Attachment] = []
+    for part in msg.walk():
+        if part.is_multipart():
+            continue
+        content_type = part.get_content_type()
+        if part.get_content_maintype() == "multipart":
+            # A multipart without a usable boundary: show its raw text rather than nothing.
+            notes.append(f"malformed MIME: {content_type} without parts; showing the raw text")
+            raw = part.get_payload()
+            if not plain and isinstance(raw, str):
+                plain = raw
+            continue
+        if _is_attachment(part):
+            data = _payload_bytes(part, notes)
+            attachments.append(Attachment(_attachment_name(part, notes), len(data)))
+            continue
+        if content_type == "text/plain" and not plain:
+            plain = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
+        elif content_type == "text/html" and not html:
+            html = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
+    return plain, html, attachments
+
+
+def _raw_body(raw: bytes) -> bytes:
+    """Everything after the header block, for the hash of a message without Message-ID."""
+    for separator in (b"\r\n\r\n", b"\n\n"):
+        index = raw.find(separator)
+        if index >= 0:
+            return raw[index + len(separator) :]
+    return b""
+
+
+def _clean(text: str, notes: list[str]) -> str:
+    """PostgreSQL cannot store NUL in text or jsonb: drop them and say so."""
+    if "\x00" in text:
+        if "NUL bytes removed" not in notes:
+            notes.append("NUL bytes removed")
+        return text.replace("\x00", "")
+    return text
+
+
+def parse_email(raw: bytes) -> ParsedEmail:
+    """Parse one message; never raises, records what was wrong in ``notes``."""
+    notes: list[str] = []
+    try:
+        msg = email.message_from_bytes(raw, policy=policy.default)
+    except Exception as exc:  # the email package should not raise, but never crash
+        text = raw.decode("utf-8", errors="replace")
+        return ParsedEmail(
+            message_id=None,
+            from_="",
+            to="",
+            cc="",
+            subject="",
+            date=None,
+            date_raw="",
+            body=_clean(text, notes),
+            notes=(f"unparsable message ({type(exc).__name__}): shown as raw text", *notes),
+            raw_body=raw,
+        )
+    notes.extend(_defect_notes(msg))
+    try:
+        plain, html, attachments = _walk(msg, notes)
+    except Exception as exc:  # deeply broken structure: fall back to raw text
+        notes.append(f"malformed MIME ({type(exc).__name__}): body shown as raw text")
+        plain, html, attachments = _raw_body(raw).decode("utf-8", errors="replace"), "", []
+    body = plain.strip()
+    if not body and html:
+        body = html_to_text(html)
+        notes.append("HTML-only message: text made from text/html")
+    message_id = _header(msg, "Message-ID", notes).strip() or None
+    date_raw = _header(msg, "Date", notes)
+    date = _parse_date(date_raw)
+    if date_raw and date is None:
+        notes.append("unparsable Date header")
+    return ParsedEmail(
+        message_id=_clean(message_id, notes) if message_id else None,
+        from_=_clean(_header(msg, "From", notes), notes),
+        to=_clean(_header(msg, "To", notes), notes),
+        cc=_clean(_header(msg, "Cc", notes), notes),
+        subject=_clean(_header(msg, "Subject", notes), notes),
+        date=date,
+        date_raw=date_raw,
+        body=_clean(body, notes),
+        attachments=tuple(Attachment(_clean(a.name, notes), a.size) for a in attachments),
+        notes=tuple(dict.fromkeys(notes)),
+        raw_body=_raw_body(raw),
+    )
+
+
+def message_key(account: str, parsed: ParsedEmail) -> str:
+    """The processed_emails key: ``<account>:<Message-ID>``, else ``<account>:sha256:<hex>``."""
+    if parsed.message_id:
+        key = f"{account}:{parsed.message_id}"
+        if len(key) <= KEY_LIMIT:
+            return key
+    digest = hashlib.sha256()
+    for part in (parsed.date_raw, parsed.from_, parsed.subject):
+        digest.update(part.encode("utf-8", errors="replace") + b"\x00")
+    digest.update(parsed.raw_body)
+    return f"{account}:sha256:{digest.hexdigest()}"
+
+
+def format_email_summary(parsed: ParsedEmail) -> str:
+    """Sokratos's ``FormatEmailSummary`` (behaviour §4.3): headers, blank line, bounded body."""
+    lines = [
+        f"From: {truncate_bytes(parsed.from_, HEADER_LIMIT_BYTES)}",
+        f"To: {truncate_bytes(parsed.to, HEADER_LIMIT_BYTES) or '(unknown)'}",
+    ]
+    if parsed.cc:
+        lines.append(f"CC: {truncate_bytes(parsed.cc, HEADER_LIMIT_BYTES)}")
+    lines.append(f"Subject: {truncate_bytes(parsed.subject, HEADER_LIMIT_BYTES)}")
+    lines.append(
+        f"Date: {parsed.date.astimezone().strftime('%Y-%m-%d %H:%M') if parsed.date else ''}"
+    )
+    text = "\n".join(lines) + "\n\n" + truncate_bytes(parsed.body, BODY_LIMIT_BYTES)
+    if parsed.attachments:
+        # Not in Sokratos's format, but the model should know a file came with the mail.
+        listed = ", ".join(f"{a.name} ({a.size} bytes)" for a in parsed.attachments)
+        text += "\n\n" + truncate_bytes(f"[attachments: {listed}]", ATTACHMENTS_LIMIT_BYTES)
+    return text

@@ -1,0 +1,217 @@
+"""The SQL of email checks: checkpoints, processed_emails and the enqueue of triage items.
+
+:func:`record_message` is the heart of it: one transaction that marks a message processed,
+enqueues its triage item and advances the checkpoint, so a crash anywhere leaves either all
+three or none (``durability.md`` "Email").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import psycopg
+
+from sokratos_worker.store.connection import connect, translated
+
+Connection: TypeAlias = psycopg.Connection[Any]
+
+__all__ = [
+    "Checkpoint",
+    "Connection",
+    "MessageRecord",
+    "account_rows",
+    "advisory_lock",
+    "connect",
+    "finish_check",
+    "load_checkpoint",
+    "prune_processed_emails",
+    "record_error",
+    "record_message",
+    "release_lock",
+    "reset_checkpoint",
+]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where an account's mailbox was last read up to."""
+
+    uidvalidity: int | None
+    last_uid: int
+    checked_at: datetime | None
+    last_error: str | None
+    last_error_at: datetime | None
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """One fetched message to record; ``payload`` is None when it is seen but not triaged."""
+
+    account: str
+    mailbox: str
+    uidvalidity: int
+    uid: int
+    key: str
+    payload: dict[str, Any] | None
+
+
+def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint | None:
+    """The account's checkpoint row, or None before its first check."""
+    with translated():
+        row = conn.execute(
+            "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at"
+            " FROM email_checkpoints WHERE account = %s AND mailbox = %s",
+            (account, mailbox),
+        ).fetchone()
+    return Checkpoint(*row) if row else None
+
+
+def reset_checkpoint(conn: Connection, account: str, mailbox: str, uidvalidity: int) -> None:
+    """Start a new UIDVALIDITY epoch: last_uid 0, and not yet completely checked."""
+    with translated():
+        conn.execute(
+            "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, last_uid)"
+            " VALUES (%s, %s, %s, 0)"
+            " ON CONFLICT (account, mailbox) DO UPDATE"
+            " SET uidvalidity = EXCLUDED.uidvalidity, last_uid = 0, checked_at = NULL",
+            (account, mailbox, uidvalidity),
+        )
+
+
+def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
+    """True when the key is new; a known key only learns its current UID (for pruning)."""
+    row = conn.execute(
+        "INSERT INTO processed_emails (message_id, account, mailbox, uidvalidity, uid)"
+        " VALUES (%s, %s, %s, %s, %s)"
+        " ON CONFLICT (message_id) DO UPDATE"
+        " SET mailbox = EXCLUDED.mailbox, uidvalidity = EXCLUDED.uidvalidity, uid = EXCLUDED.uid"
+        " WHERE processed_emails.account IS NOT DISTINCT FROM EXCLUDED.account"
+        " RETURNING (xmax = 0) AS inserted",
+        (record.key, record.account, record.mailbox, record.uidvalidity, record.uid),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _enqueue(conn: Connection, record: MessageRecord) -> int:
+    """The triage item, keyed by account and message so a replay returns the same id."""
+    assert record.payload is not None  # noqa: S101 - callers only enqueue with a payload
+    row = conn.execute(
+        "SELECT sokratos_enqueue_triage(%s::jsonb, %s, 'email')",
+        (json.dumps(record.payload, ensure_ascii=False), f"email:{record.key}"),
+    ).fetchone()
+    assert row is not None  # noqa: S101 - the function always returns a row
+    item_id = int(row[0])
+    conn.execute(
+        "UPDATE processed_emails SET item_id = %s WHERE message_id = %s", (item_id, record.key)
+    )
+    return item_id
+
+
+def _advance_checkpoint(conn: Connection, record: MessageRecord) -> None:
+    """Move last_uid forward (never back, should two checks of one account overlap)."""
+    conn.execute(
+        "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, last_uid)"
+        " VALUES (%s, %s, %s, %s)"
+        " ON CONFLICT (account, mailbox) DO UPDATE SET"
+        " last_uid = CASE WHEN email_checkpoints.uidvalidity = EXCLUDED.uidvalidity"
+        "   THEN GREATEST(email_checkpoints.last_uid, EXCLUDED.last_uid)"
+        "   ELSE EXCLUDED.last_uid END,"
+        " uidvalidity = EXCLUDED.uidvalidity",
+        (record.account, record.mailbox, record.uidvalidity, record.uid),
+    )
+
+
+def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int | None]:
+    """Processed mark, triage item and checkpoint in one transaction.
+
+    Returns ``(new, item_id)``: ``new`` is False when the key was already processed (a
+    duplicate Message-ID or a re-fetch after a crash or UIDVALIDITY change).
+    """
+    item_id: int | None = None
+    with translated(), conn.transaction():
+        new = _insert_processed(conn, record)
+        if new and record.payload is not None:
+            item_id = _enqueue(conn, record)
+        _advance_checkpoint(conn, record)
+    return new, item_id
+
+
+def finish_check(
+    conn: Connection, account: str, mailbox: str, uidvalidity: int, now: datetime
+) -> None:
+    """A complete check: stamp checked_at and clear the last error."""
+    with translated():
+        conn.execute(
+            "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, checked_at)"
+            " VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (account, mailbox) DO UPDATE SET uidvalidity = EXCLUDED.uidvalidity,"
+            " checked_at = EXCLUDED.checked_at, last_error = NULL, last_error_at = NULL",
+            (account, mailbox, uidvalidity, now),
+        )
+
+
+def record_error(conn: Connection, account: str, mailbox: str, error: str, now: datetime) -> None:
+    """Remember why the last check failed (shown by ``status``); the checkpoint stays."""
+    with translated():
+        conn.execute(
+            "INSERT INTO email_checkpoints (account, mailbox, last_error, last_error_at)"
+            " VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (account, mailbox) DO UPDATE"
+            " SET last_error = EXCLUDED.last_error, last_error_at = EXCLUDED.last_error_at",
+            (account, mailbox, error, now),
+        )
+
+
+def account_rows(conn: Connection) -> list[dict[str, Any]]:
+    """Every checkpoint row, by account name."""
+    with translated():
+        rows = conn.execute(
+            "SELECT account, mailbox, uidvalidity, last_uid, checked_at, last_error, last_error_at"
+            " FROM email_checkpoints ORDER BY account, mailbox"
+        ).fetchall()
+    keys = ("account", "mailbox", "uidvalidity", "last_uid", "checked_at", "last_error")
+    return [dict(zip((*keys, "last_error_at"), row, strict=True)) for row in rows]
+
+
+def advisory_lock(conn: Connection, account: str) -> bool:
+    """Try the account's session lock, so two workers never check one account at once."""
+    with translated():
+        row = conn.execute(
+            "SELECT pg_try_advisory_lock(hashtext('sokratos-email'), hashtext(%s))", (account,)
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def release_lock(conn: Connection, account: str) -> None:
+    """Release the lock taken by :func:`advisory_lock`."""
+    with translated():
+        conn.execute(
+            "SELECT pg_advisory_unlock(hashtext('sokratos-email'), hashtext(%s))", (account,)
+        )
+
+
+def prune_processed_emails(conn: Connection, ttl_days: int) -> int:
+    """Delete processed_emails rows older than ``ttl_days``; returns how many.
+
+    A worker row goes only when its account's checkpoint is past it (same mailbox and
+    UIDVALIDITY, ``last_uid >= uid``, and a completed check), or when it belongs to an older
+    UIDVALIDITY epoch the current one has completely re-checked: a pruned key can then never
+    be fetched again. Rows without an account (Sokratos's own) go by age alone, as in Sokratos.
+    """
+    if ttl_days <= 0:
+        return 0
+    with translated():
+        cur = conn.execute(
+            "DELETE FROM processed_emails p"
+            " WHERE p.seen_at < now() - make_interval(days => %s)"
+            " AND (p.account IS NULL OR EXISTS ("
+            "   SELECT 1 FROM email_checkpoints c"
+            "   WHERE c.account = p.account AND c.mailbox = p.mailbox"
+            "     AND c.checked_at IS NOT NULL"
+            "     AND (c.uidvalidity <> p.uidvalidity OR c.last_uid >= p.uid)))",
+            (ttl_days,),
+        )
+    return cur.rowcount

@@ -1,0 +1,100 @@
+"""Raw test messages, built by hand so that broken ones stay broken."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+
+def plain(
+    subject: str = "Lunch on Friday?",
+    body: str = "Shall we meet at noon at the usual place?",
+    *,
+    message_id: str | None = "auto",
+    sender: str = "Bob Example <bob@example.org>",
+    to: str = "alice@example.org",
+    date: str = "Tue, 01 Dec 2026 09:30:00 +0000",
+    extra_headers: str = "",
+) -> bytes:
+    """A simple text/plain UTF-8 message; ``message_id=None`` leaves the header out."""
+    mid = f"<{uuid.uuid4().hex}@example.org>" if message_id == "auto" else message_id
+    headers = [f"From: {sender}", f"To: {to}", f"Subject: {subject}", f"Date: {date}"]
+    if mid is not None:
+        headers.append(f"Message-ID: {mid}")
+    headers += ["MIME-Version: 1.0", "Content-Type: text/plain; charset=utf-8"]
+    headers += ["Content-Transfer-Encoding: 8bit"]
+    if extra_headers:
+        headers.append(extra_headers)
+    return ("\r\n".join(headers) + "\r\n\r\n" + body.replace("\n", "\r\n") + "\r\n").encode()
+
+
+def html_only() -> bytes:
+    return (
+        b"From: news@example.org\r\nTo: alice@example.org\r\nSubject: Newsletter\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0000\r\nMessage-ID: <html-1@example.org>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: text/html; charset=utf-8\r\n\r\n"
+        b"<html><head><style>p {color: red}</style><script>alert('x')</script></head>"
+        b"<body><h1>Big&nbsp;news</h1><p>The <b>meeting</b> moved to &lt;Thursday&gt;.</p>"
+        b"</body></html>\r\n"
+    )
+
+
+def unknown_charset() -> bytes:
+    return (
+        b"From: odd@example.org\r\nTo: alice@example.org\r\nSubject: Strange charset\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0000\r\nMessage-ID: <charset-1@example.org>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: text/plain; charset=x-no-such-charset\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n\r\n"
+        b"Hello \xff\xfe world, caf\xc3\xa9\r\n"
+    )
+
+
+def latin1() -> bytes:
+    return (
+        b"From: =?ISO-8859-1?Q?J=FCrgen?= <juergen@example.de>\r\nTo: alice@example.org\r\n"
+        b"Subject: =?ISO-8859-1?Q?Gr=FC=DFe_aus_M=FCnchen?=\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0100\r\nMessage-ID: <latin1-1@example.de>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: text/plain; charset=ISO-8859-1\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n\r\n"
+        b"Sch\xf6ne Gr\xfc\xdfe, bis Montag!\r\n"
+    )
+
+
+def malformed_mime() -> bytes:
+    """multipart/mixed that declares no boundary, with a broken base64 part after it."""
+    return (
+        b"From: broken@example.org\r\nTo: alice@example.org\r\nSubject: Broken MIME\r\n"
+        b"Date: not a date at all\r\nMessage-ID: <broken-1@example.org>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed\r\n\r\n"
+        b"--nope\r\nContent-Type: text/plain\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+        b"SGVsbG8gd29ybGQ=!!!***\r\n--nope--\r\n"
+    )
+
+
+def unclosed_multipart() -> bytes:
+    """A multipart whose boundary is never closed and whose part has a bad base64 body."""
+    return (
+        b"From: broken@example.org\r\nTo: alice@example.org\r\nSubject: Unclosed\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0000\r\n"
+        b'MIME-Version: 1.0\r\nContent-Type: multipart/alternative; boundary="BB"\r\n\r\n'
+        b"--BB\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Transfer-Encoding: base64\r\n\r\nSGVsbG8gdGhlcmU=\r\n"
+        b"--BB\r\nContent-Type: text/html\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+        b"@@@not base64@@@\r\n"
+    )
+
+
+def with_attachment(size: int = 3 * 1024 * 1024) -> tuple[bytes, int]:
+    """A text message with a ``size``-byte binary attachment (base64 in the message)."""
+    data = bytes(range(256)) * (size // 256)
+    encoded = base64.encodebytes(data).replace(b"\n", b"\r\n")
+    raw = (
+        b"From: bob@example.org\r\nTo: alice@example.org\r\nSubject: The slides\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0000\r\nMessage-ID: <attach-1@example.org>\r\n"
+        b'MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary="XYZ"\r\n\r\n'
+        b"--XYZ\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nSlides attached.\r\n"
+        b"--XYZ\r\nContent-Type: application/pdf\r\n"
+        b'Content-Disposition: attachment; filename="slides.pdf"\r\n'
+        b"Content-Transfer-Encoding: base64\r\n\r\n" + encoded + b"--XYZ--\r\n"
+    )
+    return raw, len(data)
