@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Install or upgrade sokratos-worker as a systemd service. Idempotent: run it again after an
+# upgrade or after adding a secret to /etc/sokratos-worker/credentials/.
+set -euo pipefail
+
+APP=sokratos-worker
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_DIR=$(cd "$SCRIPT_DIR/.." && pwd)
+
+usage() {
+    cat <<USAGE
+Usage: install.sh [OPTIONS] [SOURCE]
+
+Install sokratos-worker under /opt/$APP with its systemd units (run as root).
+
+SOURCE is what pip installs: a source checkout, a wheel, or a requirement such as
+"sokratos-worker==0.1.0". Default: the checkout this script belongs to ($REPO_DIR).
+
+What it does (each step only when needed):
+  1. creates the virtualenv /opt/$APP/venv and pip-installs SOURCE into it (upgrading);
+  2. installs $APP.service and $APP@.service into /etc/systemd/system/;
+  3. creates /etc/$APP/env from the example (mode 0640) if it does not exist;
+  4. creates /etc/$APP/credentials/ (mode 0700) and writes the units' drop-ins
+     ($APP.service.d/credentials.conf, $APP@.service.d/credentials.conf) with one
+     LoadCredential= line per file found there;
+  5. runs "systemctl daemon-reload" when systemd is running.
+It never enables or starts the service and never overwrites /etc/$APP/env.
+
+Options:
+  --prefix DIR     install under DIR instead of / (a staging root: the units still refer to
+                   /opt/$APP; no root needed, systemctl is not called)
+  --python PATH    the Python (3.11 or later) that creates the venv (default: python3.11,
+                   else python3)
+  --extras LIST    pip extras to install, e.g. "local" for the bundled demonstration model
+  --skip-venv      do not create or update the virtualenv (units and /etc only)
+  -h, --help       show this help and exit
+USAGE
+}
+
+PREFIX=""
+PYTHON=""
+EXTRAS=""
+SKIP_VENV=0
+SOURCE=""
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --prefix) PREFIX=${2:?--prefix needs a directory}; shift 2 ;;
+        --prefix=*) PREFIX=${1#*=}; shift ;;
+        --python) PYTHON=${2:?--python needs a path}; shift 2 ;;
+        --python=*) PYTHON=${1#*=}; shift ;;
+        --extras) EXTRAS=${2:?--extras needs a list}; shift 2 ;;
+        --extras=*) EXTRAS=${1#*=}; shift ;;
+        --skip-venv) SKIP_VENV=1; shift ;;
+        -*) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *)
+            if [[ -n "$SOURCE" ]]; then
+                echo "install.sh: only one SOURCE may be given" >&2; exit 2
+            fi
+            SOURCE=$1; shift ;;
+    esac
+done
+
+if [[ -n "$PREFIX" ]]; then
+    mkdir -p "$PREFIX"
+    PREFIX=$(cd "$PREFIX" && pwd)
+elif [[ $(id -u) -ne 0 ]]; then
+    echo "install.sh: run as root (or use --prefix DIR to stage an installation)" >&2
+    exit 1
+fi
+SOURCE=${SOURCE:-$REPO_DIR}
+
+OPT_DIR="$PREFIX/opt/$APP"
+VENV="$OPT_DIR/venv"
+ETC_DIR="$PREFIX/etc/$APP"
+CRED_DIR="$ETC_DIR/credentials"
+UNIT_DIR="$PREFIX/etc/systemd/system"
+# What the units name, whatever the prefix: the paths on the target system.
+LIVE_CRED_DIR="/etc/$APP/credentials"
+
+say() { printf '%s\n' "install.sh: $*"; }
+
+find_python() {
+    if [[ -n "$PYTHON" ]]; then
+        echo "$PYTHON"; return
+    fi
+    local candidate
+    for candidate in python3.13 python3.12 python3.11 python3; do
+        if command -v "$candidate" >/dev/null 2>&1; then
+            command -v "$candidate"; return
+        fi
+    done
+    echo "install.sh: no python3 found (use --python)" >&2
+    exit 1
+}
+
+install_venv() {
+    local python
+    python=$(find_python)
+    if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "install.sh: $python is older than Python 3.11" >&2
+        exit 1
+    fi
+    mkdir -p "$OPT_DIR"
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        say "creating $VENV"
+        "$python" -m venv "$VENV"
+    fi
+    local requirement=$SOURCE
+    if [[ -n "$EXTRAS" ]]; then
+        requirement="$SOURCE[$EXTRAS]"
+    fi
+    say "installing $requirement"
+    "$VENV/bin/python" -m pip install --quiet --upgrade "$requirement"
+    "$VENV/bin/$APP" --version >/dev/null || {
+        echo "install.sh: $VENV/bin/$APP does not run" >&2
+        exit 1
+    }
+}
+
+install_units() {
+    mkdir -p "$UNIT_DIR"
+    local unit
+    for unit in "$APP.service" "$APP@.service"; do
+        install -m 0644 "$REPO_DIR/systemd/$unit" "$UNIT_DIR/$unit"
+    done
+    say "installed the units into $UNIT_DIR"
+    if [[ -f "$REPO_DIR/docs/production.md" ]]; then
+        mkdir -p "$OPT_DIR/docs"
+        install -m 0644 "$REPO_DIR/docs/production.md" "$OPT_DIR/docs/production.md"
+    fi
+}
+
+install_env() {
+    mkdir -p "$ETC_DIR"
+    chmod 0755 "$ETC_DIR"
+    install -m 0644 "$SCRIPT_DIR/$APP.env.example" "$ETC_DIR/env.example"
+    if [[ -e "$ETC_DIR/env" ]]; then
+        say "kept the existing $ETC_DIR/env (compare with env.example after upgrades)"
+    else
+        install -m 0640 "$SCRIPT_DIR/$APP.env.example" "$ETC_DIR/env"
+        say "created $ETC_DIR/env: edit it, then start the service"
+    fi
+}
+
+install_credentials() {
+    mkdir -p "$CRED_DIR"
+    chmod 0700 "$CRED_DIR"
+    cat > "$CRED_DIR/README" <<README
+Secrets for $APP, one file each, readable by root only (mode 0600).
+
+Name a file after the variable it holds, e.g.
+    printf '%s' 'postgresql://sokratos_worker:PASSWORD@db.example.org/sokratos' \\
+        > $LIVE_CRED_DIR/SOKRATOS_DATABASE_URL
+    chmod 0600 $LIVE_CRED_DIR/SOKRATOS_DATABASE_URL
+or after the api_key_file / password_file name used in SOKRATOS_LLM_BACKENDS and
+SOKRATOS_EMAIL_ACCOUNTS (e.g. "api_key_file": "llm-api-key" -> a file named llm-api-key).
+
+Then run deploy/install.sh again: it writes one LoadCredential= line per file into
+/etc/systemd/system/$APP.service.d/credentials.conf (and the same for $APP@.service),
+and systemd hands the files to the worker in \$CREDENTIALS_DIRECTORY when it starts.
+A trailing newline is removed. This README itself is never passed on.
+README
+    chmod 0600 "$CRED_DIR/README"
+
+    local lines="" file name
+    for file in "$CRED_DIR"/*; do
+        [[ -f "$file" ]] || continue
+        name=$(basename "$file")
+        [[ "$name" == README ]] && continue
+        if [[ ! "$name" =~ ^[A-Za-z0-9_][A-Za-z0-9_.@-]*$ ]]; then
+            say "skipped credential $name: not a valid credential name"
+            continue
+        fi
+        chmod 0600 "$file"
+        lines+="LoadCredential=$name:$LIVE_CRED_DIR/$name"$'\n'
+    done
+
+    local unit dropin
+    for unit in "$APP.service" "$APP@.service"; do
+        dropin="$UNIT_DIR/$unit.d"
+        mkdir -p "$dropin"
+        {
+            echo "# Generated by deploy/install.sh from the files in $LIVE_CRED_DIR;"
+            echo "# re-run it after adding or removing a secret. Do not edit."
+            echo "[Service]"
+            printf '%s' "$lines"
+        } > "$dropin/credentials.conf.tmp"
+        chmod 0644 "$dropin/credentials.conf.tmp"
+        mv -f "$dropin/credentials.conf.tmp" "$dropin/credentials.conf"
+    done
+    local count
+    count=$(printf '%s' "$lines" | grep -c . || true)
+    say "credentials: $count file(s) in $CRED_DIR passed with LoadCredential="
+}
+
+reload_systemd() {
+    if [[ -n "$PREFIX" ]]; then
+        say "--prefix given: not calling systemctl"
+    elif [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
+        systemctl daemon-reload
+        say "systemd reloaded"
+    else
+        say "systemd is not running here: skipped 'systemctl daemon-reload'"
+    fi
+}
+
+if [[ $SKIP_VENV -eq 0 ]]; then
+    install_venv
+else
+    say "--skip-venv: left $VENV alone"
+fi
+install_units
+install_env
+install_credentials
+reload_systemd
+
+cat <<NEXT
+install.sh: done. Next:
+  1. edit $ETC_DIR/env (and put secrets into $CRED_DIR, then run this script again);
+  2. create the database roles (sql/roles.sql) and run migrations as the owner:
+       $VENV/bin/$APP migrate
+  3. check and start:
+       systemctl start $APP && systemctl status $APP
+     or several workers on this host: systemctl start $APP@a $APP@b
+  See docs/production.md.
+NEXT

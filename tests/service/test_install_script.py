@@ -1,0 +1,90 @@
+"""deploy/install.sh: syntax, --help, and a staged run under --prefix (no /opt, no /etc)."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "deploy" / "install.sh"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, check=False, timeout=60
+    )
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_syntax() -> None:
+    result = subprocess.run(
+        ["bash", "-n", str(SCRIPT)], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck() -> None:
+    result = subprocess.run(
+        ["shellcheck", str(SCRIPT)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == 0, result.stdout
+
+
+def test_help() -> None:
+    result = _run("--help")
+    assert result.returncode == 0
+    for word in ("--prefix", "--python", "--skip-venv", "/opt/sokratos-worker", "daemon-reload"):
+        assert word in result.stdout
+
+
+def test_unknown_option_is_refused() -> None:
+    result = _run("--frobnicate")
+    assert result.returncode == 2
+    assert "unknown option" in result.stderr
+
+
+def test_staged_install_is_idempotent(tmp_path: Path) -> None:
+    first = _run("--prefix", str(tmp_path), "--skip-venv")
+    assert first.returncode == 0, first.stderr
+    assert "not calling systemctl" in first.stdout
+
+    units = tmp_path / "etc" / "systemd" / "system"
+    for unit in ("sokratos-worker.service", "sokratos-worker@.service"):
+        assert (units / unit).read_text() == (REPO / "systemd" / unit).read_text()
+        dropin = units / f"{unit}.d" / "credentials.conf"
+        assert "[Service]" in dropin.read_text()
+        assert "LoadCredential=" not in dropin.read_text()  # no secrets yet
+
+    etc = tmp_path / "etc" / "sokratos-worker"
+    env = etc / "env"
+    assert _mode(env) == 0o640
+    assert env.read_text() == (REPO / "deploy" / "sokratos-worker.env.example").read_text()
+    creds = etc / "credentials"
+    assert _mode(creds) == 0o700
+    assert "LoadCredential" in (creds / "README").read_text()
+
+    # An operator edits the env file and adds a secret; the second run keeps the one and
+    # passes the other on.
+    env.write_text("SOKRATOS_CONCURRENCY=8\n")
+    (creds / "SOKRATOS_DATABASE_URL").write_text("postgresql://example/db\n")
+    (creds / "bad name").write_text("x")
+    second = _run("--prefix", str(tmp_path), "--skip-venv")
+    assert second.returncode == 0, second.stderr
+    assert env.read_text() == "SOKRATOS_CONCURRENCY=8\n"
+    assert _mode(creds / "SOKRATOS_DATABASE_URL") == 0o600
+    for unit in ("sokratos-worker.service", "sokratos-worker@.service"):
+        lines = (units / f"{unit}.d" / "credentials.conf").read_text().splitlines()
+        assert (
+            "LoadCredential=SOKRATOS_DATABASE_URL:"
+            "/etc/sokratos-worker/credentials/SOKRATOS_DATABASE_URL"
+        ) in lines
+        assert not any("bad name" in line or "README" in line for line in lines)
+    assert "skipped credential bad name" in second.stdout
