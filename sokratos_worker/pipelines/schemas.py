@@ -18,7 +18,9 @@ def _clamper(name: str, low: float, high: float) -> BeforeValidator:
     """A validator that brings a number into [low, high] and logs when it had to."""
 
     def clamp(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not a boolean")  # pydantic would take it as 0/1
+        if not isinstance(value, int | float | str):
             return value  # let pydantic report the wrong type
         try:
             number = float(value)

@@ -1,0 +1,90 @@
+"""Fixtures for pipeline tests: a pooled Database on the test's fresh PostgreSQL, fakes, items."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+from sokratos_worker.model import Effects, Item, Queue
+from sokratos_worker.store.connection import Database
+from sokratos_worker.store.memories import write_effects
+
+from .fakes import FakeChat, FakeEmbedder
+
+
+@pytest.fixture
+def database(database_url: str) -> Iterator[Database]:
+    database = Database(database_url, size=2)
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def chat() -> FakeChat:
+    return FakeChat()
+
+
+@pytest.fixture
+def embedder() -> FakeEmbedder:
+    return FakeEmbedder()
+
+
+def make_item(
+    payload: dict[str, Any],
+    *,
+    queue: Queue = Queue.TRIAGE,
+    item_id: int = 7,
+    source: str = "conversation",
+    attempt: int = 1,
+) -> Item:
+    return Item(
+        queue=queue,
+        id=item_id,
+        payload=payload,
+        attempt=attempt,
+        source=source if queue is Queue.TRIAGE else "distillation",
+        idempotency_key=None,
+        created_at=datetime(2026, 3, 14, 9, 30, tzinfo=UTC),
+    )
+
+
+def apply(db: psycopg.Connection, effects: Effects) -> tuple[int, ...]:
+    """Commit the effects as the settle would: one transaction."""
+    with db.transaction():
+        return write_effects(db, effects)
+
+
+def vector_literal(vec: list[float]) -> str:
+    return "[" + ",".join(repr(x) for x in vec) + "]"
+
+
+def insert_memory(
+    db: psycopg.Connection,
+    summary: str,
+    vec: list[float] | None,
+    *,
+    memory_type: str = "general",
+    model: str | None = "fake-embed",
+    age: str = "0 seconds",
+) -> int:
+    row = db.execute(
+        """INSERT INTO memories (summary, embedding, memory_type, embedding_model, created_at)
+           VALUES (%s, %s::vector, %s, %s, now() - %s::interval) RETURNING id""",
+        (summary, vector_literal(vec) if vec else None, memory_type, model, age),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def memory_rows(db: psycopg.Connection) -> list[dict[str, Any]]:
+    with db.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        return cur.execute(
+            """SELECT id, summary, salience, tags, memory_type, source, source_date, pipeline_id,
+                      origin, embedding_model, superseded_by, entities,
+                      CASE WHEN embedding IS NULL THEN NULL ELSE vector_dims(embedding) END AS dims
+               FROM memories ORDER BY id"""
+        ).fetchall()

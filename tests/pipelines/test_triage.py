@@ -1,0 +1,452 @@
+"""Triage against real PostgreSQL: every decision path and the rows its Effects leave."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+
+from sokratos_worker.config import load_settings
+from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.types import (
+    ChatFailed,
+    ContextTooLong,
+    EmbeddingsUnavailable,
+    NoBackendReachable,
+)
+from sokratos_worker.model import Outcome, Queue
+from sokratos_worker.pipelines import DistillationHandler, TriageHandler, build_handlers
+from sokratos_worker.pipelines.write import MemoryWriter
+from sokratos_worker.store.connection import Database
+from sokratos_worker.store.memories import MemoryReader
+
+from .conftest import apply, insert_memory, make_item, memory_rows
+from .fakes import FakeChat, FakeEmbedder, hashed_vector, near
+
+pytestmark = pytest.mark.postgres
+
+EXCHANGE = "user: my sister Anna just moved to Lisbon for work\nassistant: That's a big move!"
+SUMMARY = "The user's sister Anna moved to Lisbon for work."
+
+
+def verdict(score: float, summary: str = SUMMARY, **extra: object) -> dict[str, object]:
+    return {
+        "salience_score": score,
+        "summary": summary,
+        "category": "personal",
+        "tags": ["family", "relocation"],
+        "save": True,
+        "paradigm_shift": False,
+        **extra,
+    }
+
+
+def triage_handler(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder | None
+) -> TriageHandler:
+    reader = MemoryReader(database, embedding_model=embedder.model if embedder else None)
+    return TriageHandler(reader, MemoryWriter(reader, chat, embedder), chat, embedder)
+
+
+def test_trivial_exchange_is_skipped_without_an_llm_call(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": " hi\n "}))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "trivial exchange"
+    assert chat.calls == []
+
+
+@pytest.mark.parametrize(
+    ("tools_used", "score", "expected"),
+    [
+        (False, 4.9, Outcome.SKIPPED),  # parametric: threshold 5
+        (False, 5.0, Outcome.SAVED),
+        (True, 2.9, Outcome.SKIPPED),  # tool-grounded: threshold 3
+        (True, 3.0, Outcome.SAVED),
+    ],
+)
+def test_default_thresholds(
+    database: Database,
+    chat: FakeChat,
+    embedder: FakeEmbedder,
+    *,
+    tools_used: bool,
+    score: float,
+    expected: Outcome,
+) -> None:
+    chat.script("conversation_triage", verdict(score))
+    item = make_item({"exchange": EXCHANGE, "tools_used": tools_used})
+    effects = triage_handler(database, chat, embedder).handle(item)
+    assert effects.outcome is expected
+    assert effects.backend == "fake"
+    if expected is Outcome.SKIPPED:
+        assert "below triage_conversation" in effects.detail
+        assert effects.memories == ()
+
+
+def test_adaptive_threshold_is_read_from_the_table(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    db.execute(
+        "INSERT INTO adaptive_params (key, value, source) VALUES "
+        "('triage_conversation_unverified_threshold', 7, 'reflection')"
+    )
+    chat.script("conversation_triage", verdict(6.5))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "salience 6.5 below triage_conversation_unverified_threshold 7"
+
+
+def test_saved_memory_has_every_column(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("conversation_triage", verdict(12, tags=["Family", "conversation"]))
+    payload = {
+        "exchange": EXCHANGE,
+        "tools_used": False,
+        "pipeline_id": 4242,
+        "occurred_at": "2026-03-14T08:00:00Z",
+    }
+    effects = triage_handler(database, chat, embedder).handle(make_item(payload, item_id=42))
+    assert effects.outcome is Outcome.SAVED
+    ids = apply(db, effects)
+    [row] = memory_rows(db)
+    assert ids == (row["id"],)
+    assert row["summary"] == SUMMARY
+    assert row["salience"] == 10.0  # clamped from 12
+    assert row["tags"] == ["conversation", "Family"]
+    assert row["memory_type"] == "general"
+    assert row["source"] == "conversation"
+    assert row["source_date"] == datetime(2026, 3, 14, 8, 0, tzinfo=UTC)
+    assert row["pipeline_id"] == 4242
+    assert row["origin"] == "pending_triage:42:0"
+    assert row["embedding_model"] == "fake-embed"
+    assert row["dims"] == 8
+    assert row["superseded_by"] is None
+
+
+def test_replaying_an_item_writes_nothing_twice(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("conversation_triage", verdict(6), verdict(6))
+    handler = triage_handler(database, chat, embedder)
+    item = make_item({"exchange": EXCHANGE}, item_id=9)
+    first = handler.handle(item)
+    # A crash after the LLM answered and before the commit: the replay decides again.
+    replay = handler.handle(item)
+    assert replay.memories == first.memories
+    ids = apply(db, first)
+    assert apply(db, replay) == ids
+    assert apply(db, first) == ids
+    assert len(memory_rows(db)) == 1
+
+
+def test_near_duplicate_is_skipped_with_the_existing_id(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    existing = insert_memory(db, "Anna moved to Lisbon.", embedder.vector(SUMMARY))
+    chat.script("conversation_triage", verdict(7))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.existing_memory_ids == (existing,)
+    assert apply(db, effects) == (existing,)
+    assert len(memory_rows(db)) == 1
+
+
+def test_an_old_near_duplicate_does_not_block_the_save(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    old = insert_memory(db, "Anna moved to Lisbon.", embedder.vector(SUMMARY), age="2 hours")
+    chat.script("conversation_triage", verdict(7))
+    chat.script("contradiction", {"verdicts": [{"existing": 1, "contradicts": False}]})
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    assert effects.supersessions == ()
+    assert "EXISTING_1: Anna moved to Lisbon." in chat.calls[-1].user
+    apply(db, effects)
+    assert [r["superseded_by"] for r in memory_rows(db) if r["id"] == old] == [None]
+
+
+def test_contradiction_supersedes_the_old_memory(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    new_summary = "The user now prefers tea over coffee."
+    base = embedder.vector(new_summary)
+    old = insert_memory(db, "The user prefers coffee.", near(base, 0.2))
+    unrelated = insert_memory(db, "The user likes hiking.", near(base, 0.35))
+    far = insert_memory(db, "The user owns a bike.", near(base, 0.6))
+    chat.script("conversation_triage", verdict(6, summary=new_summary))
+    chat.script(
+        "contradiction",
+        {
+            "verdicts": [
+                {"existing": 1, "contradicts": True},
+                {"existing": 2, "contradicts": False},
+            ]
+        },
+    )
+    exchange = "user: I switched to tea, no more coffee for me\nassistant: Noted."
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": exchange}))
+    assert effects.outcome is Outcome.SAVED
+    prompt = chat.calls[-1].user
+    assert prompt.splitlines() == [
+        f"NEW: {new_summary}",
+        "EXISTING_1: The user prefers coffee.",
+        "EXISTING_2: The user likes hiking.",
+    ]
+    [new_id] = apply(db, effects)
+    superseded = {r["id"]: r["superseded_by"] for r in memory_rows(db)}
+    assert superseded == {old: new_id, unrelated: None, far: None, new_id: None}
+
+
+def test_a_failed_verdict_still_saves_without_supersession(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    base = embedder.vector(SUMMARY)
+    insert_memory(db, "Anna lives in Porto.", near(base, 0.2))
+    chat.script("conversation_triage", verdict(6))
+    chat.script("contradiction", ChatFailed("no valid reply"))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    assert effects.supersessions == ()
+
+
+def test_superseded_and_identity_memories_are_not_candidates(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    base = embedder.vector(SUMMARY)
+    insert_memory(db, "identity", near(base, 0.1), memory_type="identity")
+    newer = insert_memory(db, "newer", near(base, 0.5))
+    db.execute(
+        "INSERT INTO memories (summary, embedding, superseded_by) VALUES ('gone', %s::vector, %s)",
+        ("[" + ",".join(map(repr, near(base, 0.1))) + "]", newer),
+    )
+    # A memory from another embedding model with another dimension must not break the query.
+    db.execute("INSERT INTO memories (summary, embedding) VALUES ('other model', '[1,0,0]')")
+    chat.script("conversation_triage", verdict(6))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    assert chat.purposes() == ["conversation_triage"]  # no candidate: no verdict call
+
+
+def test_coverage_note_when_three_live_memories_are_close(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    snippet_vec = hashed_vector("snippet")
+    embedder.vectors["user: my sister*"] = snippet_vec
+    for distance in (0.05, 0.1, 0.2):
+        insert_memory(db, f"close {distance}", near(snippet_vec, distance), age="3 hours")
+    insert_memory(db, "reflection", near(snippet_vec, 0.01), memory_type="reflection")
+    chat.script("conversation_triage", verdict(1))
+    triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    user = chat.calls[0].user
+    assert user.startswith(EXCHANGE)
+    assert user.endswith(
+        "[Note: 3 similar memories already exist. Save this only if it is "
+        "genuinely new information.]"
+    )
+
+
+def test_no_coverage_note_below_three(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    snippet_vec = hashed_vector("snippet")
+    embedder.vectors["user: my sister*"] = snippet_vec
+    for distance in (0.05, 0.4):
+        insert_memory(db, f"m {distance}", near(snippet_vec, distance))
+    chat.script("conversation_triage", verdict(1))
+    triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert chat.calls[0].user == EXCHANGE
+
+
+def test_long_reply_and_tool_context_are_bounded(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    exchange = (
+        "[fetch result] " + "t" * 30000 + "\nuser: remember my PIN hint\nassistant: " + "r" * 5000
+    )
+    chat.script("conversation_triage", verdict(0))
+    item = make_item({"exchange": exchange, "tools_used": True})
+    triage_handler(database, chat, embedder).handle(item)
+    sent = chat.calls[0].user
+    assert len(sent.encode()) <= 8000
+    assert "user: remember my PIN hint\nassistant: " + "r" * 800 + "..." in sent
+
+
+def test_context_too_long_shortens_once_then_fails(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    exchange = "user: " + "u" * 7000 + "\nassistant: ok"
+    chat.script("conversation_triage", ContextTooLong("too long"), verdict(0))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": exchange}))
+    assert effects.outcome is Outcome.SKIPPED
+    first, second = (len(c.user.encode()) for c in chat.calls)
+    assert first <= 8000
+    assert second <= 4000
+    chat.script("conversation_triage", ContextTooLong("x"), ContextTooLong("x"))
+    with pytest.raises(ContextTooLong):
+        triage_handler(database, chat, embedder).handle(make_item({"exchange": exchange}))
+
+
+def email_payload(**extra: object) -> dict[str, object]:
+    return {
+        "account": "personal",
+        "mailbox": "INBOX",
+        "uidvalidity": 1,
+        "uid": 17,
+        "message_id": "<abc@example.com>",
+        "from": "HR <hr@example.com>",
+        "to": "me@example.com",
+        "cc": "",
+        "subject": "Your offer",
+        "date": "Fri, 13 Mar 2026 10:15:00 +0100",
+        "attachments": [],
+        "text": "From: HR\nTo: me\nSubject: Your offer\nDate: 2026-03-13 10:15\n\nWe are pleased.",
+        **extra,
+    }
+
+
+def test_email_save_false_vetoes_a_high_score(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("email_triage", verdict(9, save=False))
+    item = make_item(email_payload(), source="email")
+    effects = triage_handler(database, chat, embedder).handle(item)
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "save=false"
+
+
+def test_email_saved_with_email_columns(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("email_triage", verdict(1, summary="HR sent the user a job offer."))
+    item = make_item(email_payload(), source="email", item_id=5)
+    effects = triage_handler(database, chat, embedder).handle(item)
+    assert effects.outcome is Outcome.SAVED
+    apply(db, effects)
+    [row] = memory_rows(db)
+    assert row["memory_type"] == "email"
+    assert row["source"] == "email"
+    assert row["tags"] == ["email", "family", "relocation"]
+    assert row["source_date"] == datetime(2026, 3, 13, 9, 15, tzinfo=UTC)
+    assert row["pipeline_id"] is None
+    assert row["origin"] == "pending_triage:5:0"
+
+
+def test_email_below_threshold_and_unparsable_date(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("email_triage", verdict(0.5), verdict(2))
+    handler = triage_handler(database, chat, embedder)
+    skipped = handler.handle(make_item(email_payload(), source="email"))
+    assert skipped.outcome is Outcome.SKIPPED
+    assert skipped.detail == "salience 0.5 below triage_email_threshold 1"
+    saved = handler.handle(make_item(email_payload(date="not a date"), source="email"))
+    assert saved.memories[0].source_date is None
+
+
+def test_email_prompt_carries_the_preference_traits(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    db.execute(
+        """CREATE TABLE personality_traits (id bigserial, category text, trait_key text,
+                                            trait_value text, context text)"""
+    )
+    db.execute(
+        """INSERT INTO personality_traits (category, trait_key, trait_value) VALUES
+           ('preference', 'newsletters', 'not interested in newsletters'),
+           ('style', 'tone', 'terse'),
+           ('preference', 'calendar', 'mornings free')"""
+    )
+    chat.script("email_triage", verdict(0, save=False), verdict(0, save=False))
+    handler = triage_handler(database, chat, embedder)
+    handler.handle(make_item(email_payload(), source="email"))
+    system = chat.calls[0].system
+    assert system.endswith(
+        "\n- calendar: mornings free\n- newsletters: not interested in newsletters"
+    )
+    assert "tone" not in system
+    db.execute("DROP TABLE personality_traits")
+    handler.handle(make_item(email_payload(), source="email"))
+    assert "User Preferences" not in chat.calls[1].system
+
+
+def test_without_an_embedder_memories_are_saved_bare(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    insert_memory(db, "Anna moved to Lisbon.", None, model=None)
+    chat.script("conversation_triage", verdict(8))
+    effects = triage_handler(database, chat, None).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    apply(db, effects)
+    rows = memory_rows(db)
+    assert [(r["dims"], r["embedding_model"]) for r in rows] == [(None, None), (None, None)]
+    assert chat.purposes() == ["conversation_triage"]
+
+
+@pytest.mark.parametrize(
+    ("source", "payload", "field"),
+    [
+        ("conversation", {}, "exchange"),
+        ("conversation", {"exchange": 12}, "exchange"),
+        ("conversation", {"exchange": EXCHANGE, "tools_used": "yes"}, "tools_used"),
+        ("conversation", {"exchange": EXCHANGE, "pipeline_id": "12"}, "pipeline_id"),
+        ("conversation", {"exchange": EXCHANGE, "occurred_at": "yesterday"}, "occurred_at"),
+        ("email", {"subject": "x"}, "text"),
+        ("email", {"text": "body", "subject": 3}, "subject"),
+        ("carrier-pigeon", {"exchange": EXCHANGE}, "source"),
+    ],
+)
+def test_invalid_payload_names_the_field(
+    database: Database,
+    chat: FakeChat,
+    embedder: FakeEmbedder,
+    *,
+    source: str,
+    payload: dict[str, object],
+    field: str,
+) -> None:
+    with pytest.raises(InvalidPayload) as raised:
+        triage_handler(database, chat, embedder).handle(make_item(payload, source=source))
+    assert raised.value.field == field
+    assert field in str(raised.value)
+    assert chat.calls == []
+
+
+def test_backend_outages_propagate(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("conversation_triage", NoBackendReachable("all circuits open"))
+    handler = triage_handler(database, chat, embedder)
+    with pytest.raises(NoBackendReachable):
+        handler.handle(make_item({"exchange": EXCHANGE}))
+    embedder.error = EmbeddingsUnavailable("connection refused")
+    with pytest.raises(EmbeddingsUnavailable):
+        handler.handle(make_item({"exchange": EXCHANGE}))
+    assert not handler.probe()
+
+
+def test_embedding_outage_after_the_llm_answered_propagates(
+    database: Database, chat: FakeChat
+) -> None:
+    class FlakyEmbedder(FakeEmbedder):
+        def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
+            raise EmbeddingsUnavailable("went away")
+
+    embedder = FlakyEmbedder()
+    chat.script("conversation_triage", verdict(8))
+    with pytest.raises(EmbeddingsUnavailable):
+        triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+
+
+def test_build_handlers(database: Database, chat: FakeChat, embedder: FakeEmbedder) -> None:
+    settings = load_settings({})
+    assert build_handlers(HandlerContext(settings, database, None, embedder)) == {}
+    handlers = build_handlers(HandlerContext(settings, database, chat, embedder))
+    assert isinstance(handlers[Queue.TRIAGE], TriageHandler)
+    assert isinstance(handlers[Queue.DISTILLATION], DistillationHandler)
+    assert handlers[Queue.TRIAGE].final_failure_memories(make_item({"exchange": "x"})) == ()
+    assert handlers[Queue.TRIAGE].probe()
