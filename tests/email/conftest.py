@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from dovecot import PASSWORD, USER, Dovecot, dovecot_binary
+from dovecot import PASSWORD, USER, AccountFactory, Dovecot, dovecot_binary
 
-from sokratos_worker.config import EmailAccountConfig, Settings
+from sokratos_worker.config import EmailAccountConfig
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +36,6 @@ def mailbox(dovecot: Dovecot) -> str:
     return name
 
 
-AccountFactory = Callable[..., EmailAccountConfig]
-
-
 @pytest.fixture
 def account(dovecot: Dovecot, mailbox: str) -> AccountFactory:
     """Build an account on the test Dovecot; keyword arguments override the defaults."""
@@ -57,14 +54,3 @@ def account(dovecot: Dovecot, mailbox: str) -> AccountFactory:
         return EmailAccountConfig(**values)
 
     return make
-
-
-def make_settings(*accounts: EmailAccountConfig, **overrides: Any) -> Settings:
-    """Settings for a check: the accounts, every check due, a one-day lookback."""
-    values: dict[str, Any] = {
-        "email_accounts": list(accounts),
-        "email_check_interval": 300,
-        "email_initial_lookback": 86400,
-    }
-    values.update(overrides)
-    return Settings(**values)

@@ -19,9 +19,16 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from sokratos_worker.config import EmailAccountConfig, Settings
+
+# Builds an account on the test Dovecot; keyword arguments override the defaults.
+AccountFactory = Callable[..., EmailAccountConfig]
 
 USER = "alice"
 PASSWORD = "correct horse battery staple"
@@ -237,3 +244,14 @@ class _Closer:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.imap.logout()
+
+
+def make_settings(*accounts: EmailAccountConfig, **overrides: Any) -> Settings:
+    """Settings for a check: the accounts, every check due, a one-day lookback."""
+    values: dict[str, Any] = {
+        "email_accounts": list(accounts),
+        "email_check_interval": 300,
+        "email_initial_lookback": 86400,
+    }
+    values.update(overrides)
+    return Settings(**values)

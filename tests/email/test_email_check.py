@@ -1,0 +1,377 @@
+"""Email checks against a real Dovecot and a real PostgreSQL: inputs counted against items."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import mails
+import psycopg
+import pytest
+from dovecot import AccountFactory, Dovecot, make_settings
+from structlog.testing import capture_logs
+
+from sokratos_worker.email import (
+    account_statuses,
+    check_due_accounts,
+    probe_accounts,
+    prune_processed_emails,
+)
+
+pytestmark = [pytest.mark.imap, pytest.mark.postgres]
+
+NOW = datetime.now(UTC)
+
+
+def later(minutes: int) -> datetime:
+    """A time when every account is due again (the interval is 5 minutes)."""
+    return NOW + timedelta(minutes=minutes)
+
+
+def items(db: psycopg.Connection) -> list[dict[str, Any]]:
+    rows = db.execute(
+        "SELECT payload, idempotency_key, source FROM pending_triage ORDER BY id"
+    ).fetchall()
+    return [{"payload": p, "key": k, "source": s} for p, k, s in rows]
+
+
+def processed(db: psycopg.Connection) -> list[tuple[str, int | None, int | None]]:
+    return db.execute(
+        "SELECT message_id, uid, item_id FROM processed_emails ORDER BY uid, message_id"
+    ).fetchall()
+
+
+def checkpoint(db: psycopg.Connection, name: str = "home") -> tuple[Any, ...] | None:
+    return db.execute(
+        "SELECT uidvalidity, last_uid, checked_at, last_error FROM email_checkpoints"
+        " WHERE account = %s",
+        (name,),
+    ).fetchone()
+
+
+def test_new_mail_becomes_one_item_per_message_across_checks(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    for n in range(3):
+        dovecot.append(mailbox, mails.plain(subject=f"message {n}"))
+    settings = make_settings(account())
+    [report] = check_due_accounts(settings, database_url, now=later(0))
+    assert (report.fetched, report.enqueued, report.seen_without_triage) == (3, 3, 0)
+    found = items(db)
+    assert [i["payload"]["subject"] for i in found] == ["message 0", "message 1", "message 2"]
+    assert {i["source"] for i in found} == {"email"}
+    first = found[0]["payload"]
+    assert first["account"] == "home"
+    assert first["mailbox"] == mailbox
+    assert first["uid"] == 1
+    assert first["uidvalidity"] == dovecot.uidvalidity(mailbox)
+    assert first["text"].startswith("From: Bob Example <bob@example.org>\nTo: alice@example.org")
+    assert found[0]["key"] == f"email:home:{first['message_id']}"
+    assert [p[1] for p in processed(db)] == [1, 2, 3]
+    assert all(p[2] is not None for p in processed(db))
+
+    # Not due yet: nothing happens.
+    [report] = check_due_accounts(settings, database_url, now=later(1))
+    assert report.skipped_reason == "not due"
+    # Due again, nothing new: nothing enqueued; one more message: exactly one more item.
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert (report.fetched, report.enqueued) == (0, 0)
+    dovecot.append(mailbox, mails.plain(subject="message 3"))
+    [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert (report.fetched, report.enqueued) == (1, 1)
+    assert len(items(db)) == 4
+    assert checkpoint(db)[1] == 4  # type: ignore[index]
+
+
+def test_a_lost_checkpoint_refetches_without_new_items(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """processed_emails, not the checkpoint alone, is what makes a re-fetch a no-op."""
+    for n in range(2):
+        dovecot.append(mailbox, mails.plain(subject=f"m{n}"))
+    settings = make_settings(account())
+    check_due_accounts(settings, database_url, now=later(0))
+    db.execute("UPDATE email_checkpoints SET last_uid = 0")
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert (report.fetched, report.enqueued, report.duplicates) == (2, 0, 2)
+    assert len(items(db)) == 2
+
+
+def test_seen_flags_are_unchanged_by_a_check(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="unread"))
+    dovecot.append(mailbox, mails.plain(subject="read"), flags="\\Seen")
+    dovecot.append(mailbox, mails.plain(subject="flagged"), flags="\\Flagged")
+    before = dovecot.flags(mailbox)
+    assert before == {1: "", 2: "\\Seen", 3: "\\Flagged"}
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert report.enqueued == 3
+    assert dovecot.flags(mailbox) == before
+
+
+def test_uidvalidity_change_resets_the_checkpoint_without_retriage(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    old_mails = [mails.plain(subject=f"kept {n}") for n in range(2)]
+    for raw in old_mails:
+        dovecot.append(mailbox, raw)
+    settings = make_settings(account())
+    check_due_accounts(settings, database_url, now=later(0))
+    old_validity = dovecot.uidvalidity(mailbox)
+    assert checkpoint(db)[:2] == (old_validity, 2)  # type: ignore[index]
+
+    # The mailbox is rebuilt (new UIDVALIDITY), holding the same mail plus one new message.
+    dovecot.delete_mailbox(mailbox)
+    dovecot.create_mailbox(mailbox)
+    dovecot.append(mailbox, mails.plain(subject="brand new"))
+    for raw in old_mails:
+        dovecot.append(mailbox, raw)
+    new_validity = dovecot.uidvalidity(mailbox)
+    assert new_validity != old_validity
+
+    with capture_logs() as logs:
+        [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert report.uidvalidity_reset
+    assert (report.fetched, report.enqueued, report.duplicates) == (3, 1, 2)
+    assert [i["payload"]["subject"] for i in items(db)] == ["kept 0", "kept 1", "brand new"]
+    uidvalidity, last_uid, checked_at, _ = checkpoint(db)  # type: ignore[misc]
+    assert (uidvalidity, last_uid) == (new_validity, 3)
+    assert checked_at is not None
+    assert any(e["event"] == "email_uidvalidity_changed" for e in logs)
+
+
+def test_messages_without_message_id_get_stable_hash_keys(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(message_id=None, body="first"))
+    dovecot.append(mailbox, mails.plain(message_id=None, body="second"))
+    settings = make_settings(account())
+    check_due_accounts(settings, database_url, now=later(0))
+    keys = [p[0] for p in processed(db)]
+    assert len(keys) == 2
+    assert all(k.startswith("home:sha256:") for k in keys)
+    assert [i["payload"]["message_id"] for i in items(db)] == [None, None]
+    # Re-reading the same two messages finds the same keys.
+    db.execute("UPDATE email_checkpoints SET last_uid = 0")
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert (report.fetched, report.enqueued) == (2, 0)
+    assert [p[0] for p in processed(db)] == keys
+
+
+def test_two_messages_with_one_message_id_give_one_item(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="original", message_id="<same@example.org>"))
+    dovecot.append(mailbox, mails.plain(subject="copy", message_id="<same@example.org>"))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert (report.fetched, report.enqueued, report.duplicates) == (2, 1, 1)
+    [item] = items(db)
+    assert item["payload"]["subject"] == "original"
+    [(key, _, item_id)] = processed(db)
+    assert key == "home:<same@example.org>"
+    assert item_id is not None
+    assert checkpoint(db)[1] == 2  # type: ignore[index]
+
+
+def test_multi_megabyte_attachment_is_listed_not_stored(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    raw, size = mails.with_attachment(4 * 1024 * 1024)
+    dovecot.append(mailbox, raw)
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert report.enqueued == 1
+    [item] = items(db)
+    assert item["payload"]["attachments"] == [{"name": "slides.pdf", "size": size}]
+    assert item["payload"]["size"] == len(raw)
+    stored = db.execute("SELECT octet_length(payload::text) FROM pending_triage").fetchone()[0]
+    assert stored < 4000
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected_text", "expected_note"),
+    [
+        (mails.html_only(), "Big news\n\nThe meeting moved to <Thursday>.", "HTML-only"),
+        (mails.unknown_charset(), "Hello \ufffd\ufffd world, café", "unknown charset"),
+        (mails.latin1(), "Schöne Grüße, bis Montag!", None),
+        (mails.malformed_mime(), "SGVsbG8gd29ybGQ=", "malformed MIME"),
+        (mails.unclosed_multipart(), "Hello there", "malformed MIME"),
+    ],
+    ids=["html-only", "unknown-charset", "iso-8859-1", "malformed-mime", "unclosed-multipart"],
+)
+def test_difficult_mail_gives_a_clear_item(
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: Any,
+    *,
+    raw: bytes,
+    expected_text: str,
+    expected_note: str | None,
+) -> None:
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    dovecot.append(mailbox, raw)
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(10))
+    assert report.ok
+    assert report.enqueued == 1
+    [item] = items(db)
+    payload = item["payload"]
+    assert expected_text in payload["text"]
+    if expected_note:
+        assert any(expected_note in n for n in payload["notes"])
+    else:
+        assert payload["notes"] == []
+
+
+def test_latin1_headers_and_unparsable_date_in_payload(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.latin1())
+    dovecot.append(mailbox, mails.malformed_mime())
+    check_due_accounts(make_settings(account()), database_url, now=later(0))
+    latin, broken = (i["payload"] for i in items(db))
+    assert latin["subject"] == "Grüße aus München"
+    assert latin["from"] == "Jürgen <juergen@example.de>"
+    assert latin["date"] == "2026-12-01T09:30:00+01:00"
+    assert broken["date"] is None
+
+
+def test_imaps_with_a_self_signed_certificate_trusted_through_ca_file(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="over TLS"))
+    imaps = account(security="tls", port=dovecot.imaps_port, ca_file=str(dovecot.ca_file))
+    [report] = check_due_accounts(make_settings(imaps), database_url, now=later(0))
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["over TLS"]
+
+
+def test_starttls_with_ca_file(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="upgraded"))
+    starttls = account(security="starttls", ca_file=str(dovecot.ca_file))
+    [report] = check_due_accounts(make_settings(starttls), database_url, now=later(0))
+    assert report.ok, report.error
+    assert report.enqueued == 1
+
+
+def test_untrusted_certificate_is_an_account_error(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    imaps = account(security="tls", port=dovecot.imaps_port)
+    [report] = check_due_accounts(make_settings(imaps), database_url, now=later(0))
+    assert report.error is not None
+    assert "CERTIFICATE_VERIFY_FAILED" in report.error
+    insecure = account(security="tls", port=dovecot.imaps_port, tls_verify=False)
+    [report] = check_due_accounts(make_settings(insecure), database_url, now=later(10))
+    assert report.ok, report.error
+
+
+def test_a_broken_account_does_not_stop_a_good_one(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="still delivered"))
+    secret = "wrong-password-do-not-log"
+    bad = account(name="broken", password=secret)
+    unreachable = account(name="gone", port=1, security="none")
+    good = account(name="home")
+    settings = make_settings(bad, unreachable, good)
+    with capture_logs() as logs:
+        reports = check_due_accounts(settings, database_url, now=later(0))
+    assert [r.name for r in reports] == ["broken", "gone", "home"]
+    assert not reports[0].ok
+    assert not reports[1].ok
+    assert reports[2].ok
+    assert reports[2].enqueued == 1
+    assert [i["payload"]["account"] for i in items(db)] == ["home"]
+    assert "AUTHENTICATIONFAILED" in (checkpoint(db, "broken")[3] or "")  # type: ignore[index]
+    assert "Connection refused" in (checkpoint(db, "gone")[3] or "")  # type: ignore[index]
+    failures = [e for e in logs if e["event"] == "email_check_failed"]
+    assert {e["account"] for e in failures} == {"broken", "gone"}
+    assert secret not in repr(logs)
+    assert secret not in repr(db.execute("SELECT * FROM email_checkpoints").fetchall())
+
+    statuses = {s["name"]: s for s in account_statuses(db, ["broken", "gone", "home", "new"])}
+    assert statuses["broken"]["last_error"]
+    assert statuses["broken"]["last_check_at"] is None
+    assert statuses["home"]["last_error"] is None
+    assert statuses["home"]["last_check_at"] is not None
+    assert statuses["new"] == {
+        "name": "new",
+        "mailbox": None,
+        "last_check_at": None,
+        "last_error": None,
+        "last_error_at": None,
+    }
+
+    # A failed account is retried at the next check, not at every tick; fixed, it recovers.
+    assert check_due_accounts(settings, database_url, now=later(1))[0].skipped_reason
+    fixed = make_settings(account(name="broken"), good)
+    reports = check_due_accounts(fixed, database_url, now=later(10))
+    assert reports[0].ok
+    assert reports[0].enqueued == 1
+    assert checkpoint(db, "broken")[3] is None  # type: ignore[index]
+
+
+def test_initial_lookback_records_old_mail_as_seen(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="ten years ago"), when=NOW - timedelta(days=3650))
+    dovecot.append(mailbox, mails.plain(subject="last week"), when=NOW - timedelta(days=7))
+    dovecot.append(mailbox, mails.plain(subject="this morning"), when=NOW - timedelta(hours=3))
+    settings = make_settings(account(), email_initial_lookback=86400)
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert (report.fetched, report.enqueued, report.seen_without_triage) == (3, 1, 2)
+    assert [i["payload"]["subject"] for i in items(db)] == ["this morning"]
+    rows = processed(db)
+    assert [(uid, item is None) for _, uid, item in rows] == [(1, True), (2, True), (3, False)]
+    # After the first check, any new arrival is triaged, whatever its date.
+    dovecot.append(mailbox, mails.plain(subject="moved in"), when=NOW - timedelta(days=30))
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert (report.enqueued, report.seen_without_triage) == (1, 0)
+
+
+def test_interval_zero_disables_checks(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain())
+    settings = make_settings(account(), email_check_interval=0)
+    assert check_due_accounts(settings, database_url, now=later(0)) == []
+    assert items(db) == []
+
+
+def test_probe_accounts_one_line_each(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory
+) -> None:
+    dovecot.append(mailbox, mails.plain(), flags="\\Seen")
+    before = dovecot.flags(mailbox)
+    lines = probe_accounts(make_settings(account(), account(name="bad", password="nope")))
+    assert [(line.component, line.ok) for line in lines] == [
+        ("email account home", True),
+        ("email account bad", False),
+    ]
+    assert "1 messages" in lines[0].detail
+    assert "nope" not in lines[1].detail
+    assert dovecot.flags(mailbox) == before
+
+
+def test_prune_never_goes_beyond_the_checkpoint(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    for n in range(3):
+        dovecot.append(mailbox, mails.plain(subject=f"m{n}"))
+    check_due_accounts(make_settings(account()), database_url, now=later(0))
+    db.execute("UPDATE processed_emails SET seen_at = now() - interval '100 days'")
+    # Pretend the checkpoint only reached UID 2: the third key must survive.
+    db.execute("UPDATE email_checkpoints SET last_uid = 2")
+    db.execute(
+        "INSERT INTO processed_emails (message_id, seen_at) VALUES"
+        " ('sokratos-old', now() - interval '100 days'), ('sokratos-new', now())"
+    )
+    assert prune_processed_emails(db, 90) == 3
+    remaining = {row[0] for row in db.execute("SELECT message_id FROM processed_emails")}
+    assert "sokratos-new" in remaining
+    assert [p[1] for p in processed(db) if p[1] is not None] == [3]
+    assert prune_processed_emails(db, 0) == 0
