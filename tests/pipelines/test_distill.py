@@ -1,0 +1,270 @@
+"""Distillation against real PostgreSQL: facts saved, deduplicated, skipped, archived."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.llm.types import ChatFailed, ContextTooLong, EmbeddingsUnavailable
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
+from sokratos_worker.pipelines import DistillationHandler
+from sokratos_worker.pipelines.write import MemoryWriter
+from sokratos_worker.store.connection import Database
+from sokratos_worker.store.memories import MemoryReader
+
+from .conftest import apply, insert_memory, make_item, memory_rows
+from .fakes import FakeChat, FakeEmbedder, near
+
+pytestmark = pytest.mark.postgres
+
+MESSAGES = {
+    "conversation_id": "c-1",
+    "messages": [
+        {"role": "system", "content": "You are Sokratos."},
+        {
+            "role": "user",
+            "content": "Find me a climbing gym near my new flat in Leipzig",
+            "timestamp": "2026-03-14T09:00:00Z",
+        },
+        {
+            "role": "assistant",
+            "content": "<think>search it</think>",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "web_search", "arguments": '{"q": "climbing Leipzig"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Kosmos Kletterzentrum, 2 km"},
+        {
+            "role": "assistant",
+            "content": "Kosmos is 2 km away.\n\n[Current Agent State]\nsecret state",
+        },
+    ],
+}
+
+FACTS = {
+    "facts": [
+        {"text": "The user lives in Leipzig.", "salience": 7, "tags": ["location"]},
+        {"text": "the user lives in leipzig. ", "salience": 6, "tags": []},
+        {"text": "The user goes climbing.", "salience": 4, "tags": ["hobby", "sport"]},
+    ]
+}
+
+
+def distill_handler(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder | None
+) -> DistillationHandler:
+    reader = MemoryReader(database, embedding_model=embedder.model if embedder else None)
+    return DistillationHandler(MemoryWriter(reader, chat, embedder), chat, embedder)
+
+
+def distill_item(payload: dict[str, Any], item_id: int = 3) -> Item:
+    return make_item(payload, queue=Queue.DISTILLATION, item_id=item_id)
+
+
+def test_facts_are_saved_with_tool_calls_in_the_input(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("distillation", FACTS)
+    item = make_item(MESSAGES, queue=Queue.DISTILLATION, item_id=3)
+    effects = distill_handler(database, chat, embedder).handle(item)
+    assert chat.calls[0].user == (
+        "[Conversation archived 2026-03-14 09:30]\n"
+        "[2026-03-14 09:00] user: Find me a climbing gym near my new flat in Leipzig\n"
+        'assistant called web_search({"q": "climbing Leipzig"})\n'
+        "[web_search result] Kosmos Kletterzentrum, 2 km\n"
+        "assistant: Kosmos is 2 km away."
+    )
+    assert effects.outcome is Outcome.SAVED
+    assert effects.backend == "fake"
+    apply(db, effects)
+    rows = memory_rows(db)
+    assert [(r["summary"], r["salience"], r["tags"], r["origin"]) for r in rows] == [
+        ("The user lives in Leipzig.", 7.0, ["location"], "pending_distillation:3:0"),
+        ("The user goes climbing.", 5.0, ["hobby", "sport"], "pending_distillation:3:1"),
+    ]
+    assert {(r["source"], r["memory_type"], r["embedding_model"]) for r in rows} == {
+        ("conversation", "general", "fake-embed")
+    }
+    assert apply(db, effects) == tuple(r["id"] for r in rows)  # replay: nothing new
+    assert len(memory_rows(db)) == 2
+
+
+def test_known_facts_are_skipped_and_no_new_fact_means_skipped(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    # Superseded and old memories count too for the 0.15 fact dedupe.
+    insert_memory(
+        db,
+        "Lives in Leipzig",
+        near(embedder.vector("The user lives in Leipzig."), 0.1),
+        age="30 days",
+    )
+    insert_memory(
+        db, "Climbs", near(embedder.vector("The user goes climbing."), 0.12), memory_type="identity"
+    )
+    chat.script("distillation", FACTS)
+    effects = distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "no new fact (3 extracted, 2 known)"
+    assert effects.memories == ()
+
+
+def test_no_facts_is_skipped(database: Database, chat: FakeChat, embedder: FakeEmbedder) -> None:
+    chat.script("distillation", {"facts": []})
+    effects = distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "no new fact (0 extracted, 0 known)"
+
+
+def test_distilled_fact_can_supersede(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    fact = "The user lives in Leipzig."
+    old = insert_memory(db, "The user lives in Berlin.", near(embedder.vector(fact), 0.3))
+    chat.script("distillation", {"facts": [{"text": fact, "salience": 8, "tags": []}]})
+    chat.script("contradiction", {"verdicts": [{"existing": 1, "contradicts": True}]})
+    effects = distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
+    [new_id] = apply(db, effects)
+    assert {r["id"]: r["superseded_by"] for r in memory_rows(db)} == {old: new_id, new_id: None}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"archive_text": "[Conversation archived 2026-03-14 09:30]\n\n"},
+        {"archive_text": "   "},
+        {"messages": []},
+        {"messages": [{"role": "system", "content": "prompt"}, {"role": "user", "content": " "}]},
+    ],
+)
+def test_empty_archive_is_skipped_without_an_llm_call(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder, payload: dict[str, Any]
+) -> None:
+    handler = distill_handler(database, chat, embedder)
+    effects = handler.handle(distill_item(payload))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "empty archive"
+    assert chat.calls == []
+    assert handler.final_failure_memories(distill_item(payload)) == ()
+
+
+def test_archive_text_is_sent_as_is(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    text = "[Conversation archived 2026-03-14 09:30]\n[2026-03-14 09:00] user: I got married!"
+    chat.script("distillation", {"facts": []})
+    distill_handler(database, chat, embedder).handle(distill_item({"archive_text": text}))
+    assert chat.calls[0].user == text
+
+
+def test_tool_output_and_the_whole_input_are_bounded(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    messages = [
+        {"role": "user", "content": "u" * 100},
+        {"role": "assistant", "tool_calls": [{"name": "fetch", "arguments": {"x": "a" * 900}}]},
+        {"role": "tool", "name": "fetch", "content": "r" * 5000},
+    ] * 20
+    chat.script("distillation", ContextTooLong("too long"), {"facts": []})
+    distill_handler(database, chat, embedder).handle(distill_item({"messages": messages}))
+    first, second = (c.user for c in chat.calls)
+    assert len(first.encode()) <= 16000
+    assert len(second.encode()) <= 8000
+    assert "[fetch result] " + "r" * 1000 + "...\n" in first
+    assert "assistant called fetch(" in first
+    assert "r" * 1001 not in first
+
+
+def test_final_failure_archives_the_raw_text(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    long_messages = [
+        {"role": "user", "content": f"line {i}: " + "I really like sailing. " * 5}
+        for i in range(30)
+    ]
+    handler = distill_handler(database, chat, embedder)
+    item = distill_item({"messages": long_messages}, item_id=11)
+    memories = handler.final_failure_memories(item)
+    assert len(memories) > 1
+    assert memories[0].summary.startswith("[Conversation archived 2026-03-14 09:30]\nuser: line 0")
+    ids = apply(db, _archived(memories))
+    rows = memory_rows(db)
+    assert [r["origin"] for r in rows] == [f"pending_distillation:11:{i}" for i in range(len(ids))]
+    assert {
+        (r["salience"], tuple(r["tags"]), r["source"], r["memory_type"], r["dims"]) for r in rows
+    } == {(3.0, ("conversation_archive",), "conversation_archive", "general", 8)}
+    assert all(len(r["summary"].encode()) <= 1200 for r in rows)
+    assert chat.calls == []  # no distillation, no contradiction check
+
+
+def test_final_failure_archive_survives_an_embedding_outage(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    embedder.error = EmbeddingsUnavailable("down")
+    handler = distill_handler(database, chat, embedder)
+    [memory] = handler.final_failure_memories(distill_item({"archive_text": "[x] user: I am 40"}))
+    assert memory.embedding is None
+    assert memory.embedding_model is None
+    assert memory.summary == "[x] user: I am 40"
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({}, "messages"),
+        ({"messages": [], "archive_text": "x"}, "messages"),
+        ({"archive_text": 5}, "archive_text"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": "x", "timestamp": "noon"}]},
+            "messages[0].timestamp",
+        ),
+        ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
+        ({"archive_text": "x", "pipeline_id": "7"}, "pipeline_id"),
+    ],
+)
+def test_invalid_payload_names_the_field(
+    database: Database,
+    chat: FakeChat,
+    embedder: FakeEmbedder,
+    *,
+    payload: dict[str, object],
+    field: str,
+) -> None:
+    handler = distill_handler(database, chat, embedder)
+    with pytest.raises(InvalidPayload) as raised:
+        handler.handle(distill_item(payload))
+    assert raised.value.field == field
+    assert chat.calls == []
+
+
+def test_a_failed_llm_call_propagates(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("distillation", ChatFailed("invalid replies everywhere"))
+    with pytest.raises(ChatFailed):
+        distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
+
+
+def test_without_an_embedder_facts_are_saved_bare(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    chat.script("distillation", FACTS)
+    effects = distill_handler(database, chat, None).handle(distill_item(MESSAGES))
+    apply(db, effects)
+    assert [(r["dims"], r["embedding_model"]) for r in memory_rows(db)] == [(None, None)] * 2
+
+
+def _archived(memories: tuple[NewMemory, ...]) -> Effects:
+    """The effects the runner commits with a failed_operations row."""
+    return Effects(Outcome.ARCHIVED, memories=memories)
