@@ -118,7 +118,7 @@ class Distillation(BaseModel):
 
     model_config = _STRICT
 
-    facts: list[Fact] = Field(default_factory=list)
+    facts: list[Fact]  # required: a reply without the key did not answer the question
 
 
 class CandidateVerdict(BaseModel):
@@ -135,7 +135,7 @@ class ContradictionVerdicts(BaseModel):
 
     model_config = _STRICT
 
-    verdicts: list[CandidateVerdict] = Field(default_factory=list)
+    verdicts: list[CandidateVerdict]
 
     def contradicted(self, count: int) -> list[int]:
         """The 1-based candidate numbers judged contradicted (first verdict per number wins)."""

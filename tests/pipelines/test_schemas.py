@@ -90,3 +90,9 @@ def test_contradiction_verdicts_map_to_candidates() -> None:
     )
     assert verdicts.contradicted(3) == [2]
     assert ContradictionVerdicts.model_validate({"verdicts": []}).contradicted(3) == []
+
+
+@pytest.mark.parametrize("model", [Distillation, ContradictionVerdicts])
+def test_a_reply_without_the_list_is_invalid(model: type[Distillation]) -> None:
+    with pytest.raises(ValidationError):
+        model.model_validate({"not": "what was asked"})

@@ -1,0 +1,177 @@
+"""From enqueue to outcome rows: the real runner and chat client, a scripted LLM server."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+
+from sokratos_worker.config import load_settings
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.pipelines import build_handlers, prompts
+from sokratos_worker.runner import Runner
+from sokratos_worker.store.connection import Database
+from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+
+from .conftest import memory_rows
+from .fakes import FakeEmbedder
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+SAVED_SUMMARY = "The user's daughter Mia started school in Graz."
+
+
+def respond(request: Request) -> Reply:
+    """Route by prompt; triage scores by keyword; a POISON input never gets a valid reply."""
+    system = request.messages[0]["content"]
+    user = request.messages[-1]["content"]
+    if any("POISON" in str(m.get("content")) for m in request.messages):
+        return Reply.chat({"not": "what was asked"})
+    if system.startswith(prompts.CONTRADICTION[:40]):
+        return Reply.chat({"verdicts": [{"existing": 1, "contradicts": False}]})
+    if system.startswith(prompts.DISTILLATION[:40]):
+        return Reply.chat(
+            {
+                "facts": [
+                    {
+                        "text": "The user climbs at Kosmos in Leipzig.",
+                        "salience": 6,
+                        "tags": ["hobby"],
+                    }
+                ]
+            }
+        )
+    if system.startswith(prompts.EMAIL_TRIAGE[:40]):
+        return Reply.chat(_verdict(6, "A newsletter.", save=False))
+    if "daughter" in user:
+        return Reply.chat(_verdict(7, SAVED_SUMMARY))
+    return Reply.chat(_verdict(1, "No new information."))
+
+
+def _verdict(score: float, summary: str, *, save: bool = True) -> dict[str, Any]:
+    return {
+        "salience_score": score,
+        "summary": summary,
+        "category": "personal",
+        "tags": ["family"],
+        "save": save,
+        "paradigm_shift": False,
+    }
+
+
+def _enqueue(db: psycopg.Connection, sql: str, *args: Any) -> int:
+    row = db.execute(sql, args).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_items_end_in_the_right_outcomes_and_rows(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    triage = "SELECT sokratos_enqueue_triage(%s::jsonb, NULL, %s)"
+    distil = "SELECT sokratos_enqueue_distillation(%s::jsonb)"
+    exchange = "user: my daughter Mia started school in Graz today\nassistant: Congratulations!"
+    ids = {
+        "saved": _enqueue(
+            db, triage, json.dumps({"exchange": exchange, "pipeline_id": 99}), "conversation"
+        ),
+        "trivial": _enqueue(db, triage, json.dumps({"exchange": "ok"}), "conversation"),
+        "low": _enqueue(
+            db,
+            triage,
+            json.dumps({"exchange": "user: what's the weather\nassistant: sunny"}),
+            "conversation",
+        ),
+        "email": _enqueue(
+            db, triage, json.dumps({"text": "From: news@x\n\nSale!", "date": None}), "email"
+        ),
+    }
+    invalid = db.execute(
+        "INSERT INTO pending_triage (payload) VALUES ('{\"exchange\": 5}') RETURNING id"
+    ).fetchone()
+    assert invalid is not None
+    messages = {
+        "messages": [
+            {"role": "user", "content": "Which gym is closest?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "maps", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "Kosmos Leipzig"},
+            {"role": "user", "content": "Great, I climb there twice a week."},
+        ]
+    }
+    distilled = _enqueue(db, distil, json.dumps(messages))
+    poison = _enqueue(
+        db,
+        distil,
+        json.dumps(
+            {"archive_text": "[Conversation archived x]\nuser: POISON I was born in Oslo in 1990."}
+        ),
+    )
+
+    with ScriptedLLM(chat=respond) as server:
+        settings = load_settings(
+            {
+                "SOKRATOS_DATABASE_URL": database_url,
+                "SOKRATOS_MAX_ATTEMPTS": "1",
+                "SOKRATOS_CONCURRENCY": "2",
+                "SOKRATOS_LLM_BACKENDS": json.dumps(
+                    [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
+                ),
+            }
+        )
+        chat = FallbackChatClient(settings.llm_backends)
+        database = Database(database_url, size=4)
+        try:
+            handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
+            runner = Runner(
+                settings=settings, database=database, handlers=handlers, worker_id="test-worker"
+            )
+            runner.start(drain_only=True)
+            assert runner.wait_drained(60)
+        finally:
+            chat.close()
+            database.close()
+
+    outcomes = {
+        (row[0], row[1]): (row[2], row[3])
+        for row in db.execute("SELECT queue, item_id, outcome, memory_ids FROM work_outcomes")
+    }
+    memories = {r["id"]: r for r in memory_rows(db)}
+    assert outcomes[("pending_triage", ids["trivial"])][0] == "skipped"
+    assert outcomes[("pending_triage", ids["low"])][0] == "skipped"
+    assert outcomes[("pending_triage", ids["email"])][0] == "skipped"
+    assert outcomes[("pending_triage", invalid[0])][0] == "failed"
+    outcome, [saved_id] = outcomes[("pending_triage", ids["saved"])]
+    assert outcome == "saved"
+    saved = memories[saved_id]
+    assert (saved["summary"], saved["pipeline_id"], saved["origin"]) == (
+        SAVED_SUMMARY,
+        99,
+        f"pending_triage:{ids['saved']}:0",
+    )
+    outcome, [fact_id] = outcomes[("pending_distillation", distilled)]
+    assert outcome == "saved"
+    assert memories[fact_id]["summary"] == "The user climbs at Kosmos in Leipzig."
+    outcome, archive_ids = outcomes[("pending_distillation", poison)]
+    assert outcome == "archived"
+    assert [memories[i]["source"] for i in archive_ids] == ["conversation_archive"]
+    assert "born in Oslo" in memories[archive_ids[0]]["summary"]
+    failures = dict(db.execute("SELECT op_type, error_message FROM failed_operations").fetchall())
+    assert "exchange" in failures["conversation_triage"]
+    assert set(failures) == {"conversation_triage", "distillation"}
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
+    assert db.execute("SELECT count(*) FROM pending_distillation").fetchone() == (0,)
+    # The distillation prompt carried the tool call and its result.
+    distil_inputs = [
+        b["messages"][-1]["content"]
+        for b in server.bodies()
+        if b["messages"][0]["content"].startswith(prompts.DISTILLATION[:40])
+    ]
+    assert any(
+        "assistant called maps({})\n[maps result] Kosmos Leipzig" in t for t in distil_inputs
+    )
