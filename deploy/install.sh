@@ -29,8 +29,8 @@ It never enables or starts the service and never overwrites /etc/$APP/env.
 Options:
   --prefix DIR     install under DIR instead of / (a staging root: the units still refer to
                    /opt/$APP; no root needed, systemctl is not called)
-  --python PATH    the Python (3.11 or later) that creates the venv (default: python3.11,
-                   else python3)
+  --python PATH    the Python (3.11 or later) that creates the venv (default: the first
+                   of python3, python3.13, python3.12, python3.11 that is recent enough)
   --extras LIST    pip extras to install, e.g. "local" for the bundled demonstration model
   --skip-venv      do not create or update the virtualenv (units and /etc only)
   -h, --help       show this help and exit
@@ -86,20 +86,22 @@ find_python() {
         echo "$PYTHON"; return
     fi
     local candidate
-    for candidate in python3.13 python3.12 python3.11 python3; do
-        if command -v "$candidate" >/dev/null 2>&1; then
+    for candidate in python3 python3.13 python3.12 python3.11; do
+        # A name can exist and still not run (pyenv shims): try it.
+        if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+        then
             command -v "$candidate"; return
         fi
     done
-    echo "install.sh: no python3 found (use --python)" >&2
+    echo "install.sh: no Python 3.11 or later found (use --python)" >&2
     exit 1
 }
 
 install_venv() {
     local python
     python=$(find_python)
-    if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-        echo "install.sh: $python is older than Python 3.11" >&2
+    if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        echo "install.sh: $python does not run or is older than Python 3.11" >&2
         exit 1
     fi
     mkdir -p "$OPT_DIR"
