@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     BeforeValidator,
@@ -85,7 +86,7 @@ def _positive(value: float) -> float:
     return value
 
 
-PositiveDuration = Annotated[float, BeforeValidator(parse_duration), BeforeValidator(_positive)]
+PositiveDuration = Annotated[float, BeforeValidator(parse_duration), AfterValidator(_positive)]
 
 
 def credentials_directory() -> Path | None:

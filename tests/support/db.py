@@ -32,6 +32,7 @@ def count(conn: psycopg.Connection, query: str, *params: Any) -> int:
     return int(row[0])
 
 
-def outcomes(conn: psycopg.Connection) -> dict[int, str]:
-    """item_id → outcome for every recorded outcome."""
-    return {int(i): str(o) for i, o in conn.execute("SELECT item_id, outcome FROM work_outcomes")}
+def outcomes(conn: psycopg.Connection, queue: str = "pending_triage") -> dict[int, str]:
+    """item_id → outcome for every recorded outcome of ``queue``."""
+    rows = conn.execute("SELECT item_id, outcome FROM work_outcomes WHERE queue = %s", (queue,))
+    return {int(i): str(o) for i, o in rows}

@@ -1,0 +1,128 @@
+"""The real daemon as a subprocess: kill -9, SIGTERM, PostgreSQL restarts, instant wake-up."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support.daemon import daemon_env, start_daemon, wait_until
+from tests.support.db import count, enqueue_many
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+
+def _done(db: psycopg.Connection) -> int:
+    return count(db, "SELECT count(*) FROM work_outcomes")
+
+
+def _assert_each_item_one_outcome(db: psycopg.Connection, n: int) -> None:
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+    assert _done(db) == n
+    assert count(db, "SELECT count(DISTINCT item_id) FROM work_outcomes") == n
+    saved = count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'")
+    assert count(db, "SELECT count(*) FROM memories") == saved
+    assert count(db, "SELECT count(DISTINCT origin) FROM memories") == saved
+
+
+def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    n = 600
+    enqueue_many(db, n, behaviour="sleep:0.02")
+    env = daemon_env(database_url, tmp_path)
+    log = tmp_path / "daemon.log"
+    kills = 0
+    for target in (100, 250, 400):
+        proc = start_daemon(env, log)
+        assert wait_until(lambda t=target: _done(db) >= t or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.kill()  # SIGKILL: no cleanup, leases left behind
+        proc.wait(10)
+        kills += 1
+        assert _done(db) < n, "the drain finished before the kill: make items slower"
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(lambda: _done(db) >= n, timeout=180), log.read_text()[-3000:]
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert kills == 3
+    _assert_each_item_one_outcome(db, n)
+    died = count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'failed'")
+    print(f"\nkill -9 x{kills}: {n} items in, {_done(db)} outcomes, {died} failed by repeated deaths, 0 duplicates")
+
+
+def test_sigterm_mid_drain_exits_0_within_the_grace_and_loses_nothing(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    n = 200
+    enqueue_many(db, n, behaviour="sleep:0.3")
+    env = daemon_env(database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="5s")
+    proc = start_daemon(env, tmp_path / "daemon.log")
+    assert wait_until(lambda: _done(db) >= 20, timeout=60)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert time.monotonic() - started < 5 + 5
+    # Nothing is leased any more: each item is settled or released with its attempt given back.
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL") == 0
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts > 0") == 0
+    assert count(db, "SELECT count(*) FROM pending_triage") + _done(db) == n
+    assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome <> 'saved'") == 0
+
+
+def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    env = daemon_env(database_url, tmp_path, SOKRATOS_HEARTBEAT_INTERVAL="60s")
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(lambda: "worker_started" in log.read_text(), timeout=30)
+        time.sleep(0.5)  # idle: the first tick has run
+        enqueue_many(db, 1)
+        started = time.monotonic()
+        assert wait_until(lambda: _done(db) == 1, timeout=10)
+        elapsed = time.monotonic() - started
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert elapsed < 2.0, f"took {elapsed:.2f}s: the NOTIFY wake-up did not work"
+
+
+def test_postgres_restart_under_a_running_daemon(db: psycopg.Connection, database_url: str, tmp_path: Path, restart_postgres: Callable[[float], None]) -> None:
+    n = 300
+    enqueue_many(db, n, behaviour="sleep:0.02")
+    env = daemon_env(database_url, tmp_path)
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(lambda: _done(db) >= 50, timeout=60)
+        db.close()
+        restart_postgres(3.0)
+        assert proc.poll() is None, "the daemon died with the database"
+        with psycopg.connect(database_url, autocommit=True) as again:
+            assert wait_until(lambda: _done(again) >= n, timeout=120), log.read_text()[-3000:]
+            _assert_each_item_one_outcome(again, n)
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert "waiting" in log.read_text()
+
+
+def test_start_with_database_unreachable_exits_75(tmp_path: Path) -> None:
+    env = daemon_env("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_STARTUP_TIMEOUT="2s")
+    proc = start_daemon(env, tmp_path / "daemon.log")
+    assert proc.wait(60) == 75
+
+
+def test_run_once_drains_ready_items_and_exits_0(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    enqueue_many(db, 30)
+    enqueue_many(db, 2, behaviour="fail", prefix="f")
+    env = daemon_env(database_url, tmp_path, SOKRATOS_RETRY_BASE="1h", SOKRATOS_RETRY_MAX="2h")
+    proc = start_daemon(env, tmp_path / "daemon.log", "--once")
+    assert proc.wait(60) == 0
+    assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 30
+    # The failing ones back off (not ready now) and wait for a later tick.
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 1 AND run_after > now()") == 2
+    assert subprocess.run(["true"], check=True).returncode == 0
