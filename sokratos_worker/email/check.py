@@ -9,7 +9,8 @@ message that was not fetched (hazard 2). Messages are handled one by one, in UID
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,7 +18,13 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig, Settings
-from sokratos_worker.email.imap import FetchedMessage, ImapError, ImapSession, MailboxState
+from sokratos_worker.email.imap import (
+    FetchedMessage,
+    ImapError,
+    ImapSession,
+    MailboxState,
+    MessageRef,
+)
 from sokratos_worker.email.parse import (
     HEADER_LIMIT_BYTES,
     format_email_summary,
@@ -96,13 +103,26 @@ def build_payload(
     return message_key(account.name, parsed), payload
 
 
-def _is_old(message: FetchedMessage, cutoff: datetime | None) -> bool:
+def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
     """Before the initial-lookback cutoff (a missing INTERNALDATE counts as new)."""
-    return (
-        cutoff is not None
-        and message.internal_date is not None
-        and (message.internal_date < cutoff)
-    )
+    return cutoff is not None and internal_date is not None and internal_date < cutoff
+
+
+def _messages(
+    session: ImapSession, refs: list[MessageRef], cutoff: datetime | None
+) -> Iterator[tuple[FetchedMessage, bool]]:
+    """``(message, old)`` in UID order; old mail is fetched as headers only when it can be.
+
+    Old mail is only recorded as seen, so its body is needed just for the hash key of a
+    message without Message-ID: a ten-year-old mailbox is not downloaded in full.
+    """
+    for old, group in itertools.groupby(refs, key=lambda r: _is_old(r.internal_date, cutoff)):
+        for batch in session.batches(list(group), headers_only=old):
+            for fetched in batch:
+                if old and parse_email(fetched.raw).message_id is None:
+                    yield session.fetch([fetched.uid])[0], old
+                else:
+                    yield fetched, old
 
 
 def _record(
@@ -111,11 +131,10 @@ def _record(
     state: MailboxState,
     message: FetchedMessage,
     *,
-    cutoff: datetime | None,
+    old: bool,
     counts: _Counts,
 ) -> None:
     key, payload = build_payload(account, state.uidvalidity, message)
-    old = _is_old(message, cutoff)
     record = store.MessageRecord(
         account=account.name,
         mailbox=account.mailbox,
@@ -172,9 +191,8 @@ def check_account(
         # Until one check completes (first check, or after a reset), old mail is only seen.
         first = reset or checkpoint is None or checkpoint.checked_at is None
         cutoff = now - timedelta(seconds=lookback_s) if first else None
-        for batch in session.batches(session.refs_above(last_uid)):
-            for message in batch:
-                _record(conn, account, state, message, cutoff=cutoff, counts=counts)
+        for message, old in _messages(session, session.refs_above(last_uid), cutoff):
+            _record(conn, account, state, message, old=old, counts=counts)
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,

@@ -47,6 +47,7 @@ class MessageRef:
 
     uid: int
     size: int
+    internal_date: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,9 @@ class ImapSession:
     def refs_above(self, last_uid: int) -> list[MessageRef]:
         """UIDs and sizes of every message with a UID above ``last_uid``, in UID order."""
         try:
-            typ, data = self.conn.uid("FETCH", f"{last_uid + 1}:*", "(UID RFC822.SIZE)")
+            typ, data = self.conn.uid(
+                "FETCH", f"{last_uid + 1}:*", "(UID RFC822.SIZE INTERNALDATE)"
+            )
             self._check(typ, list(data), "UID FETCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise ImapError(f"UID FETCH on {self._where()} failed: {_describe(exc)}") from None
@@ -173,21 +176,27 @@ class ImapSession:
             text = line[0] if isinstance(line, tuple) else line
             if not isinstance(text, bytes):
                 continue
-            uid, size = _UID.search(text), _SIZE.search(text)
+            uid, size, date = _UID.search(text), _SIZE.search(text), _INTERNALDATE.search(text)
             # "N:*" matches the highest message even when its UID is below N (RFC 3501).
             if uid and int(uid.group(1)) > last_uid:
                 refs[int(uid.group(1))] = MessageRef(
-                    int(uid.group(1)), int(size.group(1)) if size else 0
+                    uid=int(uid.group(1)),
+                    size=int(size.group(1)) if size else 0,
+                    internal_date=parse_internaldate(date.group(1)) if date else None,
                 )
         return [refs[uid] for uid in sorted(refs)]
 
-    def fetch(self, uids: list[int]) -> list[FetchedMessage]:
-        """Bodies (``BODY.PEEK[]``, never marking them read) and INTERNALDATE of ``uids``."""
+    def fetch(self, uids: list[int], *, headers_only: bool = False) -> list[FetchedMessage]:
+        """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.
+
+        ``headers_only`` fetches just the header block (for mail that is only recorded as seen).
+        """
         if not uids:
             return []
+        section = "BODY.PEEK[HEADER]" if headers_only else "BODY.PEEK[]"
         try:
             typ, data = self.conn.uid(
-                "FETCH", ",".join(map(str, uids)), "(UID INTERNALDATE BODY.PEEK[])"
+                "FETCH", ",".join(map(str, uids)), f"(UID INTERNALDATE {section})"
             )
             self._check(typ, list(data), "UID FETCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
@@ -215,15 +224,17 @@ class ImapSession:
             raise ImapError(f"UID FETCH on {self._where()} returned no body for UIDs {missing}")
         return [found[uid] for uid in uids]
 
-    def batches(self, refs: list[MessageRef]) -> Iterator[list[FetchedMessage]]:
+    def batches(
+        self, refs: list[MessageRef], *, headers_only: bool = False
+    ) -> Iterator[list[FetchedMessage]]:
         """Fetch ``refs`` in order, in batches bounded by count and by bytes."""
         batch: list[int] = []
         size = 0
         for ref in refs:
             if batch and (len(batch) >= BATCH_MESSAGES or size + ref.size > BATCH_BYTES):
-                yield self.fetch(batch)
+                yield self.fetch(batch, headers_only=headers_only)
                 batch, size = [], 0
             batch.append(ref.uid)
-            size += ref.size
+            size += 0 if headers_only else ref.size
         if batch:
-            yield self.fetch(batch)
+            yield self.fetch(batch, headers_only=headers_only)

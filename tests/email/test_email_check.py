@@ -17,6 +17,7 @@ from sokratos_worker.email import (
     probe_accounts,
     prune_processed_emails,
 )
+from sokratos_worker.email.parse import message_key, parse_email
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
@@ -55,8 +56,13 @@ def test_new_mail_becomes_one_item_per_message_across_checks(
     for n in range(3):
         dovecot.append(mailbox, mails.plain(subject=f"message {n}"))
     settings = make_settings(account())
-    [report] = check_due_accounts(settings, database_url, now=later(0))
+    with capture_logs() as logs:
+        [report] = check_due_accounts(settings, database_url, now=later(0))
     assert (report.fetched, report.enqueued, report.seen_without_triage) == (3, 3, 0)
+    [finished] = [e for e in logs if e["event"] == "email_check_finished"]
+    assert finished["account"] == "home"
+    assert (finished["fetched"], finished["enqueued"], finished["seen_without_triage"]) == (3, 3, 0)
+    assert "usual place" not in repr(logs)  # bodies are never logged
     found = items(db)
     assert [i["payload"]["subject"] for i in found] == ["message 0", "message 1", "message 2"]
     assert {i["source"] for i in found} == {"email"}
@@ -318,15 +324,23 @@ def test_a_broken_account_does_not_stop_a_good_one(
 def test_initial_lookback_records_old_mail_as_seen(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
-    dovecot.append(mailbox, mails.plain(subject="ten years ago"), when=NOW - timedelta(days=3650))
-    dovecot.append(mailbox, mails.plain(subject="last week"), when=NOW - timedelta(days=7))
+    ten_years_ago = mails.plain(subject="ten years ago", message_id="<old@example.org>")
+    no_id = mails.plain(subject="last week", message_id=None)
+    dovecot.append(mailbox, ten_years_ago, when=NOW - timedelta(days=3650))
+    dovecot.append(mailbox, no_id, when=NOW - timedelta(days=7))
     dovecot.append(mailbox, mails.plain(subject="this morning"), when=NOW - timedelta(hours=3))
+    before = dovecot.flags(mailbox)
     settings = make_settings(account(), email_initial_lookback=86400)
     [report] = check_due_accounts(settings, database_url, now=NOW)
     assert (report.fetched, report.enqueued, report.seen_without_triage) == (3, 1, 2)
     assert [i["payload"]["subject"] for i in items(db)] == ["this morning"]
     rows = processed(db)
     assert [(uid, item is None) for _, uid, item in rows] == [(1, True), (2, True), (3, False)]
+    # Old mail is recorded under the same keys a full fetch would give (headers suffice
+    # when there is a Message-ID; the hash needs the body, which is then fetched).
+    assert rows[0][0] == "home:<old@example.org>"
+    assert rows[1][0] == message_key("home", parse_email(no_id))
+    assert dovecot.flags(mailbox) == before
     # After the first check, any new arrival is triaged, whatever its date.
     dovecot.append(mailbox, mails.plain(subject="moved in"), when=NOW - timedelta(days=30))
     [report] = check_due_accounts(settings, database_url, now=later(10))
