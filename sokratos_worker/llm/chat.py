@@ -119,21 +119,25 @@ class _Backend:
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """OpenAI strict form: every property required, no additional properties, no defaults."""
     result = copy.deepcopy(schema)
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            node.pop("default", None)
-            if node.get("type") == "object" and "properties" in node:
-                node["additionalProperties"] = False
-                node["required"] = list(node["properties"])
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(result)
+    _make_strict(result)
     return result
+
+
+def _make_strict(node: Any) -> None:
+    """Walk schema nodes only, so a property named ``default`` is left alone."""
+    if not isinstance(node, dict):
+        return
+    node.pop("default", None)
+    if node.get("type") == "object" and "properties" in node:
+        node["additionalProperties"] = False
+        node["required"] = list(node["properties"])
+    for key in ("properties", "$defs"):
+        for child in node.get(key, {}).values():
+            _make_strict(child)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for child in node.get(key, []):
+            _make_strict(child)
+    _make_strict(node.get("items"))
 
 
 def request_body(

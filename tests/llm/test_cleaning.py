@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, Field
 
+from sokratos_worker.llm.chat import strict_schema
 from sokratos_worker.llm.cleaning import (
     clean_llm_json,
     extract_json_object,
@@ -111,3 +112,21 @@ def test_gbnf_covers_objects_enums_arrays_and_nullables():
     assert grammar.splitlines()[0].startswith('root ::= "{" ws "\\"score\\""')
     assert "number" in grammar
     assert "integer" in grammar
+
+
+def test_strict_schema_walks_schemas_not_property_names():
+    class Inner(BaseModel):
+        default: int = 3
+
+    class Outer(BaseModel):
+        inner: Inner | None = None
+        items: list[Inner] = []
+
+    schema = strict_schema(Outer.model_json_schema())
+    inner = schema["$defs"]["Inner"]
+    assert inner["additionalProperties"] is False
+    assert inner["required"] == ["default"]
+    assert "default" in inner["properties"]
+    assert "default" not in inner["properties"]["default"]
+    assert schema["required"] == ["inner", "items"]
+    assert "default" not in schema["properties"]["items"]
