@@ -7,6 +7,7 @@ is translated into :class:`ImapError`, whose message never contains the password
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import imaplib
 import re
@@ -68,9 +69,31 @@ def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
     return context
 
 
+def encode_mailbox(name: str) -> str:
+    """IMAP's modified UTF-7 (RFC 3501 §5.1.3), so folder names like "Überweisungen" work."""
+    out: list[str] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            data = "".join(pending).encode("utf-16-be")
+            out.append("&" + base64.b64encode(data).decode().rstrip("=").replace("/", ",") + "-")
+            pending.clear()
+
+    for char in name:
+        if 0x20 <= ord(char) <= 0x7E:
+            flush()
+            out.append("&-" if char == "&" else char)
+        else:
+            pending.append(char)
+    flush()
+    return "".join(out)
+
+
 def quote_mailbox(name: str) -> str:
-    """An IMAP quoted string, so mailbox names with spaces work."""
-    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """An IMAP quoted string of the encoded name, so names with spaces work."""
+    encoded = encode_mailbox(name)
+    return '"' + encoded.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def parse_internaldate(value: bytes) -> datetime | None:
@@ -99,8 +122,7 @@ class ImapSession:
     def __enter__(self) -> ImapSession:
         try:
             self._conn = self._connect()
-            password = self.account.password.get_secret_value() if self.account.password else ""
-            self._conn.login(self.account.username, password)
+            self._login(self._conn)
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError) as exc:
             self.close()
             raise ImapError(f"login to {self._where()} failed: {_describe(exc)}") from None
@@ -113,6 +135,16 @@ class ImapSession:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _login(self, conn: imaplib.IMAP4) -> None:
+        user = self.account.username
+        password = self.account.password.get_secret_value() if self.account.password else ""
+        if (user + password).isascii():
+            conn.login(user, password)
+            return
+        # LOGIN is ASCII-only in imaplib; SASL PLAIN carries UTF-8 credentials.
+        credentials = f"\0{user}\0{password}".encode()
+        conn.authenticate("PLAIN", lambda _challenge: credentials)
 
     def _where(self) -> str:
         return f"{self.account.host}:{self.account.imap_port} ({self.account.security})"

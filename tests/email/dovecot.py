@@ -32,6 +32,9 @@ AccountFactory = Callable[..., EmailAccountConfig]
 
 USER = "alice"
 PASSWORD = "correct horse battery staple"
+# A second login whose password is not ASCII (sent with SASL PLAIN, not LOGIN).
+UTF8_USER = "bjorn"
+UTF8_PASSWORD = "pässwörd-ø"
 
 
 def dovecot_binary() -> str | None:
@@ -95,7 +98,10 @@ class Dovecot:
             (root / sub).mkdir()
         os.chown(root / "mail", uid, gid)
         cert, key = _make_certificate(root)
-        (root / "passwd").write_text(f"{USER}:{{PLAIN}}{PASSWORD}::::\n")
+        (root / "passwd").write_text(
+            f"{USER}:{{PLAIN}}{PASSWORD}::::\n{UTF8_USER}:{{PLAIN}}{UTF8_PASSWORD}::::\n",
+            encoding="utf-8",
+        )
         server = cls(root, _free_port(), _free_port(), cert)
         (root / "dovecot.conf").write_text(
             f"""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import mails
 import psycopg
 import pytest
-from dovecot import AccountFactory, Dovecot, make_settings
+from dovecot import UTF8_PASSWORD, UTF8_USER, AccountFactory, Dovecot, make_settings
 from structlog.testing import capture_logs
 
 from sokratos_worker.email import (
@@ -17,6 +18,7 @@ from sokratos_worker.email import (
     probe_accounts,
     prune_processed_emails,
 )
+from sokratos_worker.email.imap import encode_mailbox
 from sokratos_worker.email.parse import message_key, parse_email
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
@@ -389,3 +391,17 @@ def test_prune_never_goes_beyond_the_checkpoint(
     assert "sokratos-new" in remaining
     assert [p[1] for p in processed(db) if p[1] is not None] == [3]
     assert prune_processed_emails(db, 0) == 0
+
+
+def test_non_ascii_mailbox_name_and_password(
+    dovecot: Dovecot, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    name = f"Überweisungen {uuid.uuid4().hex[:6]}"
+    dovecot.create_mailbox(f'"{encode_mailbox(name)}"')
+    dovecot.append(f'"{encode_mailbox(name)}"', mails.plain(subject="Rechnung"))
+    [report] = check_due_accounts(make_settings(account(mailbox=name)), database_url, now=NOW)
+    assert report.ok, report.error
+    assert [i["payload"]["mailbox"] for i in items(db)] == [name]
+    utf8 = account(name="utf8", username=UTF8_USER, password=UTF8_PASSWORD, mailbox="INBOX")
+    [line] = probe_accounts(make_settings(utf8))
+    assert line.ok, line.detail
