@@ -86,6 +86,7 @@ class LocalModelServer:
         """The OpenAI-compatible base URL (ends in ``/v1``)."""
         return f"http://127.0.0.1:{self.port}/v1"
 
+    @property
     def backend(self) -> BackendConfig:
         """The backend configuration pointing at this server."""
         return BackendConfig(
@@ -134,7 +135,7 @@ class LocalModelServer:
         )
         self._wait_until_ready()
         log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
-        return self.backend()
+        return self.backend
 
     def stop(self) -> None:
         """Terminate the server (kill it after 10 s) and remove its log."""
@@ -190,6 +191,13 @@ class LocalModelServer:
         self.stop()
 
 
+def start_local_server(startup_timeout: float = 120.0) -> LocalModelServer:
+    """Start the bundled model; the caller adds ``.backend`` last and calls ``.stop()``."""
+    server = LocalModelServer(startup_timeout=startup_timeout)
+    server.start()
+    return server
+
+
 __all__ = [
     "INSTALL_HINT",
     "LOCAL_BACKEND_NAME",
@@ -197,4 +205,5 @@ __all__ = [
     "LocalModelServer",
     "llama_cpp_installed",
     "model_path",
+    "start_local_server",
 ]

@@ -18,6 +18,7 @@ from sokratos_worker.errors import BackendsUnavailable
 from sokratos_worker.llm.chat import FallbackChatClient, RetryPolicy
 from sokratos_worker.llm.embeddings import HttpEmbedder
 from sokratos_worker.llm.http import make_client
+from sokratos_worker.llm.local import LOCAL_BACKEND_NAME, LocalModelError, start_local_server
 from sokratos_worker.llm.types import ChatFailed, EmbeddingFailed, EmbeddingsUnavailable
 from sokratos_worker.model import CheckLine
 
@@ -33,15 +34,27 @@ class _Ping(BaseModel):
 def probe_backends(
     settings: Settings, extra_backends: Sequence[BackendConfig] = ()
 ) -> list[CheckLine]:
-    """One line per chat backend (``llm:<name>``) and one for ``embeddings``."""
-    backends = [*settings.llm_backends, *extra_backends]
-    lines = [probe_chat_backend(b) for b in backends]
-    if not backends:
-        lines.append(
-            CheckLine("llm", False, "no backends configured (SOKRATOS_LLM_BACKENDS): items wait")
-        )
-    lines.append(probe_embeddings(settings))
+    """One line per chat backend (``llm:<name>``), the local model when enabled, and one
+    for ``embeddings`` when an embedding model is configured (the caller reports its absence
+    and the absence of any backend)."""
+    lines = [probe_chat_backend(b) for b in [*settings.llm_backends, *extra_backends]]
+    if settings.local_model and not any(b.name == LOCAL_BACKEND_NAME for b in extra_backends):
+        lines.append(probe_local_model())
+    if settings.embeddings_enabled:
+        lines.append(probe_embeddings(settings))
     return lines
+
+
+def probe_local_model() -> CheckLine:
+    """Start the bundled model for the length of the check and ask it once."""
+    try:
+        server = start_local_server()
+    except LocalModelError as exc:
+        return CheckLine(f"llm:{LOCAL_BACKEND_NAME}", False, str(exc))
+    try:
+        return probe_chat_backend(server.backend)
+    finally:
+        server.stop()
 
 
 def probe_chat_backend(config: BackendConfig) -> CheckLine:
@@ -130,4 +143,4 @@ def probe_embeddings(settings: Settings) -> CheckLine:
     )
 
 
-__all__ = ["probe_backends", "probe_chat_backend", "probe_embeddings"]
+__all__ = ["probe_backends", "probe_chat_backend", "probe_embeddings", "probe_local_model"]

@@ -42,7 +42,7 @@ def local_server() -> Iterator[LocalModelServer]:
 
 
 def test_schema_valid_reply_through_json_object_mode(local_server: LocalModelServer):
-    config = local_server.backend()
+    config = local_server.backend
     assert config.name == LOCAL_BACKEND_NAME
     assert config.structured_output == "json_object"
     client = FallbackChatClient([config])
@@ -63,10 +63,16 @@ def test_schema_valid_reply_through_json_object_mode(local_server: LocalModelSer
 
 
 def test_check_line_for_the_local_backend(local_server: LocalModelServer):
-    (line, embeddings) = probe_backends(Settings(), extra_backends=[local_server.backend()])
+    (line,) = probe_backends(Settings(), extra_backends=[local_server.backend])
     assert line.component == f"llm:{LOCAL_BACKEND_NAME}"
     assert line.ok, line.detail
-    assert embeddings.ok
+
+
+def test_check_starts_the_local_model_itself_when_enabled():
+    _require_local_extra()
+    (line,) = probe_backends(Settings(local_model=True))
+    assert line.component == f"llm:{LOCAL_BACKEND_NAME}"
+    assert line.ok, line.detail
 
 
 class Tag(BaseModel):
@@ -82,7 +88,7 @@ class Note(BaseModel):
 
 def test_generated_gbnf_grammar_constrains_a_real_model(local_server: LocalModelServer):
     # llama-cpp-python's server also takes llama.cpp's `grammar` field: this proves our GBNF.
-    config = local_server.backend().model_copy(
+    config = local_server.backend.model_copy(
         update={"name": "local-grammar", "structured_output": "grammar"}
     )
     client = FallbackChatClient([config])
