@@ -222,6 +222,10 @@ def _check_one(
     if not store.advisory_lock(conn, account.name):
         return AccountReport(name=account.name, skipped_reason="checked by another worker")
     try:
+        # Read again under the lock: another worker may have just finished this account.
+        checkpoint = store.load_checkpoint(conn, account.name, account.mailbox)
+        if not is_due(checkpoint, settings.email_check_interval, now):
+            return AccountReport(name=account.name, skipped_reason="not due")
         report = check_account(
             conn,
             account,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -405,3 +406,32 @@ def test_non_ascii_mailbox_name_and_password(
     utf8 = account(name="utf8", username=UTF8_USER, password=UTF8_PASSWORD, mailbox="INBOX")
     [line] = probe_accounts(make_settings(utf8))
     assert line.ok, line.detail
+
+
+def test_one_account_is_never_checked_by_two_workers_at_once(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain())
+    db.execute("SELECT pg_advisory_lock(hashtext('sokratos-email'), hashtext('home'))")
+    [report] = check_due_accounts(make_settings(account()), database_url, now=NOW)
+    assert report.skipped_reason == "checked by another worker"
+    assert items(db) == []
+    db.execute("SELECT pg_advisory_unlock(hashtext('sokratos-email'), hashtext('home'))")
+    [report] = check_due_accounts(make_settings(account()), database_url, now=NOW)
+    assert report.enqueued == 1
+
+
+def test_a_silent_server_times_out_as_an_account_error(
+    account: AccountFactory, database_url: str, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sokratos_worker.email.check.IMAP_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts the connection, never sends a greeting
+        port = silent.getsockname()[1]
+        [report] = check_due_accounts(
+            make_settings(account(name="silent", port=port)), database_url, now=NOW
+        )
+    assert report.error is not None
+    assert "timed out" in report.error
+    assert checkpoint(db, "silent")[3] == report.error  # type: ignore[index]
