@@ -252,6 +252,8 @@ class Settings(BaseSettings):
     metrics_addr: str | None = None
     failed_ops_ttl_days: int = Field(default=0, ge=0)
     processed_emails_ttl_days: int = Field(default=90, ge=1)
+    # Set by the template unit sokratos-worker@.service; part of the worker id.
+    worker_instance: str | None = None
 
     @field_validator("log_level", mode="before")
     @classmethod

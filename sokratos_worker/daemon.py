@@ -41,9 +41,10 @@ EXIT_OK = 0
 EXIT_SOFTWARE = 1
 
 
-def new_worker_id() -> str:
-    """Unique per process: host, pid and a random suffix (pids are reused)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+def new_worker_id(instance: str | None = None) -> str:
+    """Unique per process: host, template instance, pid and a random suffix (pids are reused)."""
+    host = f"{socket.gethostname()}@{instance}" if instance else socket.gethostname()
+    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 @dataclass
@@ -306,12 +307,8 @@ class Worker:
         return server
 
     def _ready(self) -> bool:
-        try:
-            with self.database.connection() as conn:
-                conn.execute("SELECT 1")
-        except Exception:  # noqa: BLE001 - any failure means not ready
-            return False
-        return True
+        # The runner learns of an outage on its next claim; no query per probe.
+        return self.runner.state != State.WAITING_FOR_DATABASE
 
     def _refresh_metrics(self, metrics: Metrics) -> None:
         try:
@@ -343,4 +340,10 @@ def build_worker(
             reason="no LLM backend configured (SOKRATOS_LLM_BACKENDS is empty)",
             effect="items wait in their queues; they are never failed for this",
         )
-    return Worker(settings=settings, database=database, handlers=handlers, context=context)
+    return Worker(
+        settings=settings,
+        database=database,
+        handlers=handlers,
+        context=context,
+        worker_id=new_worker_id(settings.worker_instance),
+    )

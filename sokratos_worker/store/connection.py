@@ -66,8 +66,7 @@ def make_pool(conninfo: str, *, size: int, name: str = "sokratos-worker") -> Con
         kwargs={"autocommit": True, "connect_timeout": 10},
         check=ConnectionPool.check_connection,
         name=name,
-        timeout=15.0,
-        reconnect_timeout=0,  # never give up: the daemon decides when to stop waiting
+        timeout=5.0,  # past this a caller sees DatabaseUnavailable and says it is waiting
         open=True,
     )
 

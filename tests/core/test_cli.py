@@ -1,0 +1,131 @@
+"""The command line as an operator uses it: help, enqueue, status, failed, run with no config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from sokratos_worker.cli import build_parser
+from tests.support.db import count, enqueue_many
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ["run", "migrate", "enqueue", "status", "failed", "check", "demo"]
+
+
+def cli(*args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sokratos_worker", *args], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT)
+
+
+def env_for(database_url: str | None, tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOKRATOS_") and k != "DATABASE_URL"}
+    env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), SOKRATOS_LOG_FORMAT="json")
+    if database_url:
+        env["SOKRATOS_DATABASE_URL"] = database_url
+    env.update(extra)
+    return env
+
+
+def test_help_documents_every_command() -> None:
+    text = build_parser().format_help()
+    for command in COMMANDS:
+        assert command in text
+    for args in (["run"], ["enqueue", "triage"], ["enqueue", "distillation"], ["status"],
+                 ["failed", "retry"], ["failed", "list"], ["failed", "purge"], ["check"], ["demo"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args([*args, "--help"])
+        assert info.value.code == 0
+
+
+def test_enqueue_prints_the_id_and_a_known_key_returns_it_again(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    env = env_for(database_url, tmp_path)
+    first = cli("enqueue", "triage", "--exchange", "-", "--key", "k1", env=env,
+                stdin="user: my sister is called Ana\nassistant: noted")
+    second = cli("enqueue", "triage", "--exchange", "other", "--key", "k1", env=env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr
+    assert first.stdout.strip() == second.stdout.strip() and first.stdout.strip().isdigit()
+    archive = tmp_path / "a.json"
+    archive.write_text(json.dumps({"archive_text": "[Conversation archived]\nuser: hi"}))
+    third = cli("enqueue", "distillation", "--file", str(archive), env=env)
+    assert third.returncode == 0 and third.stdout.strip().isdigit()
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 1
+
+
+def test_enqueue_invalid_input_exits_1_with_a_message(database_url: str, tmp_path: Path) -> None:
+    env = env_for(database_url, tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": "not a list"}')
+    proc = cli("enqueue", "distillation", "--file", str(bad), env=env)
+    assert proc.returncode == 1 and "payload.messages" in proc.stderr
+    proc = cli("enqueue", "distillation", "--file", str(tmp_path / "missing.json"), env=env)
+    assert proc.returncode == 1 and "cannot read" in proc.stderr
+
+
+def test_enqueue_with_the_database_down_spools(tmp_path: Path) -> None:
+    env = env_for("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    proc = cli("enqueue", "triage", "--exchange", "user: hello world\nassistant: hi", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("spooled ")
+    assert Path(proc.stdout.split(" ", 1)[1].strip()).exists()
+
+
+def test_status_json_has_the_contract_keys(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    enqueue_many(db, 3)
+    proc = cli("status", "--json", env=env_for(database_url, tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["database"] == "ok"
+    assert set(report) >= {"database", "queues", "failures_24h", "workers", "email_accounts"}
+    triage = report["queues"]["pending_triage"]
+    assert set(triage) >= {"ready", "backing_off", "leased", "oldest_ready_age_s"}
+    assert triage["ready"] == 3
+    human = cli("status", env=env_for(database_url, tmp_path))
+    assert "pending_triage: 3 ready" in human.stdout
+
+
+def test_status_with_the_database_down_says_so(tmp_path: Path) -> None:
+    proc = cli("status", "--json", env=env_for("postgresql://x@127.0.0.1:1/none", tmp_path))
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout)["database"] == "unreachable"
+
+
+def test_failed_list_show_retry_purge(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    from sokratos_worker.model import Queue
+    from sokratos_worker.store import queue as store
+
+    enqueue_many(db, 1, behaviour="fail")
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    store.dead_letter(db, item, owner="w", error="model said no")
+    env = env_for(database_url, tmp_path)
+    listing = cli("failed", "list", env=env)
+    assert "conversation_triage" in listing.stdout and "model said no" in listing.stdout
+    failure_id = listing.stdout.split()[0]
+    shown = json.loads(cli("failed", "show", failure_id, env=env).stdout)
+    assert shown["context_data"]["payload"]["behaviour"] == "fail"
+    first = cli("failed", "retry", failure_id, env=env)
+    second = cli("failed", "retry", "--all", env=env)
+    assert first.returncode == 0 and "re-enqueued" in first.stdout
+    assert second.returncode == 0 and "re-enqueued" not in second.stdout
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    purge = cli("failed", "purge", "--older-than", "0", env=env)
+    assert purge.returncode == 0 and "deleted 1" in purge.stdout
+
+
+@pytest.mark.subprocess
+def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) -> None:
+    env = env_for(None, tmp_path)
+    proc = cli("run", "--once", env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert "embedded_postgres_ready" in events and "tick_finished" in events
+    assert (tmp_path / "home/.local/share/sokratos-worker/postgres/PG_VERSION").exists()
+    # A second command attaches to (or restarts) the same data directory.
+    again = cli("status", "--json", env=env, timeout=120)
+    assert json.loads(again.stdout)["database"] == "ok"

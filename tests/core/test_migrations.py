@@ -1,0 +1,90 @@
+"""Migrations: idempotent, race-free, and adopting an existing Sokratos database."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from sokratos_worker.app import _check_embedding_column
+from sokratos_worker.config import ConfigError, Settings
+from sokratos_worker.store.connection import Database
+from sokratos_worker.store.migrations import apply_migrations, load_migrations
+
+SOKRATOS_SCHEMA = """
+CREATE EXTENSION IF NOT EXISTS vector;
+CREATE TABLE memories (
+    id BIGSERIAL PRIMARY KEY, summary TEXT NOT NULL, embedding VECTOR(2560) NOT NULL,
+    salience FLOAT DEFAULT 5, tags TEXT[], created_at TIMESTAMPTZ DEFAULT now(),
+    last_accessed TIMESTAMPTZ DEFAULT now(), memory_type VARCHAR(20) DEFAULT 'general',
+    entities TEXT[], confidence FLOAT DEFAULT 1.0, related_ids BIGINT[],
+    superseded_by BIGINT REFERENCES memories(id), retrieval_count INT DEFAULT 0,
+    last_retrieved_at TIMESTAMPTZ, usefulness_score FLOAT DEFAULT 0.5, source VARCHAR(50),
+    source_date TIMESTAMPTZ, pipeline_id BIGINT,
+    summary_tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', summary)) STORED);
+CREATE TABLE failed_operations (id BIGSERIAL PRIMARY KEY, op_type VARCHAR(50) NOT NULL,
+    label TEXT NOT NULL, error_message TEXT NOT NULL, context_data JSONB NULL,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now());
+CREATE TABLE processed_emails (message_id VARCHAR(255) PRIMARY KEY, seen_at TIMESTAMPTZ DEFAULT now());
+CREATE TABLE adaptive_params (key VARCHAR(100) PRIMARY KEY, value FLOAT NOT NULL,
+    source VARCHAR(50) NOT NULL DEFAULT 'default', reason TEXT, updated_at TIMESTAMPTZ DEFAULT now());
+INSERT INTO memories (summary, embedding) VALUES ('user lives in Lisbon', array_fill(0.01, ARRAY[2560])::vector);
+INSERT INTO failed_operations (op_type, label, error_message) VALUES ('memory_save', 'conversation', 'old');
+INSERT INTO processed_emails (message_id) VALUES ('gmail-123');
+INSERT INTO adaptive_params (key, value, source) VALUES ('triage_conversation_threshold', 4, 'reflection');
+"""
+
+
+def test_migrations_are_idempotent(empty_database_url: str) -> None:
+    assert len(apply_migrations(empty_database_url)) == len(load_migrations())
+    assert apply_migrations(empty_database_url) == []
+    with psycopg.connect(empty_database_url) as conn:
+        rows = conn.execute("SELECT count(*), count(DISTINCT checksum) FROM sokratos_worker_migrations").fetchone()
+    assert rows == (len(load_migrations()), len(load_migrations()))
+
+
+def test_two_workers_migrating_at_once_do_not_race(empty_database_url: str) -> None:
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            results.append(apply_migrations(empty_database_url))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert sorted(len(r) for r in results) == [0, 0, len(load_migrations())]
+
+
+def test_an_existing_sokratos_database_is_adopted(empty_database_url: str) -> None:
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(SOKRATOS_SCHEMA)
+    apply_migrations(empty_database_url)
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT summary FROM memories").fetchall() == [("user lives in Lisbon",)]
+        assert conn.execute("SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute"
+                            " WHERE attrelid = 'memories'::regclass AND attname = 'embedding'").fetchone() == ("vector(2560)", True)
+        assert conn.execute("SELECT value FROM adaptive_params").fetchone() == (4.0,)
+        assert conn.execute("SELECT count(*) FROM processed_emails").fetchone() == (1,)
+        cols = {r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'failed_operations'")}
+        assert {"source_queue", "item_id", "retried_at", "retried_as", "attempts"} <= cols
+        cols = {r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'memories'")}
+        assert {"origin", "embedding_model"} <= cols
+    database = Database(empty_database_url, size=1)
+    try:
+        with pytest.raises(ConfigError) as info:
+            _check_embedding_column(Settings(), database)
+        assert info.value.variable == "SOKRATOS_EMBEDDING_URL"
+        with pytest.raises(ConfigError) as info:
+            _check_embedding_column(Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=1024), database)
+        assert info.value.variable == "SOKRATOS_EMBEDDING_DIM"
+        _check_embedding_column(Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=2560), database)
+    finally:
+        database.close()
