@@ -17,6 +17,7 @@ import json
 import math
 import re
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -187,8 +188,10 @@ class ScriptedLLM:
         embed_dim: int | None = None,
         models: Iterable[str] = ("scripted",),
         latency: float = 0.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.latency = latency
+        self.ssl_context = ssl_context
         self.models = list(models)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -257,8 +260,9 @@ class ScriptedLLM:
 
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:PORT`` (where ``/health`` lives)."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http(s)://127.0.0.1:PORT`` (where ``/health`` lives)."""
+        scheme = "https" if self.ssl_context else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
@@ -271,6 +275,8 @@ class ScriptedLLM:
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         server.daemon_threads = True
         server.block_on_close = False  # hanging handlers must not block close()
+        if self.ssl_context is not None:
+            server.socket = self.ssl_context.wrap_socket(server.socket, server_side=True)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
