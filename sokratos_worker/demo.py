@@ -1,0 +1,144 @@
+"""``sokratos-worker demo``: sample items through the real pipelines with the bundled tiny model.
+
+Everything lives in a throw-away data directory (embedded PostgreSQL included), so the demo
+can never touch a real memory store.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from sokratos_worker.config import Settings
+from sokratos_worker.model import Queue
+from sokratos_worker.store import report
+
+log = structlog.get_logger(__name__)
+
+DEMO_ROUNDS = 4
+
+SAMPLE_TRIAGE: list[tuple[str, dict[str, Any]]] = [
+    (
+        "conversation",
+        {
+            "exchange": "user: My daughter Mia starts school in Graz next week, I'm nervous.\n"
+            "assistant: That's a big step! Nervousness is normal.",
+            "tools_used": False,
+            "pipeline_id": 1001,
+        },
+    ),
+    (
+        "conversation",
+        {
+            "exchange": "[weather result] Vienna: 14°C, light rain\n"
+            "user: do I need an umbrella today?\nassistant: Yes, light rain in Vienna.",
+            "tools_used": True,
+            "pipeline_id": 1002,
+        },
+    ),
+    ("conversation", {"exchange": "user: thanks!\nassistant: :)"}),
+    (
+        "email",
+        {
+            "account": "demo",
+            "mailbox": "INBOX",
+            "uidvalidity": 1,
+            "uid": 1,
+            "message_id": "<offer-1@example.com>",
+            "from": "Recruiting <jobs@example.com>",
+            "to": "me@example.com",
+            "cc": "",
+            "subject": "Your offer from Example GmbH",
+            "date": "Mon, 16 Mar 2026 09:00:00 +0100",
+            "attachments": [{"name": "offer.pdf", "size": 48213}],
+            "text": "From: Recruiting <jobs@example.com>\nTo: me@example.com\n"
+            "Subject: Your offer from Example GmbH\nDate: 2026-03-16 09:00\n\n"
+            "We are happy to offer you the position of Senior Engineer starting 1 May.",
+        },
+    ),
+]
+
+SAMPLE_ARCHIVE: dict[str, Any] = {
+    "conversation_id": "demo-1",
+    "messages": [
+        {"role": "user", "content": "Find a climbing gym near my new flat in Leipzig."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "maps_search", "arguments": '{"q": "climbing Leipzig"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Kosmos Kletterzentrum, 2.1 km"},
+        {"role": "assistant", "content": "Kosmos Kletterzentrum is 2.1 km from you."},
+        {"role": "user", "content": "Great, I climb twice a week, I'll go there."},
+    ],
+}
+
+
+def demo_settings(settings: Settings, data_dir: Path) -> Settings:
+    """Only the bundled model, a private embedded database, quick retries, no email."""
+    return settings.model_copy(
+        update={
+            "data_dir": data_dir,
+            "database_url": None,
+            "local_model": True,
+            "llm_backends": [],
+            "email_accounts": [],
+            "retry_base": 1.0,
+            "retry_max": 2.0,
+        }
+    )
+
+
+def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
+    """Enqueue the samples, drain until the queues are empty, print outcomes and memories."""
+    from sokratos_worker import client  # noqa: PLC0415 - heavy imports only for the demo
+    from sokratos_worker.app import run_worker  # noqa: PLC0415
+    from sokratos_worker.cli import database_url  # noqa: PLC0415
+    from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
+
+    out = out or sys.stdout
+    with tempfile.TemporaryDirectory(prefix="sokratos-demo-") as tmp:
+        local = demo_settings(settings, Path(tmp))
+        with database_url(local) as url:
+            apply_migrations(url)
+            for n, (source, payload) in enumerate(SAMPLE_TRIAGE):
+                client.enqueue(url, Queue.TRIAGE, payload, key=f"demo-triage-{n}", source=source)
+            client.enqueue(url, Queue.DISTILLATION, SAMPLE_ARCHIVE, key="demo-archive")
+            log.info("demo_enqueued", items=len(SAMPLE_TRIAGE) + 1)
+            for _ in range(DEMO_ROUNDS):
+                code = run_worker(local, url, None, once=True, migrate=False)
+                if code != 0:
+                    return code
+                if report.pending_count(url) == 0:
+                    break
+            print_report(url, out)
+    return 0
+
+
+def print_report(url: str, out: TextIO) -> None:
+    """The outcomes, then the memories, as plain text on stdout."""
+    out.write("Outcomes\n")
+    for o in report.outcomes(url):
+        ids = ",".join(map(str, o.memory_ids)) or "-"
+        out.write(f"  {o.queue}#{o.item_id} [{o.source}] {o.outcome} memories={ids} {o.detail}\n")
+    out.write("\nMemories\n")
+    for m in report.memories(url):
+        superseded = f" superseded_by={m.superseded_by}" if m.superseded_by else ""
+        tags = ",".join(m.tags)
+        out.write(
+            f"  #{m.id} ({m.memory_type}/{m.source}, salience {m.salience:g}, tags {tags})"
+            f"{superseded}\n    {m.summary}\n"
+        )
+    left = report.pending_count(url)
+    if left:
+        out.write(f"\n{left} item(s) still waiting (retrying); the tiny model is slow and weak.\n")
