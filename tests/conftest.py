@@ -123,3 +123,15 @@ def restart_postgres() -> Callable[[float], None]:
             server.ensure_postgres_running()
 
     return restart
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In CI a skipped test is a failure: a skip there means missing set-up, not a choice."""
+    if not os.environ.get("CI"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    if skipped and exitstatus == 0:
+        session.exitstatus = 1
+        if reporter:
+            reporter.write_line(f"CI: {skipped} test(s) skipped: failing the run", red=True)
