@@ -81,9 +81,9 @@ def run_worker(
     database = Database(conninfo, size=settings.concurrency + 4)
     try:
         _check_embedding_column(settings, database)
-        with backends(settings) as (settings, chat, embedder):
+        with backends(settings) as (effective, chat, embedder):
             worker = build_worker(
-                settings, database, handler_factory or default_handlers, chat, embedder
+                effective, database, handler_factory or default_handlers, chat, embedder
             )
             return run_once(worker) if once else worker.serve()
     finally:
@@ -96,5 +96,5 @@ def run_once(worker: Worker) -> int:
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
     worker.runner.shutdown(worker.settings.shutdown_grace)
-    worker._report(0)  # noqa: SLF001 - the tick's report covers the drain just finished
+    worker._report(0)
     return EXIT_OK

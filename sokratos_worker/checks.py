@@ -19,25 +19,41 @@ def run_checks(settings: Settings) -> list[CheckLine]:
             vector = conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
             ).fetchone()
-            lines.append(CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}"))
             lines.append(
-                CheckLine("pgvector", vector is not None,
-                          f"version {vector[0]}" if vector else
-                          "extension not installed: run 'sokratos-worker migrate' as a superuser")
+                CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}")
+            )
+            lines.append(
+                CheckLine(
+                    "pgvector",
+                    vector is not None,
+                    f"version {vector[0]}"
+                    if vector
+                    else "extension not installed: run 'sokratos-worker migrate' as a superuser",
+                )
             )
     except DatabaseUnavailable as exc:
         lines.append(CheckLine("database", False, f"{exc}; check SOKRATOS_DATABASE_URL"))
     if not settings.llm_backends and not settings.local_model:
-        lines.append(CheckLine("llm_backends", False,
-                               "none configured (SOKRATOS_LLM_BACKENDS): items wait in their queues"))
+        lines.append(
+            CheckLine(
+                "llm_backends",
+                False,
+                "none configured (SOKRATOS_LLM_BACKENDS): items wait in their queues",
+            )
+        )
     else:
         from sokratos_worker.llm.probe import probe_backends  # noqa: PLC0415
 
         lines.extend(probe_backends(settings))
     if not settings.embeddings_enabled:
-        lines.append(CheckLine("embeddings", True,
-                               "not configured: memories saved without embeddings,"
-                               " no coverage note or contradiction check"))
+        lines.append(
+            CheckLine(
+                "embeddings",
+                True,
+                "not configured: memories saved without embeddings,"
+                " no coverage note or contradiction check",
+            )
+        )
     if settings.email_accounts:
         from sokratos_worker.email.check import probe_accounts  # noqa: PLC0415
 

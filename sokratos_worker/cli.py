@@ -59,42 +59,55 @@ def build_parser() -> argparse.ArgumentParser:
         " exits 0; a second signal exits at once.",
     )
     run.add_argument(
-        "--once", action="store_true",
+        "--once",
+        action="store_true",
         help="one heartbeat tick then exit: lease sweep, spool import, due email checks,"
         " drain every item ready now (up to SOKRATOS_TICK_BUDGET)",
     )
     run.add_argument(
-        "--no-migrate", action="store_true",
+        "--no-migrate",
+        action="store_true",
         help="do not apply migrations at start (same as SOKRATOS_MIGRATE_ON_START=false)",
     )
 
     commands.add_parser(
-        "migrate", help="apply pending database migrations and exit",
+        "migrate",
+        help="apply pending database migrations and exit",
         description="Apply the numbered SQL migrations that are not yet recorded, under an"
         " advisory lock (safe to run from several hosts at once).",
     )
 
     enqueue = commands.add_parser(
-        "enqueue", help="add an item to a queue",
+        "enqueue",
+        help="add an item to a queue",
         description="Prints the new item id (or the existing id for a known --key), or"
         " 'spooled PATH' when the database is unreachable. Exit 1 on invalid input.",
     )
     kinds = enqueue.add_subparsers(dest="kind", metavar="KIND", required=True)
     triage = kinds.add_parser("triage", help="a conversation exchange to score and save")
-    triage.add_argument("--exchange", required=True,
-                        help="the exchange text ('[tool] result' lines, 'user: …',"
-                        " 'assistant: …'); '-' reads stdin")
-    triage.add_argument("--tools-used", action="store_true",
-                        help="the reply was grounded in tool results (lower threshold)")
+    triage.add_argument(
+        "--exchange",
+        required=True,
+        help="the exchange text ('[tool] result' lines, 'user: …',"
+        " 'assistant: …'); '-' reads stdin",
+    )
+    triage.add_argument(
+        "--tools-used",
+        action="store_true",
+        help="the reply was grounded in tool results (lower threshold)",
+    )
     triage.add_argument("--key", help="idempotency key: the same key is enqueued once")
     distill = kinds.add_parser("distillation", help="an archived conversation to distil")
-    distill.add_argument("--file", required=True,
-                         help="JSON payload: {\"messages\": [...]} or {\"archive_text\": ...};"
-                         " '-' reads stdin")
+    distill.add_argument(
+        "--file",
+        required=True,
+        help='JSON payload: {"messages": [...]} or {"archive_text": ...}; \'-\' reads stdin',
+    )
     distill.add_argument("--key", help="idempotency key: the same key is enqueued once")
 
     status = commands.add_parser(
-        "status", help="queues, recent failures, live workers, email accounts",
+        "status",
+        help="queues, recent failures, live workers, email accounts",
         description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
         " failures in the last 24 h by op_type; each live worker's state and backends;"
         " email accounts and their last check.",
@@ -119,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     fpurge.add_argument("--older-than", type=int, required=True, metavar="DAYS")
 
     commands.add_parser(
-        "check", help="validate configuration and probe the database, backends and mail",
+        "check",
+        help="validate configuration and probe the database, backends and mail",
         description="One line per check; exit 1 naming what failed.",
     )
     commands.add_parser(
-        "demo", help="try everything locally with the bundled tiny model (needs the local extra)",
+        "demo",
+        help="try everything locally with the bundled tiny model (needs the local extra)",
         description="Embedded PostgreSQL, the bundled SmolLM2 model, sample conversations, an"
         " email-like item and an archive with tool calls; runs until the queues are empty and"
         " prints the memories and outcomes it produced.",
@@ -131,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, *, handler_factory: HandlerFactory | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, handler_factory: HandlerFactory | None = None
+) -> int:
     """Entry point; tests and benchmarks pass their own ``handler_factory``."""
     args = build_parser().parse_args(argv)
     try:
@@ -149,8 +166,10 @@ def main(argv: Sequence[str] | None = None, *, handler_factory: HandlerFactory |
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except DatabaseUnavailable as exc:
-        print(f"sokratos-worker: {exc}. Check SOKRATOS_DATABASE_URL and that PostgreSQL"
-              " is running.", file=sys.stderr)
+        print(
+            f"sokratos-worker: {exc}. Check SOKRATOS_DATABASE_URL and that PostgreSQL is running.",
+            file=sys.stderr,
+        )
         return EXIT_TEMPFAIL
     except WorkerError as exc:
         print(f"sokratos-worker: {exc}", file=sys.stderr)
@@ -178,7 +197,9 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
                 url,
                 deadline_s=settings.startup_timeout,
                 on_wait=lambda waited, err: log.warning(
-                    "waiting_for_database", waited_s=round(waited, 1), error=err,
+                    "waiting_for_database",
+                    waited_s=round(waited, 1),
+                    error=err,
                     deadline_s=settings.startup_timeout,
                 ),
             )
@@ -246,8 +267,9 @@ def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
             log.warning("embedded_postgres_unavailable", error=str(exc))
             from sokratos_worker.spool import spool_enqueue  # noqa: PLC0415
 
-            path = spool_enqueue(settings.spool_dir, queue, payload,
-                                 idempotency_key=args.key, source=None)
+            path = spool_enqueue(
+                settings.spool_dir, queue, payload, idempotency_key=args.key, source=None
+            )
             print(f"spooled {path}")
             return EXIT_OK
     except InvalidPayload as exc:
@@ -283,17 +305,19 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
                     print(json.dumps(row, default=str))
                 else:
                     retried = f" retried as {row['retried_as']}" if row["retried_at"] else ""
-                    print(f"{row['id']:>6}  {row['created_at']:%Y-%m-%d %H:%M}  "
-                          f"{row['op_type']:<20} {row['error_message'][:90]}{retried}")
+                    print(
+                        f"{row['id']:>6}  {row['created_at']:%Y-%m-%d %H:%M}  "
+                        f"{row['op_type']:<20} {row['error_message'][:90]}{retried}"
+                    )
             if not rows and not args.json:
                 print("no failures")
             return EXIT_OK
         if args.action == "show":
-            row = failures.get_failure(conn, args.id)
-            if row is None:
+            found = failures.get_failure(conn, args.id)
+            if found is None:
                 print(f"sokratos-worker: no failure with id {args.id}", file=sys.stderr)
                 return EXIT_FAILURE
-            print(json.dumps(row, default=str, indent=2, ensure_ascii=False))
+            print(json.dumps(found, default=str, indent=2, ensure_ascii=False))
             return EXIT_OK
         if args.action == "retry":
             ids = list(args.ids)

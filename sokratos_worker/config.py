@@ -333,10 +333,8 @@ def _variable_for(loc: tuple[int | str, ...]) -> str:
     if not loc:
         return "configuration"
     head = str(loc[0])
-    if head.isupper():  # already an alias such as SOKRATOS_DATABASE_URL
-        variable = head
-    else:
-        variable = ENV_PREFIX + head.upper()
+    # An alias such as SOKRATOS_DATABASE_URL is already the variable's name.
+    variable = head if head.isupper() else ENV_PREFIX + head.upper()
     for part in loc[1:]:
         variable += f"[{part}]" if isinstance(part, int) else f".{part}"
     return variable

@@ -78,8 +78,9 @@ class Worker:
 
     def tick(self, *, email: bool = True) -> None:
         """One heartbeat: spool import, due email checks, heartbeat row, report, wake."""
-        imported = self._safely("spool_import", lambda: import_spool(
-            self.settings.spool_dir, self.database))
+        imported = self._safely(
+            "spool_import", lambda: import_spool(self.settings.spool_dir, self.database)
+        )
         if email and self.settings.email_accounts and self.settings.email_check_interval > 0:
             self.check_email()
         self.runner.wake(notified=False)
@@ -123,15 +124,13 @@ class Worker:
             return fn()
         except DatabaseUnavailable as exc:
             log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
-        except Exception:  # noqa: BLE001 - a failing chore must not stop the tick
+        except Exception:
             log.exception(f"{what}_failed")
         return None
 
     def _record_heartbeat(self) -> None:
         detail = {
-            "backends": [
-                {"name": s.name, "circuit": s.circuit} for s in self._backend_states()
-            ],
+            "backends": [{"name": s.name, "circuit": s.circuit} for s in self._backend_states()],
             "concurrency": self.settings.concurrency,
             "in_flight": self.runner.inflight_count(),
             "queues": [q.value for q in self.runner.queues],
@@ -222,7 +221,7 @@ class Worker:
                             self.runner.wake()
             except DatabaseUnavailable as exc:
                 log.warning("listen_reconnecting", error=str(exc), retry_in_s=delay)
-            except Exception as exc:  # noqa: BLE001 - psycopg errors from a dropped socket
+            except Exception as exc:
                 log.warning("listen_reconnecting", error=str(exc).strip(), retry_in_s=delay)
             self._stop.wait(delay)
             delay = min(delay * 2, 10.0)
@@ -239,7 +238,8 @@ class Worker:
         listener.start()
         self.runner.start()
         self.tick(email=False)
-        self.notifier.ready(f"{State.RUNNING}: queues {', '.join(q.value for q in self.runner.queues) or 'none (no backend configured)'}")
+        queues = ", ".join(q.value for q in self.runner.queues) or "none (no backend configured)"
+        self.notifier.ready(f"{State.RUNNING}: queues {queues}")
         log.info(
             "worker_started",
             worker_id=self.worker_id,
@@ -250,8 +250,11 @@ class Worker:
         while not self._stop.wait(1.0):
             self._watchdog()
         self.notifier.stopping(f"{State.STOPPING}: finishing items in flight")
-        log.info("worker_stopping", grace_s=self.settings.shutdown_grace,
-                 in_flight=self.runner.inflight_count())
+        log.info(
+            "worker_stopping",
+            grace_s=self.settings.shutdown_grace,
+            in_flight=self.runner.inflight_count(),
+        )
         scheduler.shutdown(wait=False)
         released = self.runner.shutdown(self.settings.shutdown_grace)
         self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
@@ -280,14 +283,20 @@ class Worker:
         )
         interval = self.settings.heartbeat_interval
         scheduler.add_job(
-            self.tick, "interval", seconds=interval, id="heartbeat",
+            self.tick,
+            "interval",
+            seconds=interval,
+            id="heartbeat",
             misfire_grace_time=max(1, int(interval)),
         )
         if self.settings.email_accounts and self.settings.email_check_interval > 0:
             # Checked every minute; each account is due on its own interval.
             every = min(60.0, self.settings.email_check_interval)
             scheduler.add_job(
-                self.check_email, "interval", seconds=every, id="email_check",
+                self.check_email,
+                "interval",
+                seconds=every,
+                id="email_check",
                 misfire_grace_time=max(1, int(every)),
             )
         scheduler.add_job(
@@ -315,7 +324,7 @@ class Worker:
             with self.database.connection() as conn:
                 metrics.set_queues(status_store.queue_stats(conn))
                 metrics.set_failures(status_store.failures_24h(conn))
-        except Exception:  # noqa: BLE001 - a scrape during an outage shows stale gauges
+        except Exception:
             metrics.set_database_up(False)
 
 
@@ -323,13 +332,17 @@ def _log_job_event(event: JobExecutionEvent) -> None:
     if event.exception is not None:
         log.error("scheduled_job_failed", job=event.job_id, error=str(event.exception))
     else:
-        log.warning("scheduled_job_missed", job=event.job_id,
-                    scheduled_at=str(event.scheduled_run_time))
+        log.warning(
+            "scheduled_job_missed", job=event.job_id, scheduled_at=str(event.scheduled_run_time)
+        )
 
 
 def build_worker(
-    settings: Settings, database: Database, handler_factory: HandlerFactory,
-    chat: Any, embedder: Any,
+    settings: Settings,
+    database: Database,
+    handler_factory: HandlerFactory,
+    chat: Any,
+    embedder: Any,
 ) -> Worker:
     """Wire the handlers for this process."""
     context = HandlerContext(settings=settings, database=database, chat=chat, embedder=embedder)

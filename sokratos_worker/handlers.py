@@ -8,8 +8,8 @@ from typing import Protocol
 
 from sokratos_worker.config import Settings
 from sokratos_worker.llm.types import ChatClient, Embedder
-from sokratos_worker.store.connection import Database
 from sokratos_worker.model import Effects, Item, NewMemory, Queue
+from sokratos_worker.store.connection import Database
 
 
 class Handler(Protocol):

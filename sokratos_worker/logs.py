@@ -15,8 +15,19 @@ from typing import Any, Literal
 import structlog
 
 _REDACTED_KEYS = frozenset(
-    {"password", "api_key", "authorization", "database_url", "exchange", "body", "text",
-     "content", "payload", "prompt", "reply"}
+    {
+        "password",
+        "api_key",
+        "authorization",
+        "database_url",
+        "exchange",
+        "body",
+        "text",
+        "content",
+        "payload",
+        "prompt",
+        "reply",
+    }
 )
 
 

@@ -11,11 +11,13 @@ from sokratos_worker.errors import BackendsUnavailable, InvalidPayload
 JITTER = 0.2
 
 
-def retry_delay(attempt: int, *, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
-    """Backoff before retry ``attempt + 1``: ``base × 4^(attempt−1)``, capped, ±20 % jitter."""
+def retry_delay(
+    attempt: int, *, base_s: float, max_s: float, rng: random.Random | None = None
+) -> float:
+    """Backoff before retry ``attempt + 1``: ``base * 4**(attempt-1)``, capped, ±20 % jitter."""
     exponent = max(0, attempt - 1)
     delay = min(max_s, base_s * (4.0**exponent))
-    spread = (rng or random).uniform(-JITTER, JITTER)  # noqa: S311 - jitter, not security
+    spread = (rng or random).uniform(-JITTER, JITTER)
     return max(0.0, delay * (1.0 + spread))
 
 

@@ -281,7 +281,7 @@ class Runner:
     def _probe(handler: Handler) -> bool:
         try:
             return handler.probe()
-        except Exception as exc:  # noqa: BLE001 - a probe that crashes is a failed probe
+        except Exception as exc:
             log.warning("backend_probe_failed", error=describe(exc))
             return False
 
@@ -309,7 +309,7 @@ class Runner:
             if problem is not None:
                 raise problem
             effects = handler.handle(item)
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded, none escapes
+        except Exception as exc:
             self._settle_failure(item, exc, handler, bound)
             self._finished(item, started, "failed")
             return None
@@ -377,7 +377,11 @@ class Runner:
             ok = self._with_database(
                 item,
                 lambda c: store.schedule_retry(
-                    c, item, owner=self.worker_id, error=decision.reason, delay_s=delay,
+                    c,
+                    item,
+                    owner=self.worker_id,
+                    error=decision.reason,
+                    delay_s=delay,
                     backend=backend,
                 ),
                 bound,
@@ -385,15 +389,23 @@ class Runner:
             if ok:
                 with self._lock:
                     self._stats.add(item.queue, "retried")
-                bound.warning("item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1))
+                bound.warning(
+                    "item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1)
+                )
             elif ok is False:
                 self._report_fenced(item, bound)
         else:
-            memories = () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
+            memories = (
+                () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
+            )
             result = self._with_database(
                 item,
                 lambda c: store.dead_letter(
-                    c, item, owner=self.worker_id, error=decision.reason, backend=backend,
+                    c,
+                    item,
+                    owner=self.worker_id,
+                    error=decision.reason,
+                    backend=backend,
                     memories=memories,
                 ),
                 bound,
@@ -420,7 +432,7 @@ class Runner:
     ) -> tuple[NewMemory, ...]:
         try:
             return handler.final_failure_memories(item)
-        except Exception as exc:  # noqa: BLE001 - the dead-letter must still be written
+        except Exception as exc:
             bound.warning("archive_memories_failed", error=describe(exc))
             return ()
 

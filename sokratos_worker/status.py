@@ -22,7 +22,8 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "workers": [],
         "email_accounts": [],
         "spooled": pending_files(settings.spool_dir),
-        "embeddings": "configured" if settings.embeddings_enabled
+        "embeddings": "configured"
+        if settings.embeddings_enabled
         else "not configured: memories are saved without embeddings; no contradiction check",
         "backends_configured": [b.name for b in settings.llm_backends],
     }
@@ -57,7 +58,9 @@ def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
 
 def render_status(report: dict[str, Any]) -> str:
     """Human-readable text for a terminal."""
-    lines = [f"database: {report['database']}" + (f" ({report['error']})" if "error" in report else "")]
+    lines = [
+        f"database: {report['database']}" + (f" ({report['error']})" if "error" in report else "")
+    ]
     if "warning" in report:
         lines.append(f"warning: {report['warning']}")
     for name, q in report["queues"].items():

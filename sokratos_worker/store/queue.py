@@ -18,7 +18,7 @@ from psycopg import sql
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
-from sokratos_worker.errors import InvalidPayload, LeaseLost
+from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.store.memories import write_effects
 from sokratos_worker.store.sanitize import clean_text
@@ -225,7 +225,7 @@ def _settle_with_effects(
     return memory_ids
 
 
-class _Fenced(Exception):  # noqa: N818 - internal control flow, never escapes this module
+class _Fenced(Exception):
     """The fenced delete found nothing: the lease is no longer ours."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from sokratos_worker.errors import InvalidPayload
@@ -40,7 +41,7 @@ def _walk(value: Any, path: str, depth: int, notes: set[str]) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, int):
         return value
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise InvalidPayload(path, "is not a finite number")
         return value
     if isinstance(value, dict):

@@ -18,13 +18,25 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["run", "migrate", "enqueue", "status", "failed", "check", "demo"]
 
 
-def cli(*args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sokratos_worker", *args], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT)
+def cli(
+    *args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+    )
 
 
 def env_for(database_url: str | None, tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SOKRATOS_") and k != "DATABASE_URL"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SOKRATOS_") and k != "DATABASE_URL"
+    }
     env.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), SOKRATOS_LOG_FORMAT="json")
     if database_url:
         env["SOKRATOS_DATABASE_URL"] = database_url
@@ -36,17 +48,36 @@ def test_help_documents_every_command() -> None:
     text = build_parser().format_help()
     for command in COMMANDS:
         assert command in text
-    for args in (["run"], ["enqueue", "triage"], ["enqueue", "distillation"], ["status"],
-                 ["failed", "retry"], ["failed", "list"], ["failed", "purge"], ["check"], ["demo"]):
+    for args in (
+        ["run"],
+        ["enqueue", "triage"],
+        ["enqueue", "distillation"],
+        ["status"],
+        ["failed", "retry"],
+        ["failed", "list"],
+        ["failed", "purge"],
+        ["check"],
+        ["demo"],
+    ):
         with pytest.raises(SystemExit) as info:
             build_parser().parse_args([*args, "--help"])
         assert info.value.code == 0
 
 
-def test_enqueue_prints_the_id_and_a_known_key_returns_it_again(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_enqueue_prints_the_id_and_a_known_key_returns_it_again(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     env = env_for(database_url, tmp_path)
-    first = cli("enqueue", "triage", "--exchange", "-", "--key", "k1", env=env,
-                stdin="user: my sister is called Ana\nassistant: noted")
+    first = cli(
+        "enqueue",
+        "triage",
+        "--exchange",
+        "-",
+        "--key",
+        "k1",
+        env=env,
+        stdin="user: my sister is called Ana\nassistant: noted",
+    )
     second = cli("enqueue", "triage", "--exchange", "other", "--key", "k1", env=env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr
     assert first.stdout.strip() == second.stdout.strip() and first.stdout.strip().isdigit()
@@ -69,14 +100,18 @@ def test_enqueue_invalid_input_exits_1_with_a_message(database_url: str, tmp_pat
 
 
 def test_enqueue_with_the_database_down_spools(tmp_path: Path) -> None:
-    env = env_for("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    env = env_for(
+        "postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d")
+    )
     proc = cli("enqueue", "triage", "--exchange", "user: hello world\nassistant: hi", env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("spooled ")
     assert Path(proc.stdout.split(" ", 1)[1].strip()).exists()
 
 
-def test_status_json_has_the_contract_keys(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_status_json_has_the_contract_keys(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     enqueue_many(db, 3)
     proc = cli("status", "--json", env=env_for(database_url, tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -96,7 +131,9 @@ def test_status_with_the_database_down_says_so(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["database"] == "unreachable"
 
 
-def test_failed_list_show_retry_purge(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_failed_list_show_retry_purge(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     from sokratos_worker.model import Queue
     from sokratos_worker.store import queue as store
 
@@ -123,7 +160,9 @@ def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) 
     env = env_for(None, tmp_path)
     proc = cli("run", "--once", env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    events = [json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")
+    ]
     assert "embedded_postgres_ready" in events and "tick_finished" in events
     assert (tmp_path / "home/.local/share/sokratos-worker/postgres/PG_VERSION").exists()
     # A second command attaches to (or restarts) the same data directory.

@@ -16,7 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 90), ("90s", 90), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("1d", 86400), (2.5, 2.5)],
+    [
+        ("90", 90),
+        ("90s", 90),
+        ("5m", 300),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("1d", 86400),
+        (2.5, 2.5),
+    ],
 )
 def test_durations(text: str | float, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -43,15 +51,29 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
     creds.mkdir()
     (creds / "SOKRATOS_DATABASE_URL").write_text("postgresql://from-creds/db")
     (creds / "key").write_text("sk-secret")
-    backends = '[{"name": "a", "url": "http://127.0.0.1:1/v1", "model": "m", "api_key_file": "key"}]'
+    backends = (
+        '[{"name": "a", "url": "http://127.0.0.1:1/v1", "model": "m", "api_key_file": "key"}]'
+    )
     env = {"CREDENTIALS_DIRECTORY": str(creds), "SOKRATOS_LLM_BACKENDS": backends}
     s = load_settings(env)
-    assert s.database_url is not None and s.database_url.get_secret_value() == "postgresql://from-creds/db"
-    assert s.llm_backends[0].api_key is not None and s.llm_backends[0].api_key.get_secret_value() == "sk-secret"
+    assert (
+        s.database_url is not None
+        and s.database_url.get_secret_value() == "postgresql://from-creds/db"
+    )
+    assert (
+        s.llm_backends[0].api_key is not None
+        and s.llm_backends[0].api_key.get_secret_value() == "sk-secret"
+    )
     s = load_settings({**env, "SOKRATOS_DATABASE_URL_FILE": str(tmp_path / "url")})
-    assert s.database_url is not None and s.database_url.get_secret_value() == "postgresql://from-file/db"
+    assert (
+        s.database_url is not None
+        and s.database_url.get_secret_value() == "postgresql://from-file/db"
+    )
     s = load_settings({**env, "DATABASE_URL": "postgresql://explicit/db"})
-    assert s.database_url is not None and s.database_url.get_secret_value() == "postgresql://explicit/db"
+    assert (
+        s.database_url is not None
+        and s.database_url.get_secret_value() == "postgresql://explicit/db"
+    )
 
 
 @pytest.mark.parametrize(
@@ -61,13 +83,27 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
         ({"SOKRATOS_LEASE": "0"}, "SOKRATOS_LEASE", "greater than 0"),
         ({"SOKRATOS_CONCURRENCY": "-1"}, "SOKRATOS_CONCURRENCY", "greater than or equal to 1"),
         ({"SOKRATOS_LLM_BACKENDS": "[{"}, "SOKRATOS_LLM_BACKENDS", "JSON"),
-        ({"SOKRATOS_LLM_BACKENDS": '[{"name": "a", "url": "ftp://x", "model": "m"}]'}, "SOKRATOS_LLM_BACKENDS[0].url", "http"),
-        ({"SOKRATOS_EMAIL_ACCOUNTS": '[{"name": "a", "host": "h", "username": "u"}]'}, "SOKRATOS_EMAIL_ACCOUNTS[0]", "password"),
+        (
+            {"SOKRATOS_LLM_BACKENDS": '[{"name": "a", "url": "ftp://x", "model": "m"}]'},
+            "SOKRATOS_LLM_BACKENDS[0].url",
+            "http",
+        ),
+        (
+            {"SOKRATOS_EMAIL_ACCOUNTS": '[{"name": "a", "host": "h", "username": "u"}]'},
+            "SOKRATOS_EMAIL_ACCOUNTS[0]",
+            "password",
+        ),
         ({"SOKRATOS_LOG_LEVEL": "loud"}, "SOKRATOS_LOG_LEVEL", "debug"),
-        ({"SOKRATOS_DATABASE_URL_FILE": "/nonexistent/x"}, "SOKRATOS_DATABASE_URL_FILE", "cannot read"),
+        (
+            {"SOKRATOS_DATABASE_URL_FILE": "/nonexistent/x"},
+            "SOKRATOS_DATABASE_URL_FILE",
+            "cannot read",
+        ),
     ],
 )
-def test_invalid_configuration_names_the_variable(env: dict[str, str], variable: str, words: str) -> None:
+def test_invalid_configuration_names_the_variable(
+    env: dict[str, str], variable: str, words: str
+) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(env)
     assert info.value.variable == variable
@@ -76,8 +112,14 @@ def test_invalid_configuration_names_the_variable(env: dict[str, str], variable:
 
 def test_invalid_configuration_exits_78_in_one_line_without_traceback() -> None:
     env = {**os.environ, "SOKRATOS_LEASE": "soon", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "sokratos_worker", "status"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 78
     assert proc.stderr.strip().count("\n") == 0
     assert "SOKRATOS_LEASE" in proc.stderr and "Traceback" not in proc.stderr

@@ -30,7 +30,9 @@ def _assert_each_item_one_outcome(db: psycopg.Connection, n: int) -> None:
     assert count(db, "SELECT count(DISTINCT origin) FROM memories") == saved
 
 
-def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     n = 600
     enqueue_many(db, n, behaviour="sleep:0.02")
     env = daemon_env(database_url, tmp_path)
@@ -38,7 +40,9 @@ def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(db: psycopg.Conne
     kills = 0
     for target in (100, 250, 400):
         proc = start_daemon(env, log)
-        assert wait_until(lambda t=target: _done(db) >= t or proc.poll() is not None, timeout=120)
+        assert wait_until(
+            lambda t=target, p=proc: _done(db) >= t or p.poll() is not None, timeout=120
+        )
         assert proc.poll() is None, log.read_text()[-3000:]
         proc.kill()  # SIGKILL: no cleanup, leases left behind
         proc.wait(10)
@@ -53,10 +57,14 @@ def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(db: psycopg.Conne
     assert kills == 3
     _assert_each_item_one_outcome(db, n)
     died = count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'failed'")
-    print(f"\nkill -9 x{kills}: {n} items in, {_done(db)} outcomes, {died} failed by repeated deaths, 0 duplicates")
+    print(
+        f"\nkill -9 x{kills}: {n} items in, {_done(db)} outcomes, {died} failed by repeated deaths, 0 duplicates"
+    )
 
 
-def test_sigterm_mid_drain_exits_0_within_the_grace_and_loses_nothing(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_sigterm_mid_drain_exits_0_within_the_grace_and_loses_nothing(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     n = 200
     enqueue_many(db, n, behaviour="sleep:0.3")
     env = daemon_env(database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="5s")
@@ -73,7 +81,9 @@ def test_sigterm_mid_drain_exits_0_within_the_grace_and_loses_nothing(db: psycop
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome <> 'saved'") == 0
 
 
-def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     env = daemon_env(database_url, tmp_path, SOKRATOS_HEARTBEAT_INTERVAL="60s")
     log = tmp_path / "daemon.log"
     proc = start_daemon(env, log)
@@ -90,7 +100,12 @@ def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(db: psyc
     assert elapsed < 2.0, f"took {elapsed:.2f}s: the NOTIFY wake-up did not work"
 
 
-def test_postgres_restart_under_a_running_daemon(db: psycopg.Connection, database_url: str, tmp_path: Path, restart_postgres: Callable[[float], None]) -> None:
+def test_postgres_restart_under_a_running_daemon(
+    db: psycopg.Connection,
+    database_url: str,
+    tmp_path: Path,
+    restart_postgres: Callable[[float], None],
+) -> None:
     n = 300
     enqueue_many(db, n, behaviour="sleep:0.02")
     env = daemon_env(database_url, tmp_path)
@@ -116,7 +131,9 @@ def test_start_with_database_unreachable_exits_75(tmp_path: Path) -> None:
     assert proc.wait(60) == 75
 
 
-def test_run_once_drains_ready_items_and_exits_0(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_run_once_drains_ready_items_and_exits_0(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     enqueue_many(db, 30)
     enqueue_many(db, 2, behaviour="fail", prefix="f")
     env = daemon_env(database_url, tmp_path, SOKRATOS_RETRY_BASE="1h", SOKRATOS_RETRY_MAX="2h")
@@ -124,5 +141,8 @@ def test_run_once_drains_ready_items_and_exits_0(db: psycopg.Connection, databas
     assert proc.wait(60) == 0
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 30
     # The failing ones back off (not ready now) and wait for a later tick.
-    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 1 AND run_after > now()") == 2
+    assert (
+        count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 1 AND run_after > now()")
+        == 2
+    )
     assert subprocess.run(["true"], check=True).returncode == 0

@@ -40,7 +40,9 @@ def test_migrations_are_idempotent(empty_database_url: str) -> None:
     assert len(apply_migrations(empty_database_url)) == len(load_migrations())
     assert apply_migrations(empty_database_url) == []
     with psycopg.connect(empty_database_url) as conn:
-        rows = conn.execute("SELECT count(*), count(DISTINCT checksum) FROM sokratos_worker_migrations").fetchone()
+        rows = conn.execute(
+            "SELECT count(*), count(DISTINCT checksum) FROM sokratos_worker_migrations"
+        ).fetchone()
     assert rows == (len(load_migrations()), len(load_migrations()))
 
 
@@ -51,7 +53,7 @@ def test_two_workers_migrating_at_once_do_not_race(empty_database_url: str) -> N
     def migrate() -> None:
         try:
             results.append(apply_migrations(empty_database_url))
-        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=migrate) for _ in range(3)]
@@ -68,14 +70,28 @@ def test_an_existing_sokratos_database_is_adopted(empty_database_url: str) -> No
         conn.execute(SOKRATOS_SCHEMA)
     apply_migrations(empty_database_url)
     with psycopg.connect(empty_database_url, autocommit=True) as conn:
-        assert conn.execute("SELECT summary FROM memories").fetchall() == [("user lives in Lisbon",)]
-        assert conn.execute("SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute"
-                            " WHERE attrelid = 'memories'::regclass AND attname = 'embedding'").fetchone() == ("vector(2560)", True)
+        assert conn.execute("SELECT summary FROM memories").fetchall() == [
+            ("user lives in Lisbon",)
+        ]
+        assert conn.execute(
+            "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute"
+            " WHERE attrelid = 'memories'::regclass AND attname = 'embedding'"
+        ).fetchone() == ("vector(2560)", True)
         assert conn.execute("SELECT value FROM adaptive_params").fetchone() == (4.0,)
         assert conn.execute("SELECT count(*) FROM processed_emails").fetchone() == (1,)
-        cols = {r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'failed_operations'")}
+        cols = {
+            r[0]
+            for r in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = 'failed_operations'"
+            )
+        }
         assert {"source_queue", "item_id", "retried_at", "retried_as", "attempts"} <= cols
-        cols = {r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'memories'")}
+        cols = {
+            r[0]
+            for r in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = 'memories'"
+            )
+        }
         assert {"origin", "embedding_model"} <= cols
     database = Database(empty_database_url, size=1)
     try:
@@ -83,8 +99,16 @@ def test_an_existing_sokratos_database_is_adopted(empty_database_url: str) -> No
             _check_embedding_column(Settings(), database)
         assert info.value.variable == "SOKRATOS_EMBEDDING_URL"
         with pytest.raises(ConfigError) as info:
-            _check_embedding_column(Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=1024), database)
+            _check_embedding_column(
+                Settings(
+                    embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=1024
+                ),
+                database,
+            )
         assert info.value.variable == "SOKRATOS_EMBEDDING_DIM"
-        _check_embedding_column(Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=2560), database)
+        _check_embedding_column(
+            Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=2560),
+            database,
+        )
     finally:
         database.close()

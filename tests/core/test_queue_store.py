@@ -11,7 +11,9 @@ from sokratos_worker.store import queue as store
 from tests.support.db import count, enqueue_many
 
 
-def test_two_workers_claiming_at_once_get_disjoint_items(db: psycopg.Connection, database_url: str) -> None:
+def test_two_workers_claiming_at_once_get_disjoint_items(
+    db: psycopg.Connection, database_url: str
+) -> None:
     enqueue_many(db, 10)
     with psycopg.connect(database_url) as a, psycopg.connect(database_url) as b:
         # Both claims run inside open transactions, so a's row locks are held while b claims.
@@ -28,7 +30,9 @@ def test_two_workers_claiming_at_once_get_disjoint_items(db: psycopg.Connection,
 def test_claim_counts_the_attempt_and_sets_the_lease(db: psycopg.Connection) -> None:
     (item_id,) = enqueue_many(db, 1)
     (item,) = store.claim(db, Queue.TRIAGE, owner="w1", limit=5, lease_s=60)
-    row = db.execute("SELECT attempts, lease_owner, lease_expires_at > now() FROM pending_triage").fetchone()
+    row = db.execute(
+        "SELECT attempts, lease_owner, lease_expires_at > now() FROM pending_triage"
+    ).fetchone()
     assert item.id == item_id and row == (1, "w1", True)
     assert store.claim(db, Queue.TRIAGE, owner="w2", limit=5, lease_s=60) == []
 
@@ -43,7 +47,9 @@ def test_expired_lease_is_claimed_again_and_the_old_owner_is_fenced(db: psycopg.
     _expire(db)  # the rows a killed worker leaves
     (new,) = store.claim(db, Queue.TRIAGE, owner="alive", limit=1, lease_s=60)
     assert new.id == old.id and new.attempt == 2
-    effects = Effects(Outcome.SAVED, memories=(NewMemory(origin=old.origin(0), summary="x", salience=5),))
+    effects = Effects(
+        Outcome.SAVED, memories=(NewMemory(origin=old.origin(0), summary="x", salience=5),)
+    )
     # The old owner can neither settle, retry, give back nor dead-letter.
     assert not store.settle_success(db, old, effects, owner="dead")[0].settled
     assert not store.schedule_retry(db, old, owner="dead", error="e", delay_s=1)
@@ -58,21 +64,27 @@ def test_expired_lease_is_claimed_again_and_the_old_owner_is_fenced(db: psycopg.
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 1
 
 
-def test_settle_is_one_transaction_with_effects_and_replay_writes_nothing_twice(db: psycopg.Connection) -> None:
+def test_settle_is_one_transaction_with_effects_and_replay_writes_nothing_twice(
+    db: psycopg.Connection,
+) -> None:
     enqueue_many(db, 1)
     (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     memory = NewMemory(origin=item.origin(0), summary="fact", salience=6)
     # A crash after the memory commit is impossible (same tx); simulate an earlier replay that
     # already wrote the origin: the settle must reuse it, not insert a second row.
     db.execute("INSERT INTO memories (summary, origin) VALUES ('fact', %s)", (item.origin(0),))
-    result, _ = store.settle_success(db, item, Effects(Outcome.SAVED, memories=(memory,)), owner="w")
+    result, _ = store.settle_success(
+        db, item, Effects(Outcome.SAVED, memories=(memory,)), owner="w"
+    )
     assert result.settled
     assert count(db, "SELECT count(*) FROM memories WHERE origin = %s", item.origin(0)) == 1
     row = db.execute("SELECT memory_ids FROM work_outcomes").fetchone()
     assert row is not None and len(row[0]) == 1
 
 
-def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payload(db: psycopg.Connection) -> None:
+def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payload(
+    db: psycopg.Connection,
+) -> None:
     (item_id,) = enqueue_many(db, 1, behaviour="fail")
     for attempt in (1, 2):
         (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
@@ -80,7 +92,9 @@ def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payloa
     (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     assert item.attempt == 3
     assert store.dead_letter(db, item, owner="w", error="boom 3").settled
-    rows = db.execute("SELECT op_type, context_data, attempts, item_id FROM failed_operations").fetchall()
+    rows = db.execute(
+        "SELECT op_type, context_data, attempts, item_id FROM failed_operations"
+    ).fetchall()
     assert len(rows) == 1
     op_type, context, attempts, failed_item = rows[0]
     assert op_type == "conversation_triage" and attempts == 3 and failed_item == item_id
@@ -99,13 +113,17 @@ def test_failed_retry_replays_exactly_once_even_when_run_twice(db: psycopg.Conne
     second = failures.retry_failure(db, failure_id)
     assert first.item_id is not None and second.item_id == first.item_id
     assert "already retried" in second.message
-    rows = db.execute("SELECT id, idempotency_key, payload->>'behaviour' FROM pending_triage").fetchall()
+    rows = db.execute(
+        "SELECT id, idempotency_key, payload->>'behaviour' FROM pending_triage"
+    ).fetchall()
     assert rows == [(first.item_id, "orig0#retry-1", "fail")]
     assert failures.retry_key("orig0#retry-1", 1) == "orig0#retry-2"
 
 
 def test_retry_refuses_a_failure_without_a_payload(db: psycopg.Connection) -> None:
-    db.execute("INSERT INTO failed_operations (op_type, label, error_message) VALUES ('memory_save', 'x', 'y')")
+    db.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message) VALUES ('memory_save', 'x', 'y')"
+    )
     (failure_id,) = [r[0] for r in db.execute("SELECT id FROM failed_operations")]
     result = failures.retry_failure(db, failure_id)
     assert result.item_id is None and "no stored payload" in result.message
@@ -137,7 +155,9 @@ def test_give_back_returns_the_attempt(db: psycopg.Connection) -> None:
         ({"exchange": 42}, "payload.exchange is required and must be a string"),
     ],
 )
-def test_enqueue_rejects_a_payload_naming_the_field(db: psycopg.Connection, payload: dict[str, object], message: str) -> None:
+def test_enqueue_rejects_a_payload_naming_the_field(
+    db: psycopg.Connection, payload: dict[str, object], message: str
+) -> None:
     from sokratos_worker.errors import InvalidPayload
 
     with pytest.raises(InvalidPayload) as info:
@@ -149,7 +169,11 @@ def test_distillation_queue_uses_the_same_code(db: psycopg.Connection) -> None:
     enqueue_many(db, 2, queue="pending_distillation")
     items = store.claim(db, Queue.DISTILLATION, owner="w", limit=5, lease_s=60)
     assert [i.source for i in items] == ["distillation", "distillation"]
-    archive = (NewMemory(origin=items[0].origin(0), summary="raw", salience=3, source="conversation_archive"),)
+    archive = (
+        NewMemory(
+            origin=items[0].origin(0), summary="raw", salience=3, source="conversation_archive"
+        ),
+    )
     assert store.dead_letter(db, items[0], owner="w", error="no model", memories=archive).settled
     row = db.execute("SELECT outcome, memory_ids FROM work_outcomes").fetchone()
     assert row is not None and row[0] == "archived" and len(row[1]) == 1

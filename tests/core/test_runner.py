@@ -7,27 +7,36 @@ from pathlib import Path
 
 import psycopg
 
+from sokratos_worker.client import enqueue_triage
 from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.spool import import_spool, spool_enqueue
-from sokratos_worker.client import enqueue_triage
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
 from tests.support.handlers import ScriptedHandler
 
 
 def _settings(**overrides: object) -> Settings:
-    values: dict[str, object] = {"concurrency": 4, "retry_base": 0.01, "retry_max": 0.02,
-                                 "lease": 30, "shutdown_grace": 5}
+    values: dict[str, object] = {
+        "concurrency": 4,
+        "retry_base": 0.01,
+        "retry_max": 0.02,
+        "lease": 30,
+        "shutdown_grace": 5,
+    }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
 
 
 def _drain(database_url: str, handler: ScriptedHandler, settings: Settings | None = None) -> Runner:
     database = Database(database_url, size=6)
-    runner = Runner(settings=settings or _settings(), database=database,
-                    handlers={Queue.TRIAGE: handler, Queue.DISTILLATION: handler}, worker_id="test")
+    runner = Runner(
+        settings=settings or _settings(),
+        database=database,
+        handlers={Queue.TRIAGE: handler, Queue.DISTILLATION: handler},
+        worker_id="test",
+    )
     runner.start(drain_only=True)
     assert runner.wait_drained(60)
     runner.shutdown(1)
@@ -35,17 +44,21 @@ def _drain(database_url: str, handler: ScriptedHandler, settings: Settings | Non
     return runner
 
 
-def test_mixed_items_each_reach_exactly_one_outcome(db: psycopg.Connection, database_url: str) -> None:
+def test_mixed_items_each_reach_exactly_one_outcome(
+    db: psycopg.Connection, database_url: str
+) -> None:
     ok = enqueue_many(db, 40, prefix="ok")
     skip = enqueue_many(db, 10, behaviour="skip", prefix="skip")
     invalid = enqueue_many(db, 5, behaviour="invalid", prefix="inv")
     flaky = enqueue_many(db, 5, behaviour="fail_once", prefix="flaky")
-    archives = enqueue_many(db, 3, behaviour="fail", queue="pending_distillation", prefix="arch")
+    enqueue_many(db, 3, behaviour="fail", queue="pending_distillation", prefix="arch")
     handler = ScriptedHandler()
     # Retries back off 10-20 ms: drain repeatedly, as successive ticks would.
     for _ in range(10):
         _drain(database_url, handler)
-        if not count(db, "SELECT count(*) FROM pending_triage") + count(db, "SELECT count(*) FROM pending_distillation"):
+        if not count(db, "SELECT count(*) FROM pending_triage") + count(
+            db, "SELECT count(*) FROM pending_distillation"
+        ):
             break
     got = outcomes(db)
     assert len(got) == 60 and count(db, "SELECT count(*) FROM work_outcomes") == 63
@@ -59,11 +72,15 @@ def test_mixed_items_each_reach_exactly_one_outcome(db: psycopg.Connection, data
     assert count(db, "SELECT count(*) FROM failed_operations WHERE attempts = 1") == 5
 
 
-def test_backends_unavailable_gives_the_attempt_back_and_pauses(db: psycopg.Connection, database_url: str) -> None:
+def test_backends_unavailable_gives_the_attempt_back_and_pauses(
+    db: psycopg.Connection, database_url: str
+) -> None:
     enqueue_many(db, 3, behaviour="unavailable")
     handler = ScriptedHandler(probe_ok=False)
     database = Database(database_url, size=4)
-    runner = Runner(settings=_settings(), database=database, handlers={Queue.TRIAGE: handler}, worker_id="w")
+    runner = Runner(
+        settings=_settings(), database=database, handlers={Queue.TRIAGE: handler}, worker_id="w"
+    )
     runner.start(drain_only=True, budget_s=1.0)
     runner.wait_drained(20)
     runner.shutdown(1)
@@ -76,21 +93,31 @@ def test_backends_unavailable_gives_the_attempt_back_and_pauses(db: psycopg.Conn
     assert handler.calls <= 3
 
 
-def test_item_whose_last_attempt_died_is_dead_lettered_without_running(db: psycopg.Connection, database_url: str) -> None:
+def test_item_whose_last_attempt_died_is_dead_lettered_without_running(
+    db: psycopg.Connection, database_url: str
+) -> None:
     enqueue_many(db, 1)
-    db.execute("UPDATE pending_triage SET attempts = 3, lease_owner = 'dead', lease_expires_at = now() - interval '1s'")
+    db.execute(
+        "UPDATE pending_triage SET attempts = 3, lease_owner = 'dead', lease_expires_at = now() - interval '1s'"
+    )
     handler = ScriptedHandler()
     _drain(database_url, handler)
     assert handler.calls == 0
-    row = db.execute("SELECT error_message, context_data->'payload'->>'exchange' FROM failed_operations").fetchone()
+    row = db.execute(
+        "SELECT error_message, context_data->'payload'->>'exchange' FROM failed_operations"
+    ).fetchone()
     assert row is not None and row[0].endswith("worker died during the last attempt")
     assert row[1].startswith("user: item 0")
 
 
-def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     spool = tmp_path / "spool"
     down = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
-    result = enqueue_triage(down, "user: I adopted a cat\nassistant: lovely", key="cat", spool_dir=spool)
+    result = enqueue_triage(
+        down, "user: I adopted a cat\nassistant: lovely", key="cat", spool_dir=spool
+    )
     assert result.item_id is None and result.spooled is not None and result.spooled.exists()
     # A crash after the import's commit and before the unlink leaves the file: import twice.
     copy = json.loads(result.spooled.read_text())
@@ -103,13 +130,17 @@ def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(db: psycopg
     assert count(db, "SELECT count(*) FROM pending_triage WHERE idempotency_key = 'cat'") == 1
 
 
-def test_bad_spool_file_becomes_a_failed_operation(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+def test_bad_spool_file_becomes_a_failed_operation(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
     spool = tmp_path / "spool"
     spool_enqueue(spool, Queue.TRIAGE, {"exchange": 5}, idempotency_key="bad", source=None)
     database = Database(database_url, size=2)
     assert import_spool(spool, database) == 0
     database.close()
-    row = db.execute("SELECT op_type, error_message, context_data->'payload' FROM failed_operations").fetchone()
+    row = db.execute(
+        "SELECT op_type, error_message, context_data->'payload' FROM failed_operations"
+    ).fetchone()
     assert row is not None and row[0] == "spool_import" and "payload.exchange" in row[1]
     assert row[2] == {"exchange": 5}
     assert not list(spool.glob("*.json"))

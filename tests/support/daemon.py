@@ -36,7 +36,10 @@ def start_daemon(env: dict[str, str], log_path: Path, *args: str) -> subprocess.
     handle = log_path.open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.handlers", "run", *args],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=handle,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=handle,
     )
 
 

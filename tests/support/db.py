@@ -8,8 +8,14 @@ from typing import Any
 import psycopg
 
 
-def enqueue_many(conn: psycopg.Connection, n: int, *, behaviour: str = "ok",
-                 queue: str = "pending_triage", prefix: str = "k") -> list[int]:
+def enqueue_many(
+    conn: psycopg.Connection,
+    n: int,
+    *,
+    behaviour: str = "ok",
+    queue: str = "pending_triage",
+    prefix: str = "k",
+) -> list[int]:
     """Enqueue ``n`` items through the SQL function; returns their ids."""
     ids = []
     for i in range(n):
@@ -18,8 +24,14 @@ def enqueue_many(conn: psycopg.Connection, n: int, *, behaviour: str = "ok",
             if queue == "pending_triage"
             else {"archive_text": f"archive {i}", "behaviour": behaviour}
         )
-        fn = "sokratos_enqueue_triage" if queue == "pending_triage" else "sokratos_enqueue_distillation"
-        row = conn.execute(f"SELECT {fn}(%s::jsonb, %s)", (json.dumps(payload), f"{prefix}{i}")).fetchone()
+        fn = (
+            "sokratos_enqueue_triage"
+            if queue == "pending_triage"
+            else "sokratos_enqueue_distillation"
+        )
+        row = conn.execute(
+            f"SELECT {fn}(%s::jsonb, %s)", (json.dumps(payload), f"{prefix}{i}")
+        ).fetchone()
         assert row is not None
         ids.append(int(row[0]))
     return ids

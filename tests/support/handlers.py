@@ -49,8 +49,15 @@ class ScriptedHandler:
 
     def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
         if item.queue is Queue.DISTILLATION:
-            return (NewMemory(origin=item.origin(0), summary="raw archive", salience=3,
-                              source="conversation_archive", tags=("conversation_archive",)),)
+            return (
+                NewMemory(
+                    origin=item.origin(0),
+                    summary="raw archive",
+                    salience=3,
+                    source="conversation_archive",
+                    tags=("conversation_archive",),
+                ),
+            )
         return ()
 
     def probe(self) -> bool:
