@@ -144,7 +144,7 @@ class EmailAccountConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.@+-]+$")
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.@+-]+$")
     host: str = Field(min_length=1)
     port: int | None = Field(default=None, ge=1, le=65535)
     username: str = Field(min_length=1)
