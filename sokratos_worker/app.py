@@ -11,6 +11,8 @@ import structlog
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.daemon import EXIT_OK, Worker, build_worker
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
+from sokratos_worker.observed import ObservedChat
+from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations
@@ -82,8 +84,15 @@ def run_worker(
     try:
         _check_embedding_column(settings, database)
         with backends(settings) as (effective, chat, embedder):
+            metrics = Metrics()
+            observed = ObservedChat(chat, metrics) if chat is not None else None
             worker = build_worker(
-                effective, database, handler_factory or default_handlers, chat, embedder
+                effective,
+                database,
+                handler_factory or default_handlers,
+                observed,
+                embedder,
+                metrics=metrics,
             )
             return run_once(worker) if once else worker.serve()
     finally:

@@ -343,6 +343,8 @@ def build_worker(
     handler_factory: HandlerFactory,
     chat: Any,
     embedder: Any,
+    *,
+    metrics: Metrics | None = None,
 ) -> Worker:
     """Wire the handlers for this process."""
     context = HandlerContext(settings=settings, database=database, chat=chat, embedder=embedder)
@@ -359,4 +361,5 @@ def build_worker(
         handlers=handlers,
         context=context,
         worker_id=new_worker_id(settings.worker_instance),
+        metrics=metrics or Metrics(),
     )

@@ -49,11 +49,7 @@ def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
         return []
     from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
 
-    known = {a["name"]: a for a in account_statuses(conn)}
-    return [
-        known.get(a.name, {"name": a.name, "last_check_at": None, "last_error": None})
-        for a in settings.email_accounts
-    ]
+    return account_statuses(conn, [a.name for a in settings.email_accounts])
 
 
 def render_status(report: dict[str, Any]) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,12 +138,69 @@ def test_run_once_drains_ready_items_and_exits_0(
     enqueue_many(db, 30)
     enqueue_many(db, 2, behaviour="fail", prefix="f")
     env = daemon_env(database_url, tmp_path, SOKRATOS_RETRY_BASE="1h", SOKRATOS_RETRY_MAX="2h")
+    db.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message) VALUES ('memory_save', 'x', 'disk full')"
+    )
     proc = start_daemon(env, tmp_path / "daemon.log", "--once")
     assert proc.wait(60) == 0
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 30
     # The failing ones back off (not ready now) and wait for a later tick.
-    assert (
-        count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 1 AND run_after > now()")
-        == 2
+    backing_off = "SELECT count(*) FROM pending_triage WHERE attempts = 1 AND run_after > now()"
+    assert count(db, backing_off) == 2
+    # One tick_finished event reports the counts per queue, backends and recent failures.
+    lines = (tmp_path / "daemon.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    final = [e for e in events if e["event"] == "tick_finished"][-1]
+    assert final["queues"]["pending_triage"] == {"claimed": 32, "saved": 30, "retried": 2}
+    assert final["backends"] == {"scripted": 30}
+    assert final["recent_failures"][0]["op_type"] == "memory_save"
+    assert final["recent_failures"][0]["count"] == 1
+
+
+def test_daemon_speaks_sd_notify_and_serves_metrics(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    import socket
+    import urllib.request
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0.2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = daemon_env(
+        database_url,
+        tmp_path,
+        NOTIFY_SOCKET=str(tmp_path / "notify.sock"),
+        WATCHDOG_USEC="2000000",
+        SOKRATOS_METRICS_ADDR=f"127.0.0.1:{port}",
     )
-    assert subprocess.run(["true"], check=True).returncode == 0
+    enqueue_many(db, 5)
+    proc = start_daemon(env, tmp_path / "daemon.log")
+    seen: list[str] = []
+
+    def receive() -> bool:
+        with contextlib.suppress(TimeoutError):
+            seen.extend(sock.recv(4096).decode().splitlines())
+        return "READY=1" in seen and seen.count("WATCHDOG=1") >= 2
+
+    try:
+        assert wait_until(receive, timeout=30, interval=0)
+        assert wait_until(lambda: _done(db) == 5, timeout=30)
+        base = f"http://127.0.0.1:{port}"
+        assert urllib.request.urlopen(base + "/livez", timeout=5).status == 200
+        assert urllib.request.urlopen(base + "/readyz", timeout=5).status == 200
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        assert 'queue="pending_triage"' in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        wait_until(
+            lambda: receive() and any(s == "STOPPING=1" for s in seen), timeout=5, interval=0
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
+    assert any(s.startswith("STATUS=running") for s in seen)
+    assert "STOPPING=1" in seen
