@@ -168,3 +168,21 @@ def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) 
     # A second command attaches to (or restarts) the same data directory.
     again = cli("status", "--json", env=env, timeout=120)
     assert json.loads(again.stdout)["database"] == "ok"
+
+
+def test_check_probes_everything_and_names_what_failed(database_url: str, tmp_path: Path) -> None:
+    from sokratos_worker.testing.scripted_llm import ScriptedLLM
+
+    with ScriptedLLM() as good:
+        backends = json.dumps(
+            [
+                {"name": "good", "url": good.url, "model": "m", "timeout": "5s"},
+                {"name": "gone", "url": "http://127.0.0.1:1/v1", "model": "m", "timeout": "2s"},
+            ]
+        )
+        proc = cli("check", env=env_for(database_url, tmp_path, SOKRATOS_LLM_BACKENDS=backends))
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("ok") and "database" in line for line in lines)
+    assert any(line.startswith("FAIL") and "gone" in line for line in lines)
+    assert "gone" in proc.stderr

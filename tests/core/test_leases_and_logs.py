@@ -1,0 +1,69 @@
+"""Lease renewal keeps a long item ours; logs are JSON lines without bodies or secrets."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from contextlib import redirect_stderr
+
+import psycopg
+import structlog
+
+from sokratos_worker.config import Settings
+from sokratos_worker.logs import configure_logging
+from sokratos_worker.model import Queue
+from sokratos_worker.runner import Runner
+from sokratos_worker.store import queue as store
+from sokratos_worker.store.connection import Database
+from tests.support.db import count, enqueue_many
+from tests.support.handlers import ScriptedHandler
+
+
+def test_a_long_item_keeps_its_lease_and_no_other_worker_takes_it(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    enqueue_many(db, 1, behaviour="sleep:4")
+    settings = Settings(concurrency=1, lease=1.5, shutdown_grace=10)  # type: ignore[call-arg]
+    database = Database(database_url, size=3)
+    handler = ScriptedHandler()
+    runner = Runner(
+        settings=settings, database=database, handlers={Queue.TRIAGE: handler}, worker_id="slow"
+    )
+    runner.start(drain_only=True)
+    stolen: list[int] = []
+
+    def rival() -> None:
+        # Another worker tries to claim every 0.3 s while the first one works.
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            for _ in range(12):
+                stolen.extend(
+                    i.id
+                    for i in store.claim(conn, Queue.TRIAGE, owner="rival", limit=1, lease_s=60)
+                )
+                threading.Event().wait(0.3)
+
+    thread = threading.Thread(target=rival)
+    thread.start()
+    assert runner.wait_drained(30)
+    thread.join(10)
+    runner.shutdown(1)
+    database.close()
+    assert stolen == []
+    assert handler.calls == 1
+    assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 1
+
+
+def test_logs_are_json_lines_and_never_carry_bodies_or_secrets() -> None:
+    buffer = io.StringIO()
+    with redirect_stderr(buffer):
+        configure_logging("info", "json")
+        structlog.get_logger("sokratos_worker.test").info(
+            "item_settled", item_id=7, exchange="user: my PIN is 1234", api_key="sk-live", text="x"
+        )
+    line = buffer.getvalue().strip().splitlines()[-1]
+    event = json.loads(line)
+    assert event["event"] == "item_settled" and event["item_id"] == 7 and event["level"] == "info"
+    assert "timestamp" in event
+    assert "1234" not in line and "sk-live" not in line
+    structlog.reset_defaults()
