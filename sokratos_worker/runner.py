@@ -161,6 +161,9 @@ class Runner:
                 if budget_s is not None and time.monotonic() - started > budget_s:
                     log.info("tick_budget_spent", budget_s=budget_s)
                     break
+                if self._paused() and drain_only:
+                    log.info("drain_ended_paused", reason=self.state_detail)
+                    break  # run --once: a paused tick ends instead of waiting out its budget
                 if self._paused():
                     self._wait(min(1.0, max(0.05, self._paused_until - time.monotonic())))
                     self._maybe_resume()
@@ -352,9 +355,9 @@ class Runner:
             )
         else:
             self._report_fenced(item, bound)
-        self._untrack(item)
-        for next_item in next_items:
+        for next_item in next_items:  # tracked first, so in-flight never reads 0 in between
             self._track(next_item)
+        self._untrack(item)
         return next_items[0] if next_items else None
 
     def _settle_failure(
