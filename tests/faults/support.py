@@ -21,7 +21,7 @@ from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
 from tests.support.daemon import ROOT, daemon_env, wait_until
 
 EMBED_DIM = 64
-TOKEN = re.compile(r"\btok\d+\b")
+TOKEN = re.compile(r"\btok[a-z]*\d+\b")
 POISON = "POISON"  # content that never gets a valid reply from any backend
 SAVE = "SAVE"  # triage content the scripted model scores above every threshold
 
