@@ -12,7 +12,8 @@ import queue as queue_mod
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -24,13 +25,17 @@ from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database
+from sokratos_worker.store.connection import Connection, Database, translated
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
 WORKER_DIED = "worker died during the last attempt"
+
+# A busy slot keeps its pooled connection from one settle to the next (the pool's check
+# costs a round trip per checkout); one idle longer than this is checked out afresh.
+STICKY_IDLE_S = 2.0
 
 
 class State:
@@ -92,6 +97,7 @@ class Runner:
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
         self._rotation = 0
+        self._slot = threading.local()  # .conn, .used: the slot's connection between items
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -295,14 +301,48 @@ class Runner:
             item = self._handoff.get()
             if item is None:
                 return
-            while item is not None:
-                item = self._process(item)
+            try:
+                while item is not None:
+                    item = self._process(item)
+            finally:
+                self._drop_slot_connection()
             if self._notified:
                 self._wake.set()
+
+    @contextmanager
+    def _connection(self) -> Iterator[Connection]:
+        """In a slot: its kept connection (checked out once per run of items); else pooled."""
+        if not isinstance(getattr(self._slot, "used", None), float):
+            with self.database.connection() as conn:
+                yield conn
+            return
+        now = time.monotonic()
+        if self._slot.conn is not None and now - self._slot.used > STICKY_IDLE_S:
+            self._drop_slot_connection()
+            self._slot.used = now
+        if self._slot.conn is None:
+            with translated():
+                self._slot.conn = self.database.pool.getconn()
+        try:
+            with translated():
+                yield self._slot.conn
+        except BaseException:
+            self._drop_slot_connection()
+            raise
+        self._slot.used = time.monotonic()
+
+    def _drop_slot_connection(self) -> None:
+        conn = getattr(self._slot, "conn", None)
+        self._slot.conn = None
+        self._slot.used = None
+        if conn is not None:
+            self.database.pool.putconn(conn)  # the pool discards a broken one
 
     def _process(self, item: Item) -> Item | None:
         """Handle and settle one item; returns the next item claimed with the settle."""
         started = time.monotonic()
+        if getattr(self._slot, "used", None) is None:
+            self._slot.conn, self._slot.used = None, started
         bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=item.attempt)
         handler = self.handlers[item.queue]
         try:
@@ -346,7 +386,9 @@ class Runner:
         if result.settled:
             with self._lock:
                 self._stats.add(item.queue, effects.outcome.value, effects.backend)
-            bound.info(
+            # Debug: one line per item is the cost of a JSON render and a write per item
+            # (the pipelines log what they saved; the tick reports the counts at info).
+            bound.debug(
                 "item_settled",
                 outcome=effects.outcome.value,
                 memory_ids=list(result.memory_ids),
@@ -441,7 +483,7 @@ class Runner:
 
     def _report_fenced(self, item: Item, bound: structlog.BoundLogger) -> None:
         try:
-            with self.database.connection() as conn:
+            with self._connection() as conn:
                 landed = store.outcome_exists(conn, item)
         except DatabaseUnavailable:
             landed = False
@@ -461,7 +503,7 @@ class Runner:
         delay = 0.2
         while True:
             try:
-                with self.database.connection() as conn:
+                with self._connection() as conn:
                     return fn(conn)
             except DatabaseUnavailable as exc:
                 if time.monotonic() + delay > deadline:

@@ -38,6 +38,7 @@ class _QueueSql:
     give_back: sql.Composed
     renew: sql.Composed
     settle_plain: sql.Composed
+    settle_claim: sql.Composed
 
 
 def _compose(queue: Queue) -> _QueueSql:
@@ -93,6 +94,40 @@ def _compose(queue: Queue) -> _QueueSql:
                       %(memory_ids)s::bigint[], %(detail)s::text, %(attempt)s::int,
                       %(backend)s::text
                FROM d RETURNING item_id"""
+        ).format(table=table, fence=fence, source=source),
+        # The hot path under load: the fenced settle and the claim of the next items in one
+        # statement, so one round trip and one commit per item. Data-modifying CTEs always
+        # run to completion; the claim never picks the item being settled (``id <>``).
+        # Every row carries the settle's count; with nothing to claim there is one row of
+        # NULLs.
+        settle_claim=sql.SQL(
+            """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
+                          RETURNING t.id, t.idempotency_key, {source} AS source),
+                    o AS (INSERT INTO work_outcomes (queue, item_id, idempotency_key, source,
+                                                     outcome, memory_ids, detail, attempts,
+                                                     backend)
+                          SELECT %(queue)s::text, d.id, d.idempotency_key, d.source,
+                                 %(outcome)s::text, %(memory_ids)s::bigint[], %(detail)s::text,
+                                 %(attempt)s::int, %(backend)s::text
+                          FROM d RETURNING item_id),
+                    picked AS (
+                          SELECT id FROM {table}
+                          WHERE run_after <= now()
+                            AND (lease_expires_at IS NULL OR lease_expires_at < now())
+                            AND id <> %(id)s
+                          ORDER BY run_after, id
+                          LIMIT %(n)s
+                          FOR UPDATE SKIP LOCKED),
+                    c AS (UPDATE {table} AS t
+                          SET attempts = t.attempts + 1,
+                              lease_owner = %(owner)s,
+                              lease_expires_at = now() + make_interval(secs => %(lease)s)
+                          FROM picked WHERE t.id = picked.id
+                          RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
+                                    t.attempts, t.created_at, t.attempt_errors)
+               SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
+                      c.attempts, c.created_at, c.attempt_errors
+               FROM (SELECT 1) AS one LEFT JOIN c ON true"""
         ).format(table=table, fence=fence, source=source),
     )
 
@@ -177,29 +212,59 @@ def settle_success(
     """Commit the effects, the outcome row and the deletion; optionally claim more work.
 
     Claiming the next item in the same transaction saves a commit per item under load.
+    Without memories to write, the settle and the claim are one statement.
     """
     next_items: list[Item] = []
+    if not effects.memories and not effects.supersessions:
+        return _settle_plain(conn, item, effects, owner=owner, claim_next=claim_next,
+                             lease_s=lease_s)
     try:
         with conn.transaction():
-            if not effects.memories and not effects.supersessions:
-                params = {
-                    **_fence(item, owner),
-                    "queue": item.queue.value,
-                    "outcome": effects.outcome.value,
-                    "memory_ids": list(effects.existing_memory_ids),
-                    "detail": clean_text(effects.detail),
-                    "backend": effects.backend,
-                }
-                if conn.execute(_SQL[item.queue].settle_plain, params).fetchone() is None:
-                    raise _Fenced
-                memory_ids: tuple[int, ...] = effects.existing_memory_ids
-            else:
-                memory_ids = _settle_with_effects(conn, item, effects, owner)
+            memory_ids = _settle_with_effects(conn, item, effects, owner)
             if claim_next > 0:
                 next_items = claim(conn, item.queue, owner=owner, limit=claim_next, lease_s=lease_s)
     except _Fenced:
         return SettleResult(settled=False), []
     return SettleResult(settled=True, memory_ids=memory_ids), next_items
+
+
+def _settle_plain(
+    conn: psycopg.Connection,
+    item: Item,
+    effects: Effects,
+    *,
+    owner: str,
+    claim_next: int,
+    lease_s: float,
+) -> tuple[SettleResult, list[Item]]:
+    """No memories to write: one statement (autocommit: its own transaction, one round trip).
+
+    A fenced settle changes nothing; the items claimed with it are ours all the same.
+    """
+    params: dict[str, Any] = {
+        **_fence(item, owner),
+        "queue": item.queue.value,
+        "outcome": effects.outcome.value,
+        "memory_ids": list(effects.existing_memory_ids),
+        "detail": clean_text(effects.detail),
+        "backend": effects.backend,
+    }
+    sqls = _SQL[item.queue]
+    with conn.cursor(row_factory=tuple_row) as cur:
+        if claim_next <= 0:
+            cur.execute(sqls.settle_plain, params)
+            settled = cur.fetchone() is not None
+            next_items: list[Item] = []
+        else:
+            params["n"] = claim_next
+            params["lease"] = lease_s
+            cur.execute(sqls.settle_claim, params)
+            rows = cur.fetchall()
+            settled = bool(rows and rows[0][0])
+            next_items = [_item_from_row(item.queue, row[1:]) for row in rows if row[1] is not None]
+    if not settled:
+        return SettleResult(settled=False), next_items
+    return SettleResult(settled=True, memory_ids=effects.existing_memory_ids), next_items
 
 
 def _settle_with_effects(

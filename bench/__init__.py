@@ -1,0 +1,1 @@
+"""Benchmarks of sokratos-worker against procrastinate and pgqueuer (see bench/README.md)."""
