@@ -264,9 +264,11 @@ class Runner:
     def _paused(self) -> bool:
         return time.monotonic() < self._paused_until or self.state == State.NO_BACKEND
 
-    def _pause(self, reason: str) -> None:
+    def _pause(self, reason: str, *, probe_failed: bool = False) -> None:
         with self._lock:
             already = self.state == State.NO_BACKEND
+            if already and not probe_failed:
+                return  # more items of the same outage must not escalate the probe backoff
             self._paused_until = time.monotonic() + self._pause_delay
             if already:
                 self._pause_delay = min(self._pause_delay * 2, 60.0)
@@ -284,7 +286,7 @@ class Runner:
             log.info("claiming_resumed")
             self.wake(notified=False)
         else:
-            self._pause(self.state_detail or "backends still unreachable")
+            self._pause(self.state_detail or "backends still unreachable", probe_failed=True)
 
     @staticmethod
     def _probe(handler: Handler) -> bool:
