@@ -63,6 +63,16 @@ class HttpEmbedder:
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One L2-normalised vector per text, in order, in batches of ``batch_size``."""
+        try:
+            return self._embed_all(texts)
+        except EmbeddingsUnavailable as exc:
+            # A healthy server that fails only this input is the item's problem, not an outage
+            # (durability.md): giving the attempt back would loop the item and pause claiming.
+            if self._healthy():
+                raise EmbeddingFailed(f"{exc} (the server is healthy: this input failed)") from exc
+            raise
+
+    def _embed_all(self, texts: Sequence[str]) -> list[list[float]]:
         vectors: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
             vectors.extend(self._embed_batch(texts[start : start + self.batch_size]))
@@ -85,8 +95,11 @@ class HttpEmbedder:
 
     def probe(self) -> bool:
         """True when the server embeds a tiny text with the right dimension now."""
+        return self._healthy()
+
+    def _healthy(self) -> bool:
         try:
-            self.embed(["sokratos-worker probe"])
+            self._embed_all(["sokratos-worker probe"])
         except (EmbeddingFailed, EmbeddingsUnavailable):
             return False
         return True
