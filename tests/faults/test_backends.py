@@ -1,0 +1,257 @@
+"""Scenario 3: backends that error, vanish, hang, answer garbage or break the schema."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from sokratos_worker.testing.scripted_llm import (
+    CHAT,
+    EMBEDDINGS,
+    HEALTH,
+    MODELS,
+    Reply,
+    Request,
+    Responder,
+    ScriptedLLM,
+    hash_embedding_responder,
+)
+from tests.faults.support import (
+    EMBED_DIM,
+    Key,
+    answer,
+    assert_exactly_once,
+    cli,
+    enqueue_distillation,
+    enqueue_triage,
+    exchange,
+    failed_payloads,
+    messages_archive,
+    outcome_count,
+    pipeline_env,
+    report,
+    scalar,
+    start_worker,
+    stop,
+    tail,
+    text_archive,
+)
+from tests.support.daemon import wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.subprocess, pytest.mark.slow]
+
+MAX_ATTEMPTS = 2
+
+
+def _items(db: psycopg.Connection, prefix: str) -> tuple[list[Key], list[Key]]:
+    """Three triage items that would be saved and two distillations (one per shape)."""
+    triage = [enqueue_triage(db, exchange(f"tok{prefix}{i}", save=True)) for i in range(3)]
+    distil = [
+        enqueue_distillation(db, messages_archive(f"tok{prefix}m1")),
+        enqueue_distillation(db, text_archive(f"tok{prefix}t1")),
+    ]
+    return triage, distil
+
+
+def _payloads(db: psycopg.Connection, keys: list[Key]) -> dict[Key, object]:
+    return {k: scalar(db, f"SELECT payload FROM {k[0]} WHERE id = %s", k[1]) for k in keys}
+
+
+def _outcome_rows(db: psycopg.Connection) -> dict[Key, tuple[str, int]]:
+    rows = db.execute("SELECT queue, item_id, outcome, attempts FROM work_outcomes").fetchall()
+    return {(str(q), int(i)): (str(o), int(a)) for q, i, o, a in rows}
+
+
+def _every_path(server: ScriptedLLM, responder: Responder) -> None:
+    for path in (CHAT, MODELS, HEALTH):
+        server.on(path, responder)
+
+
+def _run_failing(
+    db: psycopg.Connection,
+    database_url: str,
+    tmp_path: Path,
+    scenario: str,
+    chat: Responder,
+    *,
+    servers: int = 2,
+    timeout: float = 120,
+) -> None:
+    """Every chat call fails the same way while /models answers: attempts are used, triage
+    items end failed with their payload kept, distillations archived."""
+    triage, distil = _items(db, scenario[:3])
+    keys = triage + distil
+    payloads = _payloads(db, keys)
+    log = tmp_path / "worker.log"
+    started = time.monotonic()
+    chats = [ScriptedLLM(chat=chat).start() for _ in range(servers)]
+    try:
+        with ScriptedLLM(embed_dim=EMBED_DIM) as embed:
+            env = pipeline_env(
+                database_url, tmp_path, chats, embed, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+            )
+            proc = start_worker(env, log)
+            try:
+                assert wait_until(
+                    lambda: outcome_count(db) >= len(keys), timeout=timeout, interval=0.2
+                ), tail(log)
+            finally:
+                assert stop(proc) == 0, tail(log)
+    finally:
+        for server in chats:
+            server.close()
+    elapsed = time.monotonic() - started
+    fig = assert_exactly_once(db, keys)
+    outcomes = _outcome_rows(db)
+    failures = failed_payloads(db)
+    for key in triage:
+        assert outcomes[key] == ("failed", MAX_ATTEMPTS), (key, outcomes[key], tail(log))
+    for key in distil:
+        assert outcomes[key] == ("archived", MAX_ATTEMPTS), (key, outcomes[key])
+    for key in keys:
+        error, kept = failures[key]
+        assert kept == payloads[key]
+        assert "backend" in error.lower() or "llm" in error.lower(), error
+    history = scalar(
+        db,
+        "SELECT min(jsonb_array_length(context_data -> 'attempts')) FROM failed_operations",
+    )
+    assert history == MAX_ATTEMPTS
+    report(scenario, fig, None, attempts_each=MAX_ATTEMPTS, elapsed_s=round(elapsed, 1))
+
+
+@pytest.mark.timeout(180)
+def test_every_chat_request_500_uses_attempts_and_keeps_payloads(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    _run_failing(db, database_url, tmp_path, "backends_all_500", lambda r: Reply.error(500, "boom"))
+
+
+@pytest.mark.timeout(180)
+def test_every_chat_request_hangs_past_the_timeout(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    _run_failing(db, database_url, tmp_path, "backends_hang", lambda r: Reply.hang(3.0), servers=1)
+
+
+@pytest.mark.timeout(180)
+def test_garbage_replies(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    _run_failing(
+        db, database_url, tmp_path, "backends_garbage", lambda r: Reply.text("<html>\x00{{{")
+    )
+
+
+@pytest.mark.timeout(180)
+def test_schema_breaking_replies(db: psycopg.Connection, database_url: str, tmp_path: Path) -> None:
+    _run_failing(
+        db,
+        database_url,
+        tmp_path,
+        "backends_schema",
+        lambda r: Reply.chat({"salience_score": "very", "summary": 3, "facts": "none"}),
+    )
+
+
+def _worker_states(env: dict[str, str]) -> list[str]:
+    result = cli(env, "status", "--json", timeout=30)
+    if result.returncode != 0:
+        return []
+    return [str(w.get("state")) for w in json.loads(result.stdout).get("workers", [])]
+
+
+@pytest.mark.timeout(180)
+def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    triage, distil = _items(db, "out")
+    keys = (
+        triage + distil + [enqueue_triage(db, exchange(f"tokx{i}", save=True)) for i in range(10)]
+    )
+    log = tmp_path / "worker.log"
+    down: Responder = lambda r: Reply.disconnect()  # noqa: E731
+    embed_up = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
+    with (
+        ScriptedLLM(chat=answer) as primary,
+        ScriptedLLM(chat=answer) as fallback,
+        ScriptedLLM(embed_dim=EMBED_DIM) as embed,
+    ):
+        for server in (primary, fallback):
+            _every_path(server, down)
+        env = pipeline_env(
+            database_url, tmp_path, [primary, fallback], embed,
+            SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS),
+        )  # fmt: skip
+        proc = start_worker(env, log)
+        try:
+            assert wait_until(lambda: "no backend" in _worker_states(env), timeout=60), tail(log)
+            time.sleep(2.5)  # calls in flight when the first item gave its attempt back end
+            paused_calls = primary.count(CHAT) + fallback.count(CHAT)
+            time.sleep(2)  # paused: nothing more is claimed or sent (probes only)
+            assert outcome_count(db) == 0
+            attempts = scalar(
+                db,
+                "SELECT coalesce(max(attempts), 0) FROM (SELECT attempts FROM pending_triage"
+                " UNION ALL SELECT attempts FROM pending_distillation) a",
+            )
+            assert attempts == 0, "an outage of every backend used up attempts"
+            leased = scalar(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL")
+            assert leased == 0
+            assert primary.count(CHAT) + fallback.count(CHAT) == paused_calls
+            # The servers come back: the probe succeeds, claiming resumes.
+            for server in (primary, fallback):
+                server.on(CHAT, answer)
+                server.on(MODELS, lambda r: Reply(json_body={"object": "list", "data": []}))
+                server.on(HEALTH, lambda r: Reply(json_body={"status": "ok"}))
+            back = time.monotonic()
+            assert wait_until(lambda: outcome_count(db) > 0, timeout=90), tail(log)
+            recover = time.monotonic() - back
+            assert wait_until(lambda: outcome_count(db) >= len(keys), timeout=60), tail(log)
+            assert wait_until(lambda: "running" in _worker_states(env), timeout=20)
+        finally:
+            assert stop(proc) == 0, tail(log)
+        embed.on(EMBEDDINGS, embed_up)
+    fig = assert_exactly_once(db, keys)
+    outcomes = _outcome_rows(db)
+    inflated = [k for k in keys if outcomes[k][1] != 1]
+    assert not inflated, f"attempts counted for the outage: {[outcomes[k] for k in inflated]}"
+    assert fig.by_outcome.get("saved") == len(keys), fig
+    report("backends_total_outage", fig, recover, max_attempts_recorded=1)
+
+
+@pytest.mark.timeout(180)
+def test_an_embedding_request_that_breaks_a_healthy_server_is_the_items_problem(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """durability.md: a request that breaks a healthy server (the probe right after succeeds)
+    is the item's own problem: attempts are used and the item ends, it must not loop."""
+    good = [enqueue_triage(db, exchange(f"tokg{i}", save=True)) for i in range(5)]
+    # The scripted model puts the token into the summary, so the memory write embeds it too.
+    bad = [enqueue_triage(db, exchange("tokbreakembed1", save=True))]
+    keys = good + bad
+    embed_ok = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
+
+    def embed(request: Request) -> Reply:
+        if "tokbreakembed" in json.dumps(request.body):
+            return Reply.error(500, "the server chokes on this input")
+        return embed_ok(request)
+
+    log = tmp_path / "worker.log"
+    with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
+        embedder.on(EMBEDDINGS, embed)
+        env = pipeline_env(
+            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+        )
+        proc = start_worker(env, log)
+        try:
+            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=60)
+        finally:
+            assert stop(proc) == 0, tail(log)
+    left = db.execute("SELECT attempts, last_error FROM pending_triage").fetchall()
+    assert finished, f"the item never ends: {left}; {tail(log, 1500)}"
+    fig = assert_exactly_once(db, keys)
+    assert _outcome_rows(db)[bad[0]] == ("failed", MAX_ATTEMPTS)
+    report("embedding_500_for_one_input", fig, None)
