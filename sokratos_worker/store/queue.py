@@ -14,9 +14,9 @@ from typing import Any
 
 import psycopg
 import structlog
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import tuple_row
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
@@ -165,8 +165,38 @@ def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
     )
 
 
+_UNPARSABLE = "__unparsable_json__"
+_JSONB_OID = psycopg.adapters.types["jsonb"].oid
+
+
+def _safe_loads(data: bytes | str) -> Any:
+    """``json.loads``, except that jsonb nested deeper than Python can parse (PostgreSQL
+    accepts it) becomes a marker holding the text, instead of crashing the claim."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        return {_UNPARSABLE: data.decode("utf-8", "replace") if isinstance(data, bytes) else data}
+
+
+class _SafeJsonbLoader(JsonbLoader):
+    _loads = staticmethod(_safe_loads)
+
+
+class _SafeJsonbBinaryLoader(JsonbBinaryLoader):
+    _loads = staticmethod(_safe_loads)
+
+
+def _parse_safely(conn: psycopg.Connection) -> None:
+    # A 5000-deep payload raised RecursionError in the dispatcher: it stopped claiming for good.
+    if conn.adapters.get_loader(_JSONB_OID, pq.Format.TEXT) is not _SafeJsonbLoader:
+        conn.adapters.register_loader("jsonb", _SafeJsonbLoader)
+        conn.adapters.register_loader("jsonb", _SafeJsonbBinaryLoader)
+
+
 def payload_problem(item: Item) -> InvalidPayload | None:
     """A payload that is not a JSON object cannot be handled by any pipeline."""
+    if _UNPARSABLE in item.payload and len(item.payload) == 1:
+        return InvalidPayload("payload", "is nested too deeply to parse (kept as text)")
     if "__payload__" in item.payload and len(item.payload) == 1:
         kind = type(item.payload["__payload__"]).__name__
         return InvalidPayload("payload", f"must be a JSON object, got {kind}")
@@ -179,6 +209,7 @@ def claim(
     """Lease up to ``limit`` ready items, counting the attempt (autocommit: one statement)."""
     if limit <= 0:
         return []
+    _parse_safely(conn)
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(_SQL[queue].claim, {"n": limit, "owner": owner, "lease": lease_s})
         return [_item_from_row(queue, row) for row in cur.fetchall()]
@@ -215,6 +246,7 @@ def settle_success(
     Without memories to write, the settle and the claim are one statement.
     """
     next_items: list[Item] = []
+    _parse_safely(conn)
     if not effects.memories and not effects.supersessions:
         return _settle_plain(conn, item, effects, owner=owner, claim_next=claim_next,
                              lease_s=lease_s)
@@ -333,6 +365,7 @@ def dead_letter(
     and the outcome is ``archived`` instead of ``failed``.
     """
     error = clean_text(error)
+    _parse_safely(conn)
     try:
         with conn.transaction():
             row = conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
