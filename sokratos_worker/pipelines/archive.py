@@ -58,7 +58,7 @@ def format_messages(messages: object) -> list[str]:
 
 def _format_message(i: int, message: dict[str, Any], tool_names: dict[str, str]) -> list[str]:
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or object role raised TypeError
         raise InvalidPayload(f"messages[{i}].role", f"must be one of {sorted(ROLES)}")
     content = message.get("content")
     if content is not None and not isinstance(content, str):
