@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,13 +129,15 @@ def pipeline_env(
     tmp_path: Path,
     chat_servers: Iterable[ScriptedLLM],
     embed_server: ScriptedLLM,
+    *,
+    backend_timeout: float = 2.0,
     **extra: str,
 ) -> dict[str, str]:
     """The daemon's environment: real pipelines against scripted servers, fast timings."""
     return daemon_env(
         database_url,
         tmp_path,
-        SOKRATOS_LLM_BACKENDS=backends_env(*chat_servers),
+        SOKRATOS_LLM_BACKENDS=backends_env(*chat_servers, timeout=backend_timeout),
         SOKRATOS_EMBEDDING_URL=embed_server.url,
         SOKRATOS_EMBEDDING_MODEL="scripted-embed",
         SOKRATOS_EMBEDDING_DIM=str(EMBED_DIM),
@@ -401,6 +403,3 @@ def failed_payloads(conn: psycopg.Connection) -> dict[Key, tuple[str, Any]]:
         "SELECT source_queue, item_id, error_message, context_data -> 'payload' FROM failed_operations"
     ).fetchall()
     return {(str(q), int(i)): (str(e), p) for q, i, e, p in rows}
-
-
-Check = Callable[[], bool]

@@ -80,6 +80,7 @@ def _run_failing(
     *,
     servers: int = 2,
     timeout: float = 120,
+    backend_timeout: float = 2.0,
 ) -> None:
     """Every chat call fails the same way while /models answers: attempts are used, triage
     items end failed with their payload kept, distillations archived."""
@@ -92,7 +93,12 @@ def _run_failing(
     try:
         with ScriptedLLM(embed_dim=EMBED_DIM) as embed:
             env = pipeline_env(
-                database_url, tmp_path, chats, embed, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+                database_url,
+                tmp_path,
+                chats,
+                embed,
+                backend_timeout=backend_timeout,
+                SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS),
             )
             proc = start_worker(env, log)
             try:
@@ -135,7 +141,15 @@ def test_every_chat_request_500_uses_attempts_and_keeps_payloads(
 def test_every_chat_request_hangs_past_the_timeout(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
-    _run_failing(db, database_url, tmp_path, "backends_hang", lambda r: Reply.hang(3.0), servers=1)
+    _run_failing(
+        db,
+        database_url,
+        tmp_path,
+        "backends_hang",
+        lambda r: Reply.hang(1.5),
+        servers=1,
+        backend_timeout=1.0,
+    )
 
 
 @pytest.mark.timeout(180)

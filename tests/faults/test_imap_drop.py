@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.config import EmailAccountConfig
 from sokratos_worker.email import check_due_accounts
@@ -133,7 +134,9 @@ def test_a_connection_dropped_mid_fetch_commits_what_was_complete(
     settings = dovecot_support.make_settings(account)
     now = datetime.now(UTC)
     try:
-        [first] = check_due_accounts(settings, database_url, now=now)
+        with capture_logs() as logs:
+            [first] = check_due_accounts(settings, database_url, now=now)
+        assert any(e["event"] == "email_check_failed" for e in logs)
         assert proxy.cuts == 1
         assert first.error, first
         row = db.execute(

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from sokratos_worker.client import enqueue
 from sokratos_worker.config import Settings, load_settings
@@ -140,7 +141,8 @@ def rig(db: psycopg.Connection, database_url: str) -> Iterator[Rig]:
         embedder = build_embedder(conf)
         try:
             handlers = build_handlers(HandlerContext(conf, database, chat, embedder))
-            yield Rig(conf, database, handlers, database_url, db, [])
+            with capture_logs():  # hundreds of dead-letter lines would bury the FAULTS report
+                yield Rig(conf, database, handlers, database_url, db, [])
         finally:
             database.close()
 
