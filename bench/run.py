@@ -124,6 +124,17 @@ def cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+def server_cpu_s() -> float:
+    """CPU seconds of every PostgreSQL process on this host (the server under test)."""
+    total = 0.0
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] in ("postgres", "postmaster"):
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+    return total
+
+
 def rss_mb(proc: psutil.Process) -> float:
     return proc.memory_info().rss / 1e6
 
@@ -150,7 +161,7 @@ def drain(
     ps = psutil.Process(proc.pid)
     polls = 0
     t_first = t_last = None
-    cpu_first = cpu_last = 0.0
+    cpu_first = cpu_last = pg_first = pg_last = 0.0
     left_first = n
     left = n
     deadline = time.monotonic() + timeout + 30
@@ -161,9 +172,11 @@ def drain(
             now = time.monotonic()
             if t_first is None and left < n:
                 t_first, cpu_first, left_first = now, cpu_s(ps), left
+                pg_first = server_cpu_s()
                 deadline = now + timeout
             if left == 0:
                 t_last, cpu_last = now, cpu_s(ps)
+                pg_last = server_cpu_s()
                 break
             time.sleep(POLL_S)
         if t_last is None:
@@ -186,6 +199,8 @@ def drain(
         "elapsed_s": elapsed,
         "items_per_s": done / elapsed if elapsed and elapsed > 0 else 0.0,
         "cpu_s_per_1000": (cpu_last - cpu_first) / max(done, 1) * 1000,
+        "server_cpu_s_per_1000": (pg_last - pg_first) / max(done, 1) * 1000
+        if pg_last else float("nan"),
         "rss_mb_end": rss,
         "commits_per_item": commits / max(drained, 1),
         "wal_bytes_per_item": wal / max(drained, 1),
@@ -337,6 +352,33 @@ def llm_server(latency: float) -> Iterator[str]:
             proc.kill()
 
 
+def llm_ceiling(url: str, n: int, concurrency: int = 20) -> float:
+    """The server's own rate: ``n`` chat calls from ``concurrency`` asyncio clients (no queue)."""
+    import asyncio
+
+    import httpx
+
+    from bench.workers import _chat_body
+
+    async def go() -> float:
+        limits = httpx.Limits(max_connections=concurrency,
+                              max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+            todo = list(range(n))
+
+            async def one() -> None:
+                while todo:
+                    todo.pop()
+                    reply = await client.post("/chat/completions", json=_chat_body("ping"))
+                    reply.raise_for_status()
+
+            started = time.monotonic()
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+            return n / (time.monotonic() - started)
+
+    return asyncio.run(go())
+
+
 def llm_stats(url: str) -> dict[str, int]:
     import httpx
 
@@ -442,7 +484,8 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
                 res["round"] = r
                 results["w1"].append(res)
                 print(f"W1 r{r} {s.label}: {res['items_per_s']:.0f}/s "
-                      f"cpu/1k {res['cpu_s_per_1000']:.2f}s commits/item "
+                      f"cpu/1k {res['cpu_s_per_1000']:.2f}s pg cpu/1k "
+                      f"{res['server_cpu_s_per_1000']:.2f}s commits/item "
                       f"{res['commits_per_item']:.2f}", flush=True)
 
         with llm_server(0.05) if want("w2") else contextlib.nullcontext("") as url:
@@ -450,6 +493,9 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
                                     "timeout": "30s", "max_concurrency": 20}])
             sok_env = {"SOKRATOS_LLM_BACKENDS": backends, "BENCH_LLM_URL": url}
             results["w2"] = []
+            if want("w2"):
+                results["llm_server_ceiling"] = llm_ceiling(url, cfg.w2_items)
+                print(f"LLM server ceiling: {results['llm_server_ceiling']:.0f}/s", flush=True)
             w2_rounds = max(1, min(cfg.rounds, 3))
             for r in range(w2_rounds if want("w2") else 0):
                 for s in rotate([sok, proc_, pgq10], r):
@@ -504,7 +550,8 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
     systems = ["sokratos", "procrastinate", "pgqueuer-b10", "pgqueuer-b250"]
     w1_table = {
         s: {k: summary([r[k] for r in w1 if r["system"] == s]) for k in
-            ("items_per_s", "cpu_s_per_1000", "commits_per_item", "wal_bytes_per_item")}
+            ("items_per_s", "cpu_s_per_1000", "server_cpu_s_per_1000", "commits_per_item",
+             "wal_bytes_per_item")}
         for s in systems
     }
     w2_table = {
@@ -577,8 +624,9 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
         f"## W1 queue overhead ({res['config']['w1_items']:,} items, zero-work handler, "
         "concurrency 10; median [min-max] over rounds)",
         "",
-        "| system | items/s | worker CPU s / 1k items | DB commits / item | WAL bytes / item |",
-        "|---|---|---|---|---|",
+        "| system | items/s | worker CPU s / 1k items | PostgreSQL CPU s / 1k items "
+        "| DB commits / item | WAL bytes / item |",
+        "|---|---|---|---|---|---|",
     ]
 
     def mmm(d: dict[str, float], fmt: str = ",.0f") -> str:
@@ -586,6 +634,7 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
 
     for s, row in an["w1"].items():
         lines.append(f"| {s} | {mmm(row['items_per_s'])} | {mmm(row['cpu_s_per_1000'], '.2f')} "
+                     f"| {mmm(row['server_cpu_s_per_1000'], '.2f')} "
                      f"| {mmm(row['commits_per_item'], '.2f')} "
                      f"| {mmm(row['wal_bytes_per_item'])} |")
     lines += ["", "sokratos-worker ÷ peer, per round:", "",
@@ -600,7 +649,9 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
         lines.append(f"| {s} | {mmm(row['items_per_s'])}{flag} "
                      f"| {row['of_ideal']['median']:.0%} |")
     t = res["triage"]
-    lines += ["", f"Full triage path (sokratos-worker, production TriageHandler: triage LLM call, "
+    lines += ["", f"The 50 ms server's own ceiling (20 asyncio clients calling it directly, no "
+              f"queue): {res.get('llm_server_ceiling', float('nan')):.0f}/s.",
+              "", f"Full triage path (sokratos-worker, production TriageHandler: triage LLM call, "
               f"embeddings, contradiction check, memory write; {t['items']:,} items, "
               f"concurrency 20): **{t['items_per_s']:.0f} items/s**, "
               f"{t['calls_per_item']:.2f} server calls per item "

@@ -30,23 +30,28 @@ NOTIFY_CHANNEL = "sokratos_worker"
 
 @dataclass(frozen=True)
 class _QueueSql:
-    """The statements of one queue, composed once."""
+    """The statements of one queue, composed and rendered once (a ``Composed`` would be
+    rendered again on every execution: measurable per item on the hot path)."""
 
-    claim: sql.Composed
-    delete_fenced: sql.Composed
-    retry: sql.Composed
-    give_back: sql.Composed
-    renew: sql.Composed
-    settle_plain: sql.Composed
-    settle_claim: sql.Composed
+    claim: bytes
+    delete_fenced: bytes
+    retry: bytes
+    give_back: bytes
+    renew: bytes
+    settle_plain: bytes
+    settle_claim: bytes
 
 
 def _compose(queue: Queue) -> _QueueSql:
+    return _QueueSql(**{k: v.as_bytes(None) for k, v in _composed(queue).items()})
+
+
+def _composed(queue: Queue) -> dict[str, sql.Composed]:
     table = sql.Identifier(queue.value)
     source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
-    return _QueueSql(
-        claim=sql.SQL(
+    return {
+        "claim": sql.SQL(
             """WITH picked AS (
                    SELECT id FROM {table}
                    WHERE run_after <= now()
@@ -62,11 +67,11 @@ def _compose(queue: Queue) -> _QueueSql:
                RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
                          t.created_at, t.attempt_errors"""
         ).format(table=table, source=source),
-        delete_fenced=sql.SQL(
+        "delete_fenced": sql.SQL(
             "DELETE FROM {table} AS t WHERE {fence}"
             " RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempt_errors"
         ).format(table=table, fence=fence, source=source),
-        retry=sql.SQL(
+        "retry": sql.SQL(
             """UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL,
                    run_after = now() + make_interval(secs => %(delay)s),
                    last_error = %(error)s::text,
@@ -75,17 +80,17 @@ def _compose(queue: Queue) -> _QueueSql:
                        'backend', %(backend)s::text))
                WHERE {fence} RETURNING id"""
         ).format(table=table, fence=fence),
-        give_back=sql.SQL(
+        "give_back": sql.SQL(
             """UPDATE {table} SET attempts = attempts - 1, lease_owner = NULL,
                    lease_expires_at = NULL
                WHERE {fence} RETURNING id"""
         ).format(table=table, fence=fence),
-        renew=sql.SQL(
+        "renew": sql.SQL(
             """UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s)
                WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s) RETURNING id"""
         ).format(table=table),
         # The fast path: delete and record the outcome in one statement (one round trip).
-        settle_plain=sql.SQL(
+        "settle_plain": sql.SQL(
             """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
                           RETURNING t.id, t.idempotency_key, {source} AS source)
                INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome,
@@ -100,7 +105,7 @@ def _compose(queue: Queue) -> _QueueSql:
         # run to completion; the claim never picks the item being settled (``id <>``).
         # Every row carries the settle's count; with nothing to claim there is one row of
         # NULLs.
-        settle_claim=sql.SQL(
+        "settle_claim": sql.SQL(
             """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
                           RETURNING t.id, t.idempotency_key, {source} AS source),
                     o AS (INSERT INTO work_outcomes (queue, item_id, idempotency_key, source,
@@ -129,7 +134,7 @@ def _compose(queue: Queue) -> _QueueSql:
                       c.attempts, c.created_at, c.attempt_errors
                FROM (SELECT 1) AS one LEFT JOIN c ON true"""
         ).format(table=table, fence=fence, source=source),
-    )
+    }
 
 
 _SQL = {queue: _compose(queue) for queue in Queue}
