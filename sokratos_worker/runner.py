@@ -358,7 +358,14 @@ class Runner:
             self._settle_failure(item, exc, handler, bound)
             self._finished(item, started, "failed")
             return None
-        next_item = self._settle_success(item, effects, bound, started)
+        try:
+            next_item = self._settle_success(item, effects, bound, started)
+        except Exception as exc:
+            # A write the database refuses (constraint, range, dimension) is a failed attempt;
+            # it used to kill the slot thread and leave the item leased and renewed forever.
+            self._settle_failure(item, exc, handler, bound)
+            self._finished(item, started, "failed")
+            return None
         self._finished(item, started, effects.outcome.value)
         return next_item
 
