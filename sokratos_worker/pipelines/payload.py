@@ -44,6 +44,8 @@ def optional_int(payload: dict[str, Any], name: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidPayload(name, f"must be an integer, not {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:  # the bigint column refused it at the settle
+        raise InvalidPayload(name, "must fit in a 64-bit integer")
     return value or None
 
 
