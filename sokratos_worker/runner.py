@@ -185,6 +185,11 @@ class Runner:
                     self._wait(db_delay)
                     db_delay = min(db_delay * 2, 5.0)
                     continue
+                except Exception:  # any other claim error ended this thread: claiming stopped
+                    log.exception("claim_failed", retry_in_s=db_delay)
+                    self._wait(db_delay)
+                    db_delay = min(db_delay * 2, 5.0)
+                    continue
                 db_delay = 0.2
                 if self.state == State.WAITING_FOR_DATABASE:
                     self._set_state(State.RUNNING, "")
