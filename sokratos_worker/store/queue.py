@@ -253,8 +253,9 @@ def settle_success(
     next_items: list[Item] = []
     _parse_safely(conn)
     if not effects.memories and not effects.supersessions:
-        return _settle_plain(conn, item, effects, owner=owner, claim_next=claim_next,
-                             lease_s=lease_s)
+        return _settle_plain(
+            conn, item, effects, owner=owner, claim_next=claim_next, lease_s=lease_s
+        )
     try:
         with conn.transaction():
             memory_ids = _settle_with_effects(conn, item, effects, owner)
