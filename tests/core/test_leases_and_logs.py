@@ -16,6 +16,7 @@ from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
+from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler
 
@@ -43,6 +44,8 @@ def test_a_long_item_keeps_its_lease_and_no_other_worker_takes_it(
                 )
                 threading.Event().wait(0.3)
 
+    # The rival starts only once the item is ours, so it can only steal through a lapsed lease.
+    assert wait_until(lambda: runner.inflight_count() == 1, timeout=10)
     thread = threading.Thread(target=rival)
     thread.start()
     assert runner.wait_drained(30)
