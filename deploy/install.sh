@@ -111,7 +111,7 @@ install_venv() {
     fi
     local requirement=$SOURCE
     if [[ -n "$EXTRAS" ]]; then
-        requirement="$SOURCE[$EXTRAS]"
+        requirement="${SOURCE}[${EXTRAS}]"
     fi
     say "installing $requirement"
     "$VENV/bin/python" -m pip install --quiet --upgrade "$requirement"
