@@ -7,6 +7,7 @@ so tests never see each other's rows.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 import warnings
@@ -123,6 +124,16 @@ def restart_postgres() -> Callable[[float], None]:
             server.ensure_postgres_running()
 
     return restart
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault-injection figures (tests/faults), one line per scenario, after every run."""
+    support = sys.modules.get("tests.faults.support")
+    lines: list[str] = getattr(support, "REPORTED", [])
+    if lines:
+        terminalreporter.section("fault-injection figures")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

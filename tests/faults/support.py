@@ -24,6 +24,9 @@ EMBED_DIM = 64
 TOKEN = re.compile(r"\btok[a-z]*\d+\b")
 POISON = "POISON"  # content that never gets a valid reply from any backend
 SAVE = "SAVE"  # triage content the scripted model scores above every threshold
+# Every scenario's figures line, shown again at the end of the run (tests/conftest.py) even
+# without -s, so CI's log carries the figures.
+REPORTED: list[str] = []
 
 Key = tuple[str, int]  # (queue table, item id)
 
@@ -383,10 +386,12 @@ def report(
         )
     more = " ".join(f"{k}={v}" for k, v in extra.items())
     dup = fig.dup_outcomes + fig.dup_origins
-    print(
-        f"\nFAULTS {scenario}: in={fig.items_in} out={fig.outcomes} lost={fig.lost} dup={dup}"
+    line = (
+        f"FAULTS {scenario}: in={fig.items_in} out={fig.outcomes} lost={fig.lost} dup={dup}"
         f" recover_s={rec} outcomes={dict(sorted(fig.by_outcome.items()))} {more}".rstrip()
     )
+    REPORTED.append(line)
+    print("\n" + line)
 
 
 def time_to_next_outcome(
