@@ -10,6 +10,7 @@ retry on the same backend feeds the validation error back. See docs/backends.md.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 import time
@@ -147,7 +148,6 @@ def request_body(
     max_tokens: int,
 ) -> dict[str, Any]:
     """The chat-completions body in the structured-output form the backend understands."""
-    schema = response_model.model_json_schema()
     body: dict[str, Any] = {
         "model": config.model,
         "messages": messages,
@@ -155,21 +155,31 @@ def request_body(
         "max_tokens": max_tokens,
         "stream": False,
     }
-    if config.structured_output == "json_schema":
-        # The nested form: llama.cpp silently ignores the flat one.
-        body["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {
-                "name": response_model.__name__,
-                "schema": strict_schema(schema),
-                "strict": True,
-            },
-        }
-    elif config.structured_output == "json_object":
-        body["response_format"] = {"type": "json_object", "schema": schema}
-    else:
-        body["grammar"] = schema_to_gbnf(schema)
+    body.update(_structured_output(response_model, config.structured_output))
     return body
+
+
+@functools.cache
+def _structured_output(response_model: type[BaseModel], mode: str) -> dict[str, Any]:
+    """The body's structured-output part, built once per response model and mode: generating
+    a model's JSON schema cost more worker CPU per call than the settle (bench/README.md).
+    Callers only serialise the result, never change it."""
+    schema = response_model.model_json_schema()
+    if mode == "json_schema":
+        # The nested form: llama.cpp silently ignores the flat one.
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": response_model.__name__,
+                    "schema": strict_schema(schema),
+                    "strict": True,
+                },
+            }
+        }
+    if mode == "json_object":
+        return {"response_format": {"type": "json_object", "schema": schema}}
+    return {"grammar": schema_to_gbnf(schema)}
 
 
 class FallbackChatClient:
