@@ -26,7 +26,15 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.llm.breaker import CircuitBreaker
 from sokratos_worker.llm.gbnf import schema_to_gbnf
-from sokratos_worker.llm.http import Verdict, classify, excerpt, make_client, retry_after_seconds
+from sokratos_worker.llm.http import (
+    ClientPerThread,
+    Verdict,
+    classify,
+    excerpt,
+    make_client,
+    retry_after_seconds,
+    tls_verification,
+)
 from sokratos_worker.llm.reply import ReplyInvalid, parse_reply
 from sokratos_worker.llm.types import (
     BackendAttempt,
@@ -97,13 +105,17 @@ class _Backend:
         self.config = config
         self.name = config.name
         key = config.api_key.get_secret_value() if config.api_key else None
-        self.client = make_client(
-            name=config.name,
-            timeout=config.timeout,
-            api_key=key,
-            ca_file=config.ca_file,
-            tls_verify=config.tls_verify,
-            max_connections=config.max_concurrency + 2,
+        self.clients = ClientPerThread(
+            functools.partial(
+                make_client,
+                name=config.name,
+                timeout=config.timeout,
+                api_key=key,
+                max_connections=2,  # one call at a time per thread, plus a spare
+                verify=tls_verification(
+                    name=config.name, ca_file=config.ca_file, tls_verify=config.tls_verify
+                ),
+            )
         )
         self.slots = threading.BoundedSemaphore(config.max_concurrency)
         self.probe_timeout = min(config.timeout, policy.probe_timeout)
@@ -213,7 +225,7 @@ class FallbackChatClient:
     def close(self) -> None:
         """Close every HTTP client."""
         for backend in self._backends:
-            backend.client.close()
+            backend.clients.close()
 
     # -- ChatClient ------------------------------------------------------------------------
 
@@ -378,7 +390,7 @@ class FallbackChatClient:
             raise _Busy
         started = time.perf_counter()
         try:
-            response = backend.client.post(
+            response = backend.clients.get().post(
                 f"{backend.config.url}/chat/completions", json=body, timeout=timeout
             )
         except httpx.TimeoutException as exc:
@@ -474,7 +486,7 @@ class FallbackChatClient:
 
     def _probe_one(self, backend: _Backend) -> bool:
         try:
-            response = backend.client.get(
+            response = backend.clients.get().get(
                 f"{backend.config.url}/models", timeout=backend.probe_timeout
             )
         except httpx.HTTPError:

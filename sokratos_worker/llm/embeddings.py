@@ -7,6 +7,7 @@ L2-normalised vectors, and a text the server calls "too large" split and embedde
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import structlog
 
-from sokratos_worker.llm.http import excerpt, make_client
+from sokratos_worker.llm.http import ClientPerThread, excerpt, make_client, tls_verification
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
@@ -49,17 +50,20 @@ class HttpEmbedder:
         self.dim = dim
         self.suffix = suffix
         self.batch_size = batch_size
-        self._client = make_client(
-            name="embeddings",
-            timeout=timeout,
-            api_key=api_key,
-            ca_file=ca_file,
-            tls_verify=tls_verify,
+        self._clients = ClientPerThread(
+            functools.partial(
+                make_client,
+                name="embeddings",
+                timeout=timeout,
+                api_key=api_key,
+                max_connections=2,  # one call at a time per thread, plus a spare
+                verify=tls_verification(name="embeddings", ca_file=ca_file, tls_verify=tls_verify),
+            )
         )
 
     def close(self) -> None:
         """Close the HTTP client."""
-        self._client.close()
+        self._clients.close()
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One L2-normalised vector per text, in order, in batches of ``batch_size``."""
@@ -108,7 +112,7 @@ class HttpEmbedder:
         body = {"model": self.model, "input": [t + self.suffix for t in texts]}
         started = time.perf_counter()
         try:
-            response = self._client.post(f"{self.url}/embeddings", json=body)
+            response = self._clients.get().post(f"{self.url}/embeddings", json=body)
         except httpx.HTTPError as exc:
             log.warning("embedding_failed", reason=type(exc).__name__, count=len(texts))
             raise EmbeddingsUnavailable(f"embedding server unreachable: {exc!r}") from exc
