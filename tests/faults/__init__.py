@@ -1,1 +1,1 @@
-"""The fault-injection suite (``pytest -m faults -s`` prints one FAULTS line per scenario)."""
+"""The fault-injection suite: one FAULTS line of figures per scenario, repeated at the end of every run."""
