@@ -3,6 +3,8 @@
 Never falls back to another model (vectors of different models are not comparable).
 Sokratos's protocol (behaviour reference §3.3): a suffix appended to every input,
 L2-normalised vectors, and a text the server calls "too large" split and embedded in parts.
+A transient failure (connection error, 408, 429, 5xx) is retried a few times with backoff
+before it counts, so one 503 while the model loads costs no attempt of the item.
 """
 
 from __future__ import annotations
@@ -10,11 +12,18 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import structlog
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 
 from sokratos_worker.llm.http import ClientPerThread, excerpt, make_client, tls_verification
 from sokratos_worker.llm.types import (
@@ -44,8 +53,14 @@ class HttpEmbedder:
         batch_size: int = 32,
         ca_file: str | None = None,
         tls_verify: bool = True,
+        attempts: int = 3,
+        backoff_base: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.url = url.rstrip("/")
+        self.attempts = attempts  # HTTP attempts per batch for transient errors
+        self._backoff_base = backoff_base
+        self._sleep = sleep
         self.model = model
         self.dim = dim
         self.suffix = suffix
@@ -76,10 +91,17 @@ class HttpEmbedder:
                 raise EmbeddingFailed(f"{exc} (the server is healthy: this input failed)") from exc
             raise
 
-    def _embed_all(self, texts: Sequence[str]) -> list[list[float]]:
+    def _embed_all(self, texts: Sequence[str], attempts: int | None = None) -> list[list[float]]:
+        retrying = Retrying(
+            stop=stop_after_attempt(attempts or self.attempts),
+            wait=wait_exponential(multiplier=self._backoff_base, max=8.0) + wait_random(0, 1),
+            retry=retry_if_exception_type(EmbeddingsUnavailable),
+            sleep=self._sleep,
+            reraise=True,
+        )
         vectors: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            vectors.extend(self._embed_batch(texts[start : start + self.batch_size]))
+            vectors.extend(retrying(self._embed_batch, texts[start : start + self.batch_size]))
         return vectors
 
     def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
@@ -103,7 +125,7 @@ class HttpEmbedder:
 
     def _healthy(self) -> bool:
         try:
-            self._embed_all(["sokratos-worker probe"])
+            self._embed_all(["sokratos-worker probe"], attempts=1)  # a probe answers now
         except (EmbeddingFailed, EmbeddingsUnavailable):
             return False
         return True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -269,3 +271,43 @@ def test_an_embedding_request_that_breaks_a_healthy_server_is_the_items_problem(
     fig = assert_exactly_once(db, keys)
     assert _outcome_rows(db)[bad[0]] == ("failed", MAX_ATTEMPTS)
     report("embedding_500_for_one_input", fig, None)
+
+
+@pytest.mark.timeout(180)
+def test_an_embedding_server_that_refuses_each_first_request_costs_no_attempt(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A transient 503 (a model loading, a restart) is retried inside the call: every item is
+    saved on its first attempt, though every input's first request failed."""
+    keys = [enqueue_triage(db, exchange(f"tokflap{i}", save=True)) for i in range(8)]
+    embed_ok = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
+    seen: set[str] = set()
+    lock = threading.Lock()  # the server answers each connection on its own thread
+    refused = itertools.count()
+
+    def embed(request: Request) -> Reply:
+        text = json.dumps(request.body.get("input"))
+        with lock:
+            first = "sokratos-worker probe" not in text and text not in seen
+            seen.add(text)
+        if first:
+            next(refused)
+            return Reply.error(503, "Loading model")
+        return embed_ok(request)
+
+    log = tmp_path / "worker.log"
+    with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
+        embedder.on(EMBEDDINGS, embed)
+        env = pipeline_env(
+            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+        )
+        proc = start_worker(env, log)
+        try:
+            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=90)
+        finally:
+            assert stop(proc) == 0, tail(log)
+    assert finished, tail(log, 1500)
+    fig = assert_exactly_once(db, keys)
+    assert fig.by_outcome == {"saved": len(keys)}, fig
+    assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
+    report("embedding_503_on_first_request", fig, None, refused_requests=next(refused))

@@ -23,7 +23,12 @@ def embedders() -> Iterator[Callable[..., HttpEmbedder]]:
     made: list[HttpEmbedder] = []
 
     def make(url: str, **kwargs: object) -> HttpEmbedder:
-        values: dict[str, object] = {"model": "embed", "dim": 4, "timeout": 2.0}
+        values: dict[str, object] = {
+            "model": "embed",
+            "dim": 4,
+            "timeout": 2.0,
+            "sleep": lambda _: None,  # backoff without waiting
+        }
         values.update(kwargs)
         embedder = HttpEmbedder(url, **values)  # type: ignore[arg-type]
         made.append(embedder)
@@ -66,9 +71,33 @@ def test_connection_errors_and_5xx_are_unavailable(servers: Servers, embedders):
     with pytest.raises(EmbeddingsUnavailable):
         embedders("http://127.0.0.1:9/v1").embed(["x"])
     srv = servers()
-    srv.script(Reply.error(503, "Loading model"), path="/v1/embeddings")
+    # Three attempts, then the health probe: a server that keeps answering 503 is an outage.
+    srv.script(*[Reply.error(503, "Loading model")] * 4, path="/v1/embeddings")
     with pytest.raises(EmbeddingsUnavailable):
         embedders(srv.url).embed(["x"])
+    assert srv.count("/v1/embeddings") == 4
+
+
+def test_a_transient_error_is_retried_with_backoff_before_it_counts(servers: Servers, embedders):
+    srv = servers(embed_dim=4)
+    srv.script(
+        Reply.error(503, "Loading model"), Reply.error(429, "busy"), path="/v1/embeddings"
+    )
+    delays: list[float] = []
+
+    vectors = embedders(srv.url, sleep=delays.append, backoff_base=0.5).embed(["x"])
+
+    assert len(vectors) == 1 and math.isclose(norm(vectors[0]), 1.0)
+    assert srv.count("/v1/embeddings") == 3
+    assert len(delays) == 2 and 0.5 <= delays[0] <= 1.5 and 1.0 <= delays[1] <= 2.5
+
+
+def test_a_permanent_error_is_not_retried(servers: Servers, embedders):
+    srv = servers(embed_dim=4)
+    srv.script(Reply.error(400, "bad input"), path="/v1/embeddings")
+    with pytest.raises(EmbeddingFailed):
+        embedders(srv.url).embed(["x"])
+    assert srv.count("/v1/embeddings") == 1
 
 
 def test_4xx_and_bad_payloads_are_failures(servers: Servers, embedders):
