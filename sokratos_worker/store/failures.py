@@ -10,6 +10,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
 
@@ -72,38 +73,50 @@ def retry_key(original: str | None, failure_id: int) -> str:
 
 def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     """Re-enqueue the stored payload as a new item, exactly once."""
-    with conn.transaction():
-        row = conn.execute(
-            """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue
-               FROM failed_operations WHERE id = %s FOR UPDATE""",
-            (failure_id,),
-        ).fetchone()
-        if row is None:
-            return RetryResult(failure_id, None, f"no failure with id {failure_id}")
-        context, key, retried_at, retried_as, source_queue = row
-        if retried_at is not None:
-            return RetryResult(
-                failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
-            )
-        if not isinstance(context, dict) or "payload" not in context or not source_queue:
-            return RetryResult(
-                failure_id,
-                None,
-                "refused: this failure has no stored payload (not written by sokratos-worker)",
-            )
-        queue = Queue(source_queue)
-        source = context.get("source") if queue is Queue.TRIAGE else None
-        item_id = store.enqueue(
-            conn,
-            queue,
-            context["payload"],
-            idempotency_key=retry_key(key, failure_id),
-            source=source,
+    try:
+        with conn.transaction():
+            return _retry_once(conn, failure_id)
+    except InvalidPayload as exc:
+        # One unreplayable failure must not stop `failed retry --all` halfway.
+        return RetryResult(
+            failure_id,
+            None,
+            f"refused: the stored payload cannot be enqueued ({exc}); repair it from"
+            f" `sokratos-worker failed show {failure_id}` and enqueue it by hand",
         )
-        conn.execute(
-            "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
-            (item_id, failure_id),
+
+
+def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
+    row = conn.execute(
+        """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue
+           FROM failed_operations WHERE id = %s FOR UPDATE""",
+        (failure_id,),
+    ).fetchone()
+    if row is None:
+        return RetryResult(failure_id, None, f"no failure with id {failure_id}")
+    context, key, retried_at, retried_as, source_queue = row
+    if retried_at is not None:
+        return RetryResult(
+            failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
         )
+    if not isinstance(context, dict) or "payload" not in context or not source_queue:
+        return RetryResult(
+            failure_id,
+            None,
+            "refused: this failure has no stored payload (not written by sokratos-worker)",
+        )
+    payload = context["payload"]
+    if not isinstance(payload, dict) or store.UNPARSABLE_KEY in payload:
+        raise InvalidPayload("payload", "is not a JSON object this worker can parse")
+    queue = Queue(source_queue)
+    source = context.get("source") if queue is Queue.TRIAGE else None
+    item_id = store.enqueue(
+        conn, queue, payload, idempotency_key=retry_key(key, failure_id), source=source
+    )
+    conn.execute(
+        "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
+        (item_id, failure_id),
+    )
     return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
 
 

@@ -170,7 +170,7 @@ def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
     )
 
 
-_UNPARSABLE = "__unparsable_json__"
+UNPARSABLE_KEY = "__unparsable_json__"  # the marker holding jsonb text too deep to parse
 _JSONB_OID = psycopg.adapters.types["jsonb"].oid
 
 
@@ -180,7 +180,8 @@ def _safe_loads(data: bytes | str) -> Any:
     try:
         return json.loads(data)
     except RecursionError:
-        return {_UNPARSABLE: data.decode("utf-8", "replace") if isinstance(data, bytes) else data}
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+        return {UNPARSABLE_KEY: text}
 
 
 class _SafeJsonbLoader(JsonbLoader):
@@ -200,7 +201,7 @@ def _parse_safely(conn: psycopg.Connection) -> None:
 
 def payload_problem(item: Item) -> InvalidPayload | None:
     """A payload that is not a JSON object cannot be handled by any pipeline."""
-    if _UNPARSABLE in item.payload and len(item.payload) == 1:
+    if UNPARSABLE_KEY in item.payload and len(item.payload) == 1:
         return InvalidPayload("payload", "is nested too deeply to parse (kept as text)")
     if "__payload__" in item.payload and len(item.payload) == 1:
         kind = type(item.payload["__payload__"]).__name__

@@ -129,6 +129,29 @@ def test_retry_refuses_a_failure_without_a_payload(db: psycopg.Connection) -> No
     assert result.item_id is None and "no stored payload" in result.message
 
 
+def test_retry_refuses_a_payload_that_cannot_be_enqueued_and_goes_on(
+    db: psycopg.Connection,
+) -> None:
+    # Dead letters of payloads the enqueue function refuses: inserted behind its back, and
+    # jsonb nested deeper than Python parses (kept as a marker holding the text).
+    deep = "[" * 5000 + "]" * 5000
+    db.execute("INSERT INTO pending_triage (payload) VALUES ('{\"exchange\": 42}')")
+    db.execute(f"INSERT INTO pending_triage (payload) VALUES ('{deep}')")
+    enqueue_many(db, 1, behaviour="fail", prefix="fine")
+    for item in store.claim(db, Queue.TRIAGE, owner="w", limit=3, lease_s=60):
+        store.dead_letter(db, item, owner="w", error="boom")
+    ids = failures.retryable_ids(db, op_type=None)
+    results = [failures.retry_failure(db, failure_id) for failure_id in ids]
+    refused = [r for r in results if r.item_id is None]
+    assert len(refused) == 2 and len(ids) == 3
+    for result in refused:
+        assert result.message.startswith("refused: the stored payload cannot be enqueued")
+        assert f"failed show {result.failure_id}" in result.message
+    assert "exchange" in refused[0].message  # names the field the enqueue function refused
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1  # only the valid one replayed
+    assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NULL") == 2
+
+
 def test_same_idempotency_key_is_one_item_even_after_it_finished(db: psycopg.Connection) -> None:
     payload = {"exchange": "user: hello there\nassistant: hi"}
     first = store.enqueue(db, Queue.TRIAGE, payload, idempotency_key="same")
