@@ -255,17 +255,7 @@ def test_an_embedding_request_that_breaks_a_healthy_server_is_the_items_problem(
             return Reply.error(500, "the server chokes on this input")
         return embed_ok(request)
 
-    log = tmp_path / "worker.log"
-    with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
-        embedder.on(EMBEDDINGS, embed)
-        env = pipeline_env(
-            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
-        )
-        proc = start_worker(env, log)
-        try:
-            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=60)
-        finally:
-            assert stop(proc) == 0, tail(log)
+    finished, log = _drain_with_embedder(db, database_url, tmp_path, embed, len(keys))
     left = db.execute("SELECT attempts, last_error FROM pending_triage").fetchall()
     assert finished, f"the item never ends: {left}; {tail(log, 1500)}"
     fig = assert_exactly_once(db, keys)
@@ -295,6 +285,19 @@ def test_an_embedding_server_that_refuses_each_first_request_costs_no_attempt(
             return Reply.error(503, "Loading model")
         return embed_ok(request)
 
+    finished, log = _drain_with_embedder(db, database_url, tmp_path, embed, len(keys))
+    assert finished, tail(log, 1500)
+    fig = assert_exactly_once(db, keys)
+    assert fig.by_outcome == {"saved": len(keys)}, fig
+    assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
+    report("embedding_503_on_first_request", fig, None, refused_requests=next(refused))
+
+
+def _drain_with_embedder(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, embed: Responder, items: int
+) -> tuple[bool, Path]:
+    """Run a worker with the scripted model and ``embed`` as the embedding server until
+    ``items`` outcomes exist (or 90 s pass); whether they did, and the worker's log."""
     log = tmp_path / "worker.log"
     with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
         embedder.on(EMBEDDINGS, embed)
@@ -303,11 +306,7 @@ def test_an_embedding_server_that_refuses_each_first_request_costs_no_attempt(
         )
         proc = start_worker(env, log)
         try:
-            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=90)
+            finished = wait_until(lambda: outcome_count(db) >= items, timeout=90)
         finally:
             assert stop(proc) == 0, tail(log)
-    assert finished, tail(log, 1500)
-    fig = assert_exactly_once(db, keys)
-    assert fig.by_outcome == {"saved": len(keys)}, fig
-    assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
-    report("embedding_503_on_first_request", fig, None, refused_requests=next(refused))
+    return finished, log
