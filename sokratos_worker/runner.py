@@ -381,7 +381,7 @@ class Runner:
     def _settle_success(
         self, item: Item, effects: Effects, bound: structlog.BoundLogger, started: float
     ) -> Item | None:
-        want_next = 0 if self._stop_claiming.is_set() or self._paused() else 1
+        want_next = not (self._stop_claiming.is_set() or self._paused())
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
             return store.settle_success(

@@ -7,6 +7,7 @@ row and the deletion of the item are one transaction.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ class _QueueSql:
     """The statements of one queue, composed and rendered once (a ``Composed`` would be
     rendered again on every execution: measurable per item on the hot path)."""
 
-    claim: bytes
     delete_fenced: bytes
     retry: bytes
     give_back: bytes
@@ -51,22 +51,6 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
     source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
     return {
-        "claim": sql.SQL(
-            """WITH picked AS (
-                   SELECT id FROM {table}
-                   WHERE run_after <= now()
-                     AND (lease_expires_at IS NULL OR lease_expires_at < now())
-                   ORDER BY run_after, id
-                   LIMIT %(n)s
-                   FOR UPDATE SKIP LOCKED)
-               UPDATE {table} AS t
-               SET attempts = t.attempts + 1,
-                   lease_owner = %(owner)s,
-                   lease_expires_at = now() + make_interval(secs => %(lease)s)
-               FROM picked WHERE t.id = picked.id
-               RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
-                         t.created_at, t.attempt_errors"""
-        ).format(table=table, source=source),
         "delete_fenced": sql.SQL(
             "DELETE FROM {table} AS t WHERE {fence}"
             " RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempt_errors"
@@ -100,11 +84,13 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                       %(backend)s::text
                FROM d RETURNING item_id"""
         ).format(table=table, fence=fence, source=source),
-        # The hot path under load: the fenced settle and the claim of the next items in one
-        # statement, so one round trip and one commit per item. Data-modifying CTEs always
-        # run to completion; the claim never picks the item being settled (``id <>``).
-        # Every row carries the settle's count; with nothing to claim there is one row of
-        # NULLs.
+        # The hot path under load: the fenced settle and the claim of the slot's next item in
+        # one statement, so one round trip and one commit per item. Data-modifying CTEs always
+        # run to completion; the claim never picks the item being settled (``id <>``). The
+        # row carries the settle's count; with nothing to claim its other columns are NULL.
+        # LIMIT is a constant: with a parameter there, PostgreSQL judged the generic plan too
+        # costly and planned every execution anew, which more than doubled the statement's
+        # server CPU (bench/README.md).
         "settle_claim": sql.SQL(
             """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
                           RETURNING t.id, t.idempotency_key, {source} AS source),
@@ -121,7 +107,7 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                             AND (lease_expires_at IS NULL OR lease_expires_at < now())
                             AND id <> %(id)s
                           ORDER BY run_after, id
-                          LIMIT %(n)s
+                          LIMIT 1
                           FOR UPDATE SKIP LOCKED),
                     c AS (UPDATE {table} AS t
                           SET attempts = t.attempts + 1,
@@ -138,6 +124,35 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
 
 
 _SQL = {queue: _compose(queue) for queue in Queue}
+
+
+@functools.cache
+def _claim_sql(queue: Queue, limit: int) -> bytes:
+    """The claim of up to ``limit`` items, rendered once per limit: a constant LIMIT lets
+    PostgreSQL keep its generic plan (see ``settle_claim``)."""
+    table = sql.Identifier(queue.value)
+    source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
+    return (
+        sql.SQL(
+            """WITH picked AS (
+               SELECT id FROM {table}
+               WHERE run_after <= now()
+                 AND (lease_expires_at IS NULL OR lease_expires_at < now())
+               ORDER BY run_after, id
+               LIMIT {limit}
+               FOR UPDATE SKIP LOCKED)
+           UPDATE {table} AS t
+           SET attempts = t.attempts + 1,
+               lease_owner = %(owner)s,
+               lease_expires_at = now() + make_interval(secs => %(lease)s)
+           FROM picked WHERE t.id = picked.id
+           RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
+                     t.created_at, t.attempt_errors"""
+        )
+        .format(table=table, source=source, limit=sql.Literal(limit))
+        .as_bytes(None)
+    )
+
 
 _INSERT_OUTCOME = sql.SQL(
     """INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome, memory_ids,
@@ -217,7 +232,7 @@ def claim(
         return []
     _parse_safely(conn)
     with conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(_SQL[queue].claim, {"n": limit, "owner": owner, "lease": lease_s})
+        cur.execute(_claim_sql(queue, limit), {"owner": owner, "lease": lease_s})
         return [_item_from_row(queue, row) for row in cur.fetchall()]
 
 
@@ -243,10 +258,10 @@ def settle_success(
     effects: Effects,
     *,
     owner: str,
-    claim_next: int = 0,
+    claim_next: bool = False,
     lease_s: float = 300.0,
 ) -> tuple[SettleResult, list[Item]]:
-    """Commit the effects, the outcome row and the deletion; optionally claim more work.
+    """Commit the effects, the outcome row and the deletion; optionally claim the next item.
 
     Claiming the next item in the same transaction saves a commit per item under load.
     Without memories to write, the settle and the claim are one statement.
@@ -260,8 +275,8 @@ def settle_success(
     try:
         with conn.transaction():
             memory_ids = _settle_with_effects(conn, item, effects, owner)
-            if claim_next > 0:
-                next_items = claim(conn, item.queue, owner=owner, limit=claim_next, lease_s=lease_s)
+            if claim_next:
+                next_items = claim(conn, item.queue, owner=owner, limit=1, lease_s=lease_s)
     except _Fenced:
         return SettleResult(settled=False), []
     return SettleResult(settled=True, memory_ids=memory_ids), next_items
@@ -273,7 +288,7 @@ def _settle_plain(
     effects: Effects,
     *,
     owner: str,
-    claim_next: int,
+    claim_next: bool,
     lease_s: float,
 ) -> tuple[SettleResult, list[Item]]:
     """No memories to write: one statement (autocommit: its own transaction, one round trip).
@@ -290,12 +305,11 @@ def _settle_plain(
     }
     sqls = _SQL[item.queue]
     with conn.cursor(row_factory=tuple_row) as cur:
-        if claim_next <= 0:
+        if not claim_next:
             cur.execute(sqls.settle_plain, params)
             settled = cur.fetchone() is not None
             next_items: list[Item] = []
         else:
-            params["n"] = claim_next
             params["lease"] = lease_s
             cur.execute(sqls.settle_claim, params)
             rows = cur.fetchall()
