@@ -127,7 +127,7 @@ def restart_postgres() -> Callable[[float], None]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault-injection figures (tests/faults), one line per scenario, after every run."""
+    """The fault-injection figures, one line per scenario, after a run that included tests/faults."""
     support = sys.modules.get("tests.faults.support")
     lines: list[str] = getattr(support, "REPORTED", [])
     if lines:

@@ -46,9 +46,14 @@ def _compose(queue: Queue) -> _QueueSql:
     return _QueueSql(**{k: v.as_bytes(None) for k, v in _composed(queue).items()})
 
 
+def _source(queue: Queue) -> sql.SQL:
+    """The item's source column: the distillation queue has none (every item is one)."""
+    return sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
+
+
 def _composed(queue: Queue) -> dict[str, sql.Composed]:
     table = sql.Identifier(queue.value)
-    source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
+    source = _source(queue)
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
     return {
         "delete_fenced": sql.SQL(
@@ -131,7 +136,6 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
     """The claim of up to ``limit`` items, rendered once per limit: a constant LIMIT lets
     PostgreSQL keep its generic plan (see ``settle_claim``)."""
     table = sql.Identifier(queue.value)
-    source = sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
     return (
         sql.SQL(
             """WITH picked AS (
@@ -149,7 +153,7 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
            RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
                      t.created_at, t.attempt_errors"""
         )
-        .format(table=table, source=source, limit=sql.Literal(limit))
+        .format(table=table, source=_source(queue), limit=sql.Literal(limit))
         .as_bytes(None)
     )
 

@@ -148,7 +148,8 @@ def test_retry_refuses_a_payload_that_cannot_be_enqueued_and_goes_on(
         assert result.message.startswith("refused: the stored payload cannot be enqueued")
         assert f"failed show {result.failure_id}" in result.message
     assert "exchange" in refused[0].message  # names the field the enqueue function refused
-    assert count(db, "SELECT count(*) FROM pending_triage") == 1  # only the valid one replayed
+    replayed = db.execute("SELECT idempotency_key, payload->>'behaviour' FROM pending_triage")
+    assert replayed.fetchall() == [("fine0#retry-1", "fail")]  # only the valid one, once
     assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NULL") == 2
 
 
