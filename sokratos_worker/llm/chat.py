@@ -104,6 +104,8 @@ class _Backend:
     ) -> None:
         self.config = config
         self.name = config.name
+        # Parsed once: httpx parses a string URL on every request (half of build_request).
+        self.chat_url = httpx.URL(f"{config.url}/chat/completions")
         key = config.api_key.get_secret_value() if config.api_key else None
         self.clients = ClientPerThread(
             functools.partial(
@@ -390,9 +392,7 @@ class FallbackChatClient:
             raise _Busy
         started = time.perf_counter()
         try:
-            response = backend.clients.get().post(
-                f"{backend.config.url}/chat/completions", json=body, timeout=timeout
-            )
+            response = backend.clients.get().post(backend.chat_url, json=body, timeout=timeout)
         except httpx.TimeoutException as exc:
             self._log_failed(backend, attempt, started, purpose, reason="timeout", status=None)
             raise _Transient("timeout") from exc

@@ -58,6 +58,7 @@ class HttpEmbedder:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.url = url.rstrip("/")
+        self._embeddings_url = httpx.URL(f"{self.url}/embeddings")  # parsed once, not per call
         self.attempts = attempts  # HTTP attempts per batch for transient errors
         self._backoff_base = backoff_base
         self._sleep = sleep
@@ -134,7 +135,7 @@ class HttpEmbedder:
         body = {"model": self.model, "input": [t + self.suffix for t in texts]}
         started = time.perf_counter()
         try:
-            response = self._clients.get().post(f"{self.url}/embeddings", json=body)
+            response = self._clients.get().post(self._embeddings_url, json=body)
         except httpx.HTTPError as exc:
             log.warning("embedding_failed", reason=type(exc).__name__, count=len(texts))
             raise EmbeddingsUnavailable(f"embedding server unreachable: {exc!r}") from exc
