@@ -379,6 +379,59 @@ def llm_ceiling(url: str, n: int, concurrency: int = 20) -> float:
     return asyncio.run(go())
 
 
+def llm_client_ceiling(url: str, n: int, concurrency: int = 20) -> float:
+    """sokratos-worker's chat client alone: ``n`` calls from ``concurrency`` threads, no queue.
+
+    The same ``FallbackChatClient`` the W2 handler calls through, its log lines rendered as
+    the worker renders them (JSON) and thrown away, so W2's rate against this one is what the
+    queue itself costs.
+    """
+    import threading
+
+    import structlog
+    from pydantic import BaseModel
+
+    from sokratos_worker.config import BackendConfig
+    from sokratos_worker.llm.chat import FallbackChatClient
+    from sokratos_worker.logs import configure_logging
+
+    class Pong(BaseModel):
+        ok: bool
+
+    client = FallbackChatClient([BackendConfig.model_validate(
+        {"name": "bench", "url": url, "model": "scripted", "max_concurrency": concurrency})])
+    todo = list(range(n))
+    ready = threading.Barrier(concurrency + 1)
+
+    def call() -> None:
+        client.complete(response_model=Pong, system="Answer with a JSON object.",
+                        user="ping", max_tokens=16, purpose="bench")
+
+    def one() -> None:
+        call()  # connect before the clock starts, as the worker's slots have
+        ready.wait()
+        while True:
+            try:
+                todo.pop()
+            except IndexError:
+                return
+            call()
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        configure_logging("info", "json")
+        threads = [threading.Thread(target=one) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        ready.wait()
+        started = time.monotonic()
+        for thread in threads:
+            thread.join()
+        rate = n / (time.monotonic() - started)
+    structlog.reset_defaults()
+    client.close()
+    return rate
+
+
 def llm_stats(url: str) -> dict[str, int]:
     import httpx
 
@@ -496,6 +549,9 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
             if want("w2"):
                 results["llm_server_ceiling"] = llm_ceiling(url, cfg.w2_items)
                 print(f"LLM server ceiling: {results['llm_server_ceiling']:.0f}/s", flush=True)
+                results["llm_client_ceiling"] = llm_client_ceiling(url, cfg.w2_items)
+                print(f"sokratos chat client alone: {results['llm_client_ceiling']:.0f}/s",
+                      flush=True)
             w2_rounds = max(1, min(cfg.rounds, 3))
             for r in range(w2_rounds if want("w2") else 0):
                 for s in rotate([sok, proc_, pgq10], r):
@@ -650,7 +706,9 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
                      f"| {row['of_ideal']['median']:.0%} |")
     t = res["triage"]
     lines += ["", f"The 50 ms server's own ceiling (20 asyncio clients calling it directly, no "
-              f"queue): {res.get('llm_server_ceiling', float('nan')):.0f}/s.",
+              f"queue): {res.get('llm_server_ceiling', float('nan')):.0f}/s. "
+              "sokratos-worker's chat client alone (`FallbackChatClient`, 20 threads, no "
+              f"queue): {res.get('llm_client_ceiling', float('nan')):.0f}/s.",
               "", f"Full triage path (sokratos-worker, production TriageHandler: triage LLM call, "
               f"embeddings, contradiction check, memory write; {t['items']:,} items, "
               f"concurrency 20): **{t['items_per_s']:.0f} items/s**, "
