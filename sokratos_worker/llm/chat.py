@@ -53,6 +53,11 @@ REPAIR_PROMPT = (
     "Your previous reply was not valid: {error}. "
     "Reply again with only one JSON object that matches the schema."
 )
+TRUNCATED_PROMPT = (
+    "Your previous reply was cut off at the {max_tokens}-token limit before the JSON object "
+    "was complete. Reply again with one shorter JSON object that matches the schema: "
+    "fewer and shorter entries."
+)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class _Answer:
     content: str
     prompt_tokens: int | None
     completion_tokens: int | None
+    truncated: bool = False  # finish_reason "length": the reply hit max_tokens
 
 
 class _Backend:
@@ -335,11 +341,23 @@ class FallbackChatClient:
         try:
             return self._parse(backend, response_model, answer, purpose)
         except ReplyInvalid as exc:
-            log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=True)
+            if answer.truncated:
+                # Pointing at a syntax error would not help: the model ran out of room.
+                log.warning(
+                    "llm_reply_truncated",
+                    backend=backend.name,
+                    purpose=purpose,
+                    max_tokens=max_tokens,
+                    hint="the JSON was cut off at max_tokens; asking once for a shorter reply",
+                )
+                feedback = TRUNCATED_PROMPT.format(max_tokens=max_tokens)
+            else:
+                log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=True)
+                feedback = REPAIR_PROMPT.format(error=exc.feedback)
             repair = [
                 *messages,
                 {"role": "assistant", "content": answer.content},
-                {"role": "user", "content": REPAIR_PROMPT.format(error=exc.feedback)},
+                {"role": "user", "content": feedback},
             ]
             body = request_body(backend.config, response_model, repair, max_tokens)
             second = self._post(backend, body, purpose, is_probe)
@@ -526,8 +544,9 @@ class FallbackChatClient:
 
 
 def _answer_from(payload: Any) -> _Answer:
-    """Content (or reasoning_content when content is empty) and token counts."""
+    """Content (or reasoning_content when content is empty), token counts, truncation."""
     content = ""
+    truncated = False
     usage: dict[str, Any] = {}
     if isinstance(payload, dict):
         choices = payload.get("choices") or []
@@ -536,9 +555,15 @@ def _answer_from(payload: Any) -> _Answer:
             content = (message.get("content") or "").strip()
             if not content:
                 content = (message.get("reasoning_content") or "").strip()
+            truncated = choices[0].get("finish_reason") == "length"
         raw_usage = payload.get("usage")
         usage = raw_usage if isinstance(raw_usage, dict) else {}
-    return _Answer(content, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+    return _Answer(
+        content,
+        _int(usage.get("prompt_tokens")),
+        _int(usage.get("completion_tokens")),
+        truncated,
+    )
 
 
 def _int(value: Any) -> int | None:

@@ -71,8 +71,10 @@ class Reply:
         prompt_tokens: int = 11,
         completion_tokens: int = 7,
         delay: float = 0.0,
+        finish_reason: str = "stop",
     ) -> Reply:
-        """A chat completion whose content is ``content`` (JSON-encoded unless a string)."""
+        """A chat completion whose content is ``content`` (JSON-encoded unless a string);
+        ``finish_reason="length"`` is a reply cut off at ``max_tokens``."""
         text = content if isinstance(content, str) else json.dumps(content)
         return cls(
             json_body={
@@ -84,7 +86,7 @@ class Reply:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
+                        "finish_reason": finish_reason,
                     }
                 ],
                 "usage": {

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 from pydantic import BaseModel, Field
+from structlog.testing import capture_logs
 
 from sokratos_worker.errors import BackendsMisconfigured
 from sokratos_worker.llm.chat import FallbackChatClient
@@ -199,6 +200,35 @@ def test_validation_repair_retry_feeds_the_error_back(servers: Servers, make_cli
     assert repair[3]["role"] == "user"
     assert "save" in repair[3]["content"]
     assert (result.prompt_tokens, result.completion_tokens) == (22, 14)
+
+
+def test_reply_cut_off_at_max_tokens_asks_for_a_shorter_one(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    cut = '{"save": true, "salience": 7, "note": "a very long'
+    a.script(Reply.chat(cut, finish_reason="length"), Reply.chat(GOOD))
+    with capture_logs() as logs:
+        result = ask(make_client(backend(a, "a")))
+    assert result.value == Verdict(save=True, salience=7)
+    repair = a.bodies()[1]["messages"]
+    assert repair[2] == {"role": "assistant", "content": cut}
+    assert "cut off at the 64-token limit" in repair[3]["content"]
+    assert "shorter" in repair[3]["content"]
+    (event,) = [e for e in logs if e["event"] == "llm_reply_truncated"]
+    assert (event["backend"], event["max_tokens"], event["purpose"]) == ("a", 64, "test")
+    assert not [e for e in logs if e["event"] == "llm_reply_invalid"]
+
+
+def test_a_broken_reply_that_was_not_cut_off_gets_the_parse_error(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    a.script(Reply.chat('{"save": true,, "salience": 7}'), Reply.chat(GOOD))
+    ask(make_client(backend(a, "a")))
+    feedback = a.bodies()[1]["messages"][3]["content"]
+    assert "not a JSON object" in feedback
+    assert "cut off" not in feedback
 
 
 def test_invalid_twice_falls_through_to_next_backend(servers: Servers, make_client: MakeClient):
