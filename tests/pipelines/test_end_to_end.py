@@ -175,3 +175,52 @@ def test_items_end_in_the_right_outcomes_and_rows(
     assert any(
         "assistant called maps({})\n[maps result] Kosmos Leipzig" in t for t in distil_inputs
     )
+
+
+def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A long archive whose first reply runs out of tokens: one attempt, the facts saved."""
+    fact = "The user climbs at Kosmos in Leipzig."
+
+    def respond_cut_off_first(request: Request) -> Reply:
+        if "cut off" in str(request.messages[-1].get("content")):
+            return Reply.chat({"facts": [{"text": fact, "salience": 6, "tags": ["hobby"]}]})
+        return Reply.chat('{"facts": [{"text": "The user climbs at Kos', finish_reason="length")
+
+    item = _enqueue(
+        db,
+        "SELECT sokratos_enqueue_distillation(%s::jsonb)",
+        json.dumps({"archive_text": "user: I climb at Kosmos in Leipzig twice a week."}),
+    )
+    with ScriptedLLM(chat=respond_cut_off_first) as server:
+        settings = load_settings(
+            {
+                "SOKRATOS_DATABASE_URL": database_url,
+                "SOKRATOS_MAX_ATTEMPTS": "1",
+                "SOKRATOS_LLM_BACKENDS": json.dumps(
+                    [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
+                ),
+            }
+        )
+        chat = FallbackChatClient(settings.llm_backends)
+        database = Database(database_url, size=4)
+        try:
+            handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
+            runner = Runner(
+                settings=settings, database=database, handlers=handlers, worker_id="test-worker"
+            )
+            runner.start(drain_only=True)
+            assert runner.wait_drained(60)
+        finally:
+            chat.close()
+            database.close()
+        assert server.count() == 2  # the cut-off reply and the shorter one
+
+    outcome, memory_ids = db.execute(
+        "SELECT outcome, memory_ids FROM work_outcomes WHERE item_id = %s", (item,)
+    ).fetchone() or (None, None)
+    assert outcome == "saved"
+    assert [memory_rows(db)[0]["summary"]] == [fact]
+    assert len(memory_ids) == 1
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
