@@ -53,6 +53,9 @@ REPAIR_PROMPT = (
     "Your previous reply was not valid: {error}. "
     "Reply again with only one JSON object that matches the schema."
 )
+# The health probe's whole conversation: a server that cannot answer this is down for us, even
+# when its HTTP side (``/models``, ``/health``) still answers.
+PROBE_MESSAGE = "sokratos-worker health probe: reply with OK"
 TRUNCATED_PROMPT = (
     "Your previous reply was cut off at the {max_tokens}-token limit before the JSON object "
     "was complete. Reply again with one shorter JSON object that matches the schema: "
@@ -299,7 +302,12 @@ class FallbackChatClient:
         raise self._failure(tuple(tried), kinds, purpose)
 
     def probe(self) -> bool:
-        """True when a backend answers ``GET {url}/models`` now; ends its circuit's wait."""
+        """True when a backend answers a one-token chat request now; ends its circuit's wait.
+
+        A chat request, not ``GET /models``: a server whose completions all fail (a model that
+        crashed, a GPU out of memory) still lists its models, and would make every item look
+        like the one that broke it.
+        """
         healthy = False
         for backend in self._backends:
             if self._probe_one(backend):
@@ -503,13 +511,20 @@ class FallbackChatClient:
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 
     def _probe_one(self, backend: _Backend) -> bool:
+        body = {
+            "model": backend.config.model,
+            "messages": [{"role": "user", "content": PROBE_MESSAGE}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+        }
         try:
-            response = backend.clients.get().get(
-                f"{backend.config.url}/models", timeout=backend.probe_timeout
+            response = backend.clients.get().post(
+                backend.chat_url, json=body, timeout=backend.probe_timeout
             )
         except httpx.HTTPError:
             return False
-        return response.status_code == 200
+        return 200 <= response.status_code < 300
 
     def _backend(self, name: str) -> _Backend:
         for backend in self._backends:
@@ -578,4 +593,10 @@ def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 1)
 
 
-__all__ = ["FallbackChatClient", "RetryPolicy", "request_body", "strict_schema"]
+__all__ = [
+    "PROBE_MESSAGE",
+    "FallbackChatClient",
+    "RetryPolicy",
+    "request_body",
+    "strict_schema",
+]

@@ -1,6 +1,7 @@
 """Fakes shipped with the package so pipeline tests and benchmarks need no real model."""
 
 from sokratos_worker.testing.scripted_llm import (
+    PROBE,
     Reply,
     Request,
     ScriptedLLM,
@@ -10,6 +11,7 @@ from sokratos_worker.testing.scripted_llm import (
 )
 
 __all__ = [
+    "PROBE",
     "Reply",
     "Request",
     "ScriptedLLM",

@@ -7,7 +7,9 @@ It speaks real HTTP so the client under test runs its real transport, timeouts a
         backend_url = srv.url            # http://127.0.0.1:PORT/v1
 
 Scripted replies are used first, in order, per path; then the path's responder (a callable
-taking the :class:`Request`) answers. Every request is recorded, thread-safely.
+taking the :class:`Request`) answers. Every request is recorded, thread-safely. The worker's
+health probes (a one-token chat request) are routed to the pseudo-path ``PROBE``, which
+answers "OK" unless told otherwise: ``srv.on(PROBE, ...)`` makes the server look down.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
+from sokratos_worker.llm.chat import PROBE_MESSAGE
+
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 MODELS = "/v1/models"
 HEALTH = "/health"
+# Not a URL: the route of the worker's health-probe chat requests (PROBE_MESSAGE), which
+# arrive on CHAT but are answered, scripted and counted apart from the calls items make.
+PROBE = "probe"
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,7 @@ class ScriptedLLM:
             EMBEDDINGS: hash_embedding_responder(embed_dim) if embed_dim else _no_script,
             MODELS: self._models_reply,
             HEALTH: lambda request: Reply(json_body={"status": "ok"}),
+            PROBE: lambda request: Reply.chat("OK", completion_tokens=1),
         }
         self._requests: list[Request] = []
         self._in_flight = 0
@@ -337,6 +345,19 @@ class ScriptedLLM:
             self._stopping.wait(seconds)
 
 
+def _is_health_probe(body: Any) -> bool:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return (
+        bool(messages)
+        and isinstance(messages, list)
+        and messages[-1]
+        == {
+            "role": "user",
+            "content": PROBE_MESSAGE,
+        }
+    )
+
+
 def _make_handler(owner: ScriptedLLM) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -355,6 +376,8 @@ def _make_handler(owner: ScriptedLLM) -> type[BaseHTTPRequestHandler]:
 
         def _handle(self, body: Any) -> None:
             path = self.path.split("?", 1)[0]
+            if path == CHAT and _is_health_probe(body):
+                path = PROBE
             request = Request(
                 method=self.command,
                 path=path,
@@ -402,6 +425,7 @@ __all__ = [
     "EMBEDDINGS",
     "HEALTH",
     "MODELS",
+    "PROBE",
     "Reply",
     "Request",
     "Responder",

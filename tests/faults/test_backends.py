@@ -6,6 +6,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -16,6 +17,7 @@ from sokratos_worker.testing.scripted_llm import (
     EMBEDDINGS,
     HEALTH,
     MODELS,
+    PROBE,
     Reply,
     Request,
     Responder,
@@ -69,7 +71,13 @@ def _outcome_rows(db: psycopg.Connection) -> dict[Key, tuple[str, int]]:
 
 
 def _every_path(server: ScriptedLLM, responder: Responder) -> None:
-    for path in (CHAT, MODELS, HEALTH):
+    for path in (CHAT, PROBE, MODELS, HEALTH):
+        server.on(path, responder)
+
+
+def _completions(server: ScriptedLLM, responder: Responder) -> None:
+    """Only the model fails: /models and /health still answer (a crashed model, no GPU memory)."""
+    for path in (CHAT, PROBE):
         server.on(path, responder)
 
 
@@ -84,8 +92,9 @@ def _run_failing(
     timeout: float = 120,
     backend_timeout: float = 2.0,
 ) -> None:
-    """Every chat call fails the same way while /models answers: attempts are used, triage
-    items end failed with their payload kept, distillations archived."""
+    """Every chat call an item makes fails the same way while the server answers the health
+    probe (a request that breaks a healthy server is the item's own problem): attempts are
+    used, triage items end failed with their payload kept, distillations archived."""
     triage, distil = _items(db, scenario[:3])
     keys = triage + distil
     payloads = _payloads(db, keys)
@@ -180,15 +189,29 @@ def _worker_states(env: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("scenario", "take_down"),
+    [
+        ("backends_total_outage", lambda s: _every_path(s, lambda r: Reply.disconnect())),
+        ("backends_completions_500", lambda s: _completions(s, lambda r: Reply.error(500, "OOM"))),
+    ],
+    ids=["disconnected", "completions-500"],
+)
 def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
-    db: psycopg.Connection, database_url: str, tmp_path: Path
+    db: psycopg.Connection,
+    database_url: str,
+    tmp_path: Path,
+    scenario: str,
+    take_down: Callable[[ScriptedLLM], None],
 ) -> None:
+    """Every backend down (connections refused, or every completion failing while /models
+    still answers): no attempt is used, claiming pauses, and everything is saved once they
+    are back."""
     triage, distil = _items(db, "out")
     keys = (
         triage + distil + [enqueue_triage(db, exchange(f"tokx{i}", save=True)) for i in range(10)]
     )
     log = tmp_path / "worker.log"
-    down: Responder = lambda r: Reply.disconnect()  # noqa: E731
     embed_up = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
     with (
         ScriptedLLM(chat=answer) as primary,
@@ -196,7 +219,7 @@ def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
         ScriptedLLM(embed_dim=EMBED_DIM) as embed,
     ):
         for server in (primary, fallback):
-            _every_path(server, down)
+            take_down(server)
         env = pipeline_env(
             database_url, tmp_path, [primary, fallback], embed,
             SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS),
@@ -220,6 +243,7 @@ def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
             # The servers come back: the probe succeeds, claiming resumes.
             for server in (primary, fallback):
                 server.on(CHAT, answer)
+                server.on(PROBE, lambda r: Reply.chat("OK"))
                 server.on(MODELS, lambda r: Reply(json_body={"object": "list", "data": []}))
                 server.on(HEALTH, lambda r: Reply(json_body={"status": "ok"}))
             back = time.monotonic()
@@ -235,7 +259,7 @@ def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
     inflated = [k for k in keys if outcomes[k][1] != 1]
     assert not inflated, f"attempts counted for the outage: {[outcomes[k] for k in inflated]}"
     assert fig.by_outcome.get("saved") == len(keys), fig
-    report("backends_total_outage", fig, recover, max_attempts_recorded=1)
+    report(scenario, fig, recover, max_attempts_recorded=1)
 
 
 @pytest.mark.timeout(180)

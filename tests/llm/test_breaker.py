@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from sokratos_worker.llm.breaker import Circuit, CircuitBreaker
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import NoBackendReachable
-from sokratos_worker.testing import Reply, ScriptedLLM, json_responder
+from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from tests.llm.conftest import FakeClock, backend
 
 
@@ -125,7 +125,7 @@ def test_all_circuits_open_is_no_backend_reachable_without_requests(
 ):
     a = servers()
     a.on("/v1/chat/completions", lambda r: Reply.error(500))
-    a.on("/v1/models", lambda r: Reply.error(500))
+    a.on(PROBE, lambda r: Reply.error(500))
     client = make_client(backend(a, "a"), attempts=1)
     for _ in range(3):
         with pytest.raises(NoBackendReachable):
@@ -143,12 +143,12 @@ def test_health_probe_success_lets_the_next_call_probe_the_circuit(
 ):
     a = servers()
     a.on("/v1/chat/completions", lambda r: Reply.error(500))
-    a.on("/v1/models", lambda r: Reply.error(500))
+    a.on(PROBE, lambda r: Reply.error(500))
     client = make_client(backend(a, "a"), attempts=1)
     for _ in range(3):
         with pytest.raises(NoBackendReachable):
             client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
-    a.on("/v1/models", lambda r: Reply(json_body={"object": "list", "data": []}))
+    a.on(PROBE, lambda r: Reply.chat("OK"))
     a.on("/v1/chat/completions", json_responder({"ok": True}))
     assert client.probe() is True
     result = client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")

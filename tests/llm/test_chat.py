@@ -18,7 +18,7 @@ from sokratos_worker.llm.types import (
     LLMBackendsMisconfigured,
     NoBackendReachable,
 )
-from sokratos_worker.testing import Reply, ScriptedLLM, json_responder
+from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from tests.llm.conftest import backend
 
 Servers = Callable[..., ScriptedLLM]
@@ -308,12 +308,12 @@ def test_nothing_reachable_and_probe_fails_is_no_backend_reachable(
 ):
     a = servers()
     a.on("/v1/chat/completions", lambda r: Reply.error(503, "Loading model"))
-    a.on("/v1/models", lambda r: Reply.error(503, "Loading model"))
+    a.on(PROBE, lambda r: Reply.error(503, "Loading model"))
     dead = backend(a, "dead", url="http://127.0.0.1:9/v1")  # discard port: refused
     with pytest.raises(NoBackendReachable) as caught:
         ask(make_client(backend(a, "a"), dead))
     assert [t.backend for t in caught.value.tried] == ["a", "dead"]
-    assert a.count("/v1/models") == 1
+    assert a.count(PROBE) == 1
 
 
 def test_server_errors_with_a_healthy_probe_are_the_items_fault(
@@ -323,7 +323,23 @@ def test_server_errors_with_a_healthy_probe_are_the_items_fault(
     a.on("/v1/chat/completions", lambda r: Reply.error(500, "this request crashes me"))
     with pytest.raises(ChatFailed):
         ask(make_client(backend(a, "a")))
-    assert a.count("/v1/models") == 1
+    assert a.count(PROBE) == 1
+
+
+def test_a_server_that_lists_its_models_but_fails_every_completion_is_down(
+    servers: Servers, make_client: MakeClient
+):
+    """The probe is a one-token chat request: /models answering proves nothing about the model."""
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(500, "CUDA out of memory"))
+    a.on(PROBE, lambda r: Reply.error(500, "CUDA out of memory"))
+    with pytest.raises(NoBackendReachable):
+        ask(make_client(backend(a, "a")))
+    assert a.count("/v1/models") == 0
+    (probe,) = a.bodies(PROBE)
+    assert probe["max_tokens"] == 1
+    assert probe["model"] == "scripted"
+    assert "response_format" not in probe
 
 
 def test_all_refused_is_misconfigured(servers: Servers, make_client: MakeClient):
