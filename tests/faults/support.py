@@ -72,7 +72,8 @@ def answer(request: Request) -> Reply:
 
 @dataclass
 class Chaos:
-    """Wraps :func:`answer` with seeded faults: 500s, hangs, garbage and schema breakers."""
+    """Wraps :func:`answer` with seeded faults: 500s, hangs, garbage, schema breakers and
+    replies cut off at max_tokens."""
 
     error_rate: float = 0.0
     hang_rate: float = 0.0
@@ -91,7 +92,7 @@ class Chaos:
     def __call__(self, request: Request) -> Reply:
         with self._lock:
             r = self._rng.random()
-            pick = self._rng.randrange(3)
+            pick = self._rng.randrange(4)
             if r < self.error_rate:
                 self._count("error")
                 return Reply.error(500, "scripted chaos")
@@ -101,11 +102,12 @@ class Chaos:
                 return Reply.hang(self.hang_s)
             r -= self.hang_rate
             if r < self.invalid_rate:
-                self._count("invalid")
+                self._count("truncated" if pick == 3 else "invalid")
                 return [
                     Reply.text("<html>502 garbage {{{"),
                     Reply.chat("I think this exchange is quite important, maybe a 7."),
                     Reply.chat({"salience_score": "high", "facts": "none", "verdicts": 3}),
+                    Reply.chat('{"salience_score": 7, "summary": "The user', finish_reason="length"),
                 ][pick]
         return answer(request)
 

@@ -144,6 +144,10 @@ def test_mixed_items_with_chaos_and_kill_9_end_exactly_once(
         assert sources == {"conversation_archive"}, (key, sources)
         assert key in failures
     assert fig.by_outcome.get("saved", 0) > 500, fig
+    cut_off = primary_chaos.injected.get("truncated", 0)
+    assert cut_off > 0, primary_chaos.injected
+    asked_shorter = log.read_text().count('"llm_reply_truncated"')
+    assert asked_shorter > 0, "no reply cut off at max_tokens was asked again for a shorter one"
     memories = db.execute("SELECT count(*) FROM memories").fetchone()
     report(
         "mixed_1000_chaos_kill9x2",
@@ -154,5 +158,6 @@ def test_mixed_items_with_chaos_and_kill_9_end_exactly_once(
         archived_poison=len(poisoned),
         injected_primary=primary_chaos.injected,
         injected_fallback=fallback_chaos.injected,
+        truncation_retries_logged=asked_shorter,
         elapsed_s=round(elapsed, 1),
     )
