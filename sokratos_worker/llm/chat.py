@@ -53,14 +53,14 @@ REPAIR_PROMPT = (
     "Your previous reply was not valid: {error}. "
     "Reply again with only one JSON object that matches the schema."
 )
-# The health probe's whole conversation: a server that cannot answer this is down for us, even
-# when its HTTP side (``/models``, ``/health``) still answers.
-PROBE_MESSAGE = "sokratos-worker health probe: reply with OK"
 TRUNCATED_PROMPT = (
     "Your previous reply was cut off at the {max_tokens}-token limit before the JSON object "
     "was complete. Reply again with one shorter JSON object that matches the schema: "
     "fewer and shorter entries."
 )
+# The health probe's whole conversation: a server that cannot answer this is down for us, even
+# when its HTTP side (``/models``, ``/health``) still answers.
+PROBE_MESSAGE = "sokratos-worker health probe: reply with OK"
 
 
 @dataclass(frozen=True)
