@@ -62,6 +62,15 @@ def test_schema_valid_reply_through_json_object_mode(local_server: LocalModelSer
     assert result.completion_tokens > 0
 
 
+def test_the_health_probe_is_answered_by_a_real_server(local_server: LocalModelServer):
+    """The one-token chat probe (no schema) is a request llama-cpp-python's server accepts."""
+    client = FallbackChatClient([local_server.backend])
+    try:
+        assert client.probe() is True
+    finally:
+        client.close()
+
+
 def test_check_line_for_the_local_backend(local_server: LocalModelServer):
     (line,) = probe_backends(Settings(), extra_backends=[local_server.backend])
     assert line.component == f"llm:{LOCAL_BACKEND_NAME}"
