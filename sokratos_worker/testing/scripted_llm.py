@@ -347,15 +347,9 @@ class ScriptedLLM:
 
 def _is_health_probe(body: Any) -> bool:
     messages = body.get("messages") if isinstance(body, dict) else None
-    return (
-        bool(messages)
-        and isinstance(messages, list)
-        and messages[-1]
-        == {
-            "role": "user",
-            "content": PROBE_MESSAGE,
-        }
-    )
+    if not isinstance(messages, list) or not messages:
+        return False
+    return bool(messages[-1] == {"role": "user", "content": PROBE_MESSAGE})
 
 
 def _make_handler(owner: ScriptedLLM) -> type[BaseHTTPRequestHandler]:
