@@ -124,10 +124,13 @@ def test_unit_has_the_service_contract(source: str) -> None:
         "ProtectSystem": "strict",
         "UMask": "0077",
         "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+        "LogRateLimitIntervalSec": "30s",
     }
     for key, value in expected.items():
         assert settings.get(key) == [value], key
     assert "WatchdogSec" in settings
+    burst = int(settings["LogRateLimitBurst"][0])
+    assert burst >= 30_000, "a triage drain logs ~4 lines per item at ~100 items/s: 12,000 per 30 s"
     assert "-/etc/sokratos-worker/env" in settings["EnvironmentFile"]
     stop = int(settings["TimeoutStopSec"][0].removesuffix("s"))
     assert stop > 30, "TimeoutStopSec must exceed the default SOKRATOS_SHUTDOWN_GRACE (30s)"
