@@ -68,6 +68,33 @@ def _enqueue(db: psycopg.Connection, sql: str, *args: Any) -> int:
     return int(row[0])
 
 
+def _drain(database_url: str, server: ScriptedLLM, **env: str) -> None:
+    """Run the real runner, pipelines and chat client against ``server`` until the queues are
+    empty; one attempt per item, so a retry cannot hide a failure."""
+    settings = load_settings(
+        {
+            "SOKRATOS_DATABASE_URL": database_url,
+            "SOKRATOS_MAX_ATTEMPTS": "1",
+            "SOKRATOS_LLM_BACKENDS": json.dumps(
+                [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
+            ),
+            **env,
+        }
+    )
+    chat = FallbackChatClient(settings.llm_backends)
+    database = Database(database_url, size=4)
+    try:
+        handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
+        runner = Runner(
+            settings=settings, database=database, handlers=handlers, worker_id="test-worker"
+        )
+        runner.start(drain_only=True)
+        assert runner.wait_drained(60)
+    finally:
+        chat.close()
+        database.close()
+
+
 def test_items_end_in_the_right_outcomes_and_rows(
     db: psycopg.Connection, database_url: str
 ) -> None:
@@ -114,28 +141,7 @@ def test_items_end_in_the_right_outcomes_and_rows(
     )
 
     with ScriptedLLM(chat=respond) as server:
-        settings = load_settings(
-            {
-                "SOKRATOS_DATABASE_URL": database_url,
-                "SOKRATOS_MAX_ATTEMPTS": "1",
-                "SOKRATOS_CONCURRENCY": "2",
-                "SOKRATOS_LLM_BACKENDS": json.dumps(
-                    [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
-                ),
-            }
-        )
-        chat = FallbackChatClient(settings.llm_backends)
-        database = Database(database_url, size=4)
-        try:
-            handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
-            runner = Runner(
-                settings=settings, database=database, handlers=handlers, worker_id="test-worker"
-            )
-            runner.start(drain_only=True)
-            assert runner.wait_drained(60)
-        finally:
-            chat.close()
-            database.close()
+        _drain(database_url, server, SOKRATOS_CONCURRENCY="2")
 
     outcomes = {
         (row[0], row[1]): (row[2], row[3])
@@ -194,27 +200,7 @@ def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(
         json.dumps({"archive_text": "user: I climb at Kosmos in Leipzig twice a week."}),
     )
     with ScriptedLLM(chat=respond_cut_off_first) as server:
-        settings = load_settings(
-            {
-                "SOKRATOS_DATABASE_URL": database_url,
-                "SOKRATOS_MAX_ATTEMPTS": "1",
-                "SOKRATOS_LLM_BACKENDS": json.dumps(
-                    [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
-                ),
-            }
-        )
-        chat = FallbackChatClient(settings.llm_backends)
-        database = Database(database_url, size=4)
-        try:
-            handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
-            runner = Runner(
-                settings=settings, database=database, handlers=handlers, worker_id="test-worker"
-            )
-            runner.start(drain_only=True)
-            assert runner.wait_drained(60)
-        finally:
-            chat.close()
-            database.close()
+        _drain(database_url, server)
         assert server.count() == 2  # the cut-off reply and the shorter one
 
     outcome, memory_ids = db.execute(
