@@ -156,7 +156,7 @@ def main(
     except ConfigError as exc:
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    configure_logging(settings.log_level, settings.effective_log_format())
+    configure_logging(settings.log_level, settings.effective_log_format(), cache=True)
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:
         if args.command == "run":

@@ -70,3 +70,20 @@ def test_logs_are_json_lines_and_never_carry_bodies_or_secrets() -> None:
     assert "timestamp" in event
     assert "1234" not in line and "sk-live" not in line
     structlog.reset_defaults()
+
+
+def test_the_command_line_caches_its_loggers_and_tests_do_not() -> None:
+    """A cached logger ignores a later reconfiguration (``capture_logs``): only the process
+    entry point, which configures once, turns caching on."""
+    buffer = io.StringIO()
+    try:
+        with redirect_stderr(buffer):
+            configure_logging("info", "json", cache=True)
+            assert structlog.get_config()["cache_logger_on_first_use"] is True
+            structlog.get_logger("sokratos_worker.test").info("cached", item_id=1)
+        assert json.loads(buffer.getvalue().strip().splitlines()[-1])["event"] == "cached"
+        with redirect_stderr(io.StringIO()):
+            configure_logging("info", "json")
+        assert structlog.get_config()["cache_logger_on_first_use"] is False
+    finally:
+        structlog.reset_defaults()
