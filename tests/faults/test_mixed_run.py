@@ -144,10 +144,12 @@ def test_mixed_items_with_chaos_and_kill_9_end_exactly_once(
         assert sources == {"conversation_archive"}, (key, sources)
         assert key in failures
     assert fig.by_outcome.get("saved", 0) > 500, fig
-    cut_off = primary_chaos.injected.get("truncated", 0)
+    cut_off = sum(c.injected.get("truncated", 0) for c in (primary_chaos, fallback_chaos))
     assert cut_off > 0, primary_chaos.injected
     asked_shorter = log.read_text().count('"llm_reply_truncated"')
-    assert asked_shorter > 0, "no reply cut off at max_tokens was asked again for a shorter one"
+    # Every cut-off first reply is asked again; a cut-off repair reply (the second) and one in
+    # flight at a kill are not, and those are the few.
+    assert cut_off // 2 <= asked_shorter <= cut_off, (cut_off, asked_shorter)
     memories = db.execute("SELECT count(*) FROM memories").fetchone()
     report(
         "mixed_1000_chaos_kill9x2",
