@@ -122,7 +122,6 @@ class _Backend:
                 name=config.name,
                 timeout=config.timeout,
                 api_key=key,
-                max_connections=2,  # one call at a time per thread, plus a spare
                 verify=tls_verification(
                     name=config.name, ca_file=config.ca_file, tls_verify=config.tls_verify
                 ),

@@ -72,7 +72,6 @@ class HttpEmbedder:
                 name="embeddings",
                 timeout=timeout,
                 api_key=api_key,
-                max_connections=2,  # one call at a time per thread, plus a spare
                 verify=tls_verification(name="embeddings", ca_file=ca_file, tls_verify=tls_verify),
             )
         )

@@ -1,0 +1,229 @@
+"""The http.client transport behaves as httpx's own: the same tests run against both.
+
+A raw HTTP/1.1 server on 127.0.0.1 answers by path, so each test can state what the peer
+does: keep the connection, close it, hang, cut a body short, compress, chunk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from sokratos_worker.llm.http import environment_proxies, make_client
+from sokratos_worker.llm.transport import StdlibTransport
+
+TRANSPORTS: dict[str, Callable[[], httpx.BaseTransport]] = {
+    "stdlib": StdlibTransport,
+    "httpx-default": httpx.HTTPTransport,
+}
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        self.server.connections += 1
+        sock: socket.socket = self.request
+        reader = sock.makefile("rb")
+        sock.settimeout(self.server.idle_timeout)
+        while True:
+            try:
+                line = reader.readline()
+            except (TimeoutError, OSError):
+                return  # idle too long: close, as servers with a keep-alive timeout do
+            if not line:
+                return
+            path = line.split()[1].decode()
+            length = 0
+            while (header := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = header.decode().partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            body = reader.read(length) if length else b""
+            if not self._answer(sock, path, body):
+                return
+
+    def _answer(self, sock: socket.socket, path: str, body: bytes) -> bool:
+        """Reply for ``path``; False closes the connection."""
+        if path == "/hang":
+            threading.Event().wait(5)
+            return False
+        if path == "/drop":
+            sock.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"cut')
+            return False
+        if path == "/gzip":
+            data = gzip.compress(b'{"ok": true}')
+            head = f"Content-Encoding: gzip\r\nContent-Length: {len(data)}\r\n"
+            sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + data)
+            return True
+        if path == "/chunked":
+            sock.sendall(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b'6\r\n{"ok":\r\n6\r\n true}\r\n0\r\n\r\n'
+            )
+            return True
+        if path == "/status/503":
+            sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+            return True
+        closing = path == "/close"
+        data = json.dumps({"path": path, "echo": body.decode()}).encode()
+        head = f"Content-Length: {len(data)}\r\n" + ("Connection: close\r\n" if closing else "")
+        sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + data)
+        return not closing
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, idle_timeout: float) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.idle_timeout = idle_timeout
+        self.connections = 0
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+def _serve(idle_timeout: float) -> Iterator[_Server]:
+    server = _Server(idle_timeout)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    yield from _serve(idle_timeout=10.0)
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def client(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
+    with httpx.Client(transport=TRANSPORTS[request.param](), timeout=2.0) as http:
+        yield http
+
+
+def test_keeps_the_connection_alive_between_calls(client: httpx.Client, server: _Server) -> None:
+    for n in range(5):
+        reply = client.post(f"{server.url}/echo", json={"n": n})
+        assert reply.status_code == 200
+        assert json.loads(reply.json()["echo"]) == {"n": n}
+    assert server.connections == 1
+
+
+def test_connection_close_from_the_server_is_honoured(
+    client: httpx.Client, server: _Server
+) -> None:
+    for _ in range(3):
+        assert client.get(f"{server.url}/close").status_code == 200
+    assert server.connections == 3
+
+
+def test_an_idle_connection_the_server_closed_is_not_reused(client: httpx.Client) -> None:
+    for server in _serve(idle_timeout=0.05):
+        assert client.get(f"{server.url}/one").status_code == 200
+        threading.Event().wait(0.5)  # the server closes the idle connection meanwhile
+        assert client.get(f"{server.url}/two").json()["path"] == "/two"
+        assert server.connections == 2
+
+
+def test_a_server_that_never_answers_is_a_read_timeout(
+    client: httpx.Client, server: _Server
+) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        client.get(f"{server.url}/hang", timeout=0.3)
+
+
+def test_nothing_listening_is_a_connect_error(client: httpx.Client) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+        with pytest.raises(httpx.ConnectError):
+            client.get(f"http://127.0.0.1:{port}/")
+
+
+def test_a_body_cut_short_is_a_protocol_error(client: httpx.Client, server: _Server) -> None:
+    with pytest.raises(httpx.RemoteProtocolError):
+        client.get(f"{server.url}/drop")
+    assert client.get(f"{server.url}/after").status_code == 200  # and the client goes on
+
+
+@pytest.mark.parametrize("path", ["/gzip", "/chunked"])
+def test_compressed_and_chunked_bodies_are_decoded(
+    client: httpx.Client, server: _Server, path: str
+) -> None:
+    assert client.get(f"{server.url}{path}").json() == {"ok": True}
+
+
+def test_error_statuses_are_returned_not_raised(client: httpx.Client, server: _Server) -> None:
+    reply = client.get(f"{server.url}/status/503")
+    assert (reply.status_code, reply.text, reply.reason_phrase) == (
+        503,
+        "busy",
+        "Service Unavailable",
+    )
+
+
+def test_headers_reach_the_server_once(client: httpx.Client, server: _Server) -> None:
+    reply = client.post(f"{server.url}/echo", content=b"x" * 70_000)
+    assert reply.json()["echo"] == "x" * 70_000
+
+
+def test_one_client_is_safe_to_share_between_threads(client: httpx.Client, server: _Server) -> None:
+    errors: list[BaseException] = []
+    seen: list[int] = []
+
+    def calls(worker: int) -> None:
+        try:
+            for n in range(25):
+                reply = client.post(f"{server.url}/echo", json={"w": worker, "n": n})
+                echoed = json.loads(reply.json()["echo"])
+                assert echoed == {"w": worker, "n": n}
+                seen.append(worker)
+        except BaseException as exc:  # reported below: a thread's assertion is not a failure
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(w,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert len(seen) == 150
+
+
+def test_a_proxy_from_the_environment_is_still_honoured(
+    server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    assert environment_proxies()
+    with make_client(name="proxied", timeout=2.0) as client:
+        reply = client.get("http://backend.invalid/v1/models")
+    assert reply.json()["path"] == "http://backend.invalid/v1/models"  # absolute form: a proxy
+
+
+def test_without_a_proxy_the_backend_is_called_directly(
+    server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("all_proxy", raising=False)
+    assert not environment_proxies()
+    with make_client(name="direct", timeout=2.0) as client:
+        assert client.get(f"{server.url}/v1/models").json()["path"] == "/v1/models"
