@@ -38,10 +38,13 @@ def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
     if sock is None:
         return True
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        if not hasattr(select, "poll"):  # Windows; poll has no FD_SETSIZE limit elsewhere
+            return bool(select.select([sock], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class StdlibTransport(httpx.BaseTransport):
@@ -149,6 +152,8 @@ class StdlibTransport(httpx.BaseTransport):
             conn.endheaders(request.read() or None)
         except TimeoutError as exc:
             raise httpx.WriteTimeout("sending the request timed out") from exc
+        except (http.client.HTTPException, ValueError) as exc:  # a header http.client refuses
+            raise httpx.LocalProtocolError(f"cannot send the request: {exc}") from exc
         except OSError as exc:
             raise httpx.WriteError(f"sending the request failed: {exc}") from exc
 

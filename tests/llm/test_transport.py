@@ -227,3 +227,11 @@ def test_without_a_proxy_the_backend_is_called_directly(
     assert not environment_proxies()
     with make_client(name="direct", timeout=2.0) as client:
         assert client.get(f"{server.url}/v1/models").json()["path"] == "/v1/models"
+
+
+def test_a_header_that_cannot_be_sent_is_a_local_protocol_error(
+    client: httpx.Client, server: _Server
+) -> None:
+    with pytest.raises(httpx.LocalProtocolError):
+        client.get(f"{server.url}/echo", headers={"X-Split": "one\r\nInjected: two"})
+    assert client.get(f"{server.url}/after").status_code == 200
