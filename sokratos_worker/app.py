@@ -80,7 +80,9 @@ def run_worker(
     """``run`` and ``run --once``."""
     if migrate:
         apply_migrations(conninfo)
-    database = Database(conninfo, size=settings.concurrency + 4)
+    # What a full drain uses (slots, dispatcher, lease renewer) is opened at start: a pool
+    # grows one connection at a time, so 20 slots settling at once waited for each other.
+    database = Database(conninfo, size=settings.concurrency + 4, keep_open=settings.concurrency + 2)
     try:
         _check_embedding_column(settings, database)
         with backends(settings) as (effective, chat, embedder):

@@ -57,11 +57,17 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
         return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=int(timeout))
 
 
-def make_pool(conninfo: str, *, size: int, name: str = "sokratos-worker") -> ConnectionPool:
-    """A pool whose connections are probed before use and replaced when broken."""
+def make_pool(
+    conninfo: str, *, size: int, keep_open: int = 1, name: str = "sokratos-worker"
+) -> ConnectionPool:
+    """A pool whose connections are probed before use and replaced when broken.
+
+    ``keep_open`` connections are opened at start (in the background) and kept; the pool
+    grows beyond them one connection at a time, on demand, up to ``size``.
+    """
     return ConnectionPool(
         conninfo,
-        min_size=1,
+        min_size=max(1, min(keep_open, size)),
         max_size=max(1, size),
         kwargs={"autocommit": True, "connect_timeout": 10},
         check=ConnectionPool.check_connection,
@@ -113,9 +119,9 @@ def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2
 class Database:
     """The process's connection pool; ``connection()`` lends one autocommit connection."""
 
-    def __init__(self, conninfo: str, *, size: int) -> None:
+    def __init__(self, conninfo: str, *, size: int, keep_open: int = 1) -> None:
         self.conninfo = conninfo
-        self.pool = make_pool(conninfo, size=size)
+        self.pool = make_pool(conninfo, size=size, keep_open=keep_open)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:

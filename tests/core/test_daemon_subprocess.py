@@ -101,6 +101,26 @@ def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(
     assert elapsed < 2.0, f"took {elapsed:.2f}s: the NOTIFY wake-up did not work"
 
 
+def test_an_idle_daemon_holds_a_connection_per_slot_and_its_listener(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    env = daemon_env(database_url, tmp_path, SOKRATOS_CONCURRENCY="5")
+    proc = start_daemon(env, tmp_path / "daemon.log")
+    others = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    try:
+        # 5 slots + dispatcher + lease renewer opened at start, at most 2 more on demand
+        # (start-up's own queries), + the LISTEN connection.
+        assert wait_until(lambda: count(db, others) >= 5 + 2 + 1, timeout=30), count(db, others)
+        time.sleep(1.0)  # idle: nothing closes them
+        assert 5 + 2 + 1 <= count(db, others) <= 5 + 4 + 1
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
 def test_postgres_restart_under_a_running_daemon(
     db: psycopg.Connection,
     database_url: str,
