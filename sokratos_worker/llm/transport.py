@@ -143,7 +143,7 @@ class StdlibTransport(httpx.BaseTransport):
         conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
     ) -> None:
         assert conn.sock is not None  # noqa: S101 - checked out connected
-        conn.sock.settimeout(timeout)
+        _set_timeout(conn.sock, timeout)
         target = request.url.raw_path.decode("ascii")
         try:
             conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
@@ -162,7 +162,7 @@ class StdlibTransport(httpx.BaseTransport):
         conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
     ) -> _Received:
         assert conn.sock is not None  # noqa: S101 - still connected after the send
-        conn.sock.settimeout(timeout)
+        _set_timeout(conn.sock, timeout)
         try:
             response = conn.getresponse()
             return _Received(response, response.read())
@@ -189,6 +189,12 @@ class _Received:
 
     def getheaders(self) -> list[tuple[str, str]]:
         return self._headers
+
+
+def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    # settimeout is a system call that lets go of the GIL: only when the value changes.
+    if sock.gettimeout() != timeout:
+        sock.settimeout(timeout)
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int]:
