@@ -7,7 +7,9 @@ Everything above the transport (timeouts, headers, JSON, content decoding, proxi
 from the environment, the exceptions callers catch) is still httpx's.
 
 Connections are kept alive and reused; an idle one the server has closed is noticed
-before it is reused (as httpcore does), so a request is never sent twice.
+before it is reused, so a request is never sent twice; and an answer the server sent
+before it stopped reading the body (a 413) is returned, not a write error. Both as
+httpcore does; tests/llm/test_transport.py runs the same tests against both.
 """
 
 from __future__ import annotations
@@ -63,8 +65,7 @@ class StdlibTransport(httpx.BaseTransport):
         key = _origin(request.url)
         conn = self._checkout(key, timeouts.get("connect"))
         try:
-            self._send(conn, request, timeouts.get("write"))
-            response = self._receive(conn, request, timeouts.get("read"))
+            response = self._exchange(conn, request, timeouts)
         except BaseException:
             conn.close()
             raise
@@ -137,6 +138,23 @@ class StdlibTransport(httpx.BaseTransport):
         return conn
 
     # -- one exchange ------------------------------------------------------------------
+
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        request: httpx.Request,
+        timeouts: dict[str, float | None],
+    ) -> _Received:
+        try:
+            self._send(conn, request, timeouts.get("write"))
+        except httpx.WriteError as unsent:
+            # A server may answer before reading the whole body (a 413 for a prompt too
+            # large) and close: that answer is the one to act on, as httpcore does.
+            try:
+                return self._receive(conn, request, timeouts.get("read"))
+            except httpx.HTTPError:
+                raise unsent from None
+        return self._receive(conn, request, timeouts.get("read"))
 
     @staticmethod
     def _send(

@@ -46,6 +46,14 @@ class _Handler(socketserver.BaseRequestHandler):
                 name, _, value = header.decode().partition(":")
                 if name.lower() == "content-length":
                     length = int(value)
+            if path == "/early-413":  # answers without reading the body, then closes
+                sock.sendall(
+                    b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n"
+                    b"Connection: close\r\n\r\ntoo long"
+                )
+                threading.Event().wait(0.3)
+                reader.close()  # with the body unread, the close resets the connection
+                return
             body = reader.read(length) if length else b""
             if not self._answer(sock, path, body):
                 return
@@ -235,3 +243,11 @@ def test_a_header_that_cannot_be_sent_is_a_local_protocol_error(
     with pytest.raises(httpx.LocalProtocolError):
         client.get(f"{server.url}/echo", headers={"X-Split": "one\r\nInjected: two"})
     assert client.get(f"{server.url}/after").status_code == 200
+
+
+def test_an_answer_sent_before_the_body_was_read_is_returned(
+    client: httpx.Client, server: _Server
+) -> None:
+    # nginx's client_max_body_size, for one: the 413 says "shorten the prompt".
+    reply = client.post(f"{server.url}/early-413", content=b"x" * 20_000_000)
+    assert (reply.status_code, reply.text) == (413, "too long")
