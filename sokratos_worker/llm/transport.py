@@ -167,7 +167,9 @@ class StdlibTransport(httpx.BaseTransport):
             conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
             for name, value in request.headers.raw:
                 conn.putheader(name, value)
-            conn.endheaders(request.read() or None)
+            # httpx announces a body of unknown length as chunked; http.client encodes it.
+            chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
+            conn.endheaders(request.read() or None, encode_chunked=chunked)
         except TimeoutError as exc:
             raise httpx.WriteTimeout("sending the request timed out") from exc
         except (http.client.HTTPException, ValueError) as exc:  # a header http.client refuses

@@ -12,6 +12,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -41,11 +42,12 @@ class _Handler(socketserver.BaseRequestHandler):
             if not line:
                 return
             path = line.split()[1].decode()
-            length = 0
+            length, chunked = 0, False
             while (header := reader.readline()) not in (b"\r\n", b""):
                 name, _, value = header.decode().partition(":")
                 if name.lower() == "content-length":
                     length = int(value)
+                chunked |= name.lower() == "transfer-encoding" and "chunked" in value.lower()
             if path == "/early-413":  # answers without reading the body, then closes
                 sock.sendall(
                     b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n"
@@ -54,7 +56,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 threading.Event().wait(0.3)
                 reader.close()  # with the body unread, the close resets the connection
                 return
-            body = reader.read(length) if length else b""
+            body = _read_chunks(reader) if chunked else reader.read(length) if length else b""
             if not self._answer(sock, path, body):
                 return
 
@@ -85,6 +87,15 @@ class _Handler(socketserver.BaseRequestHandler):
         head = f"Content-Length: {len(data)}\r\n" + ("Connection: close\r\n" if closing else "")
         sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + data)
         return not closing
+
+
+def _read_chunks(reader: Any) -> bytes:
+    body = b""
+    while size := int(reader.readline().split(b";")[0], 16):
+        body += reader.read(size)
+        reader.readline()  # the CRLF after each chunk
+    reader.readline()  # the CRLF after the last, empty chunk
+    return body
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -251,3 +262,10 @@ def test_an_answer_sent_before_the_body_was_read_is_returned(
     # nginx's client_max_body_size, for one: the 413 says "shorten the prompt".
     reply = client.post(f"{server.url}/early-413", content=b"x" * 20_000_000)
     assert (reply.status_code, reply.text) == (413, "too long")
+
+
+def test_a_body_of_unknown_length_is_sent_chunked(client: httpx.Client, server: _Server) -> None:
+    parts = iter([b"one ", b"two ", b"three"])
+    reply = client.post(f"{server.url}/echo", content=parts)
+    assert reply.json()["echo"] == "one two three"
+    assert client.get(f"{server.url}/after").status_code == 200  # the connection is still sound
