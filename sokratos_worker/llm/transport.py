@@ -69,7 +69,7 @@ class StdlibTransport(httpx.BaseTransport):
         except BaseException:
             conn.close()
             raise
-        if response.will_close:
+        if response.will_close or not response.body_sent:
             conn.close()
         else:
             self._checkin(key, conn)
@@ -96,16 +96,17 @@ class StdlibTransport(httpx.BaseTransport):
     def _checkout(
         self, key: tuple[str, str, int], connect_timeout: float | None
     ) -> http.client.HTTPConnection:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("Cannot send a request, as the client has been closed.")
-            idle = self._idle.get(key, [])
-            while idle:
-                conn = idle.pop()
-                if not _closed_by_peer(conn):
-                    return conn
-                conn.close()
-        return self._connect(key, connect_timeout)
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("Cannot send a request, as the client has been closed.")
+                idle = self._idle.get(key)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                return self._connect(key, connect_timeout)
+            if not _closed_by_peer(conn):
+                return conn
+            conn.close()
 
     def _checkin(self, key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -129,8 +130,9 @@ class StdlibTransport(httpx.BaseTransport):
         try:
             conn.connect()
         except TimeoutError as exc:
+            conn.close()
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
-        except (OSError, ssl.SSLError) as exc:
+        except OSError as exc:  # refused, unreachable, a certificate refused (ssl.SSLError)
             conn.close()
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         assert conn.sock is not None  # noqa: S101 - connect() succeeded
@@ -151,9 +153,11 @@ class StdlibTransport(httpx.BaseTransport):
             # A server may answer before reading the whole body (a 413 for a prompt too
             # large) and close: that answer is the one to act on, as httpcore does.
             try:
-                return self._receive(conn, request, timeouts.get("read"))
+                answer = self._receive(conn, request, timeouts.get("read"))
             except httpx.HTTPError:
                 raise unsent from None
+            answer.body_sent = False  # the rest of the body would garble the next request
+            return answer
         return self._receive(conn, request, timeouts.get("read"))
 
     @staticmethod
@@ -204,6 +208,7 @@ class _Received:
         self.status = response.status
         self.reason = response.reason or ""
         self.will_close = bool(response.will_close)
+        self.body_sent = True
         self.content = content
         self._headers = response.getheaders()
 
