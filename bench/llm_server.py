@@ -157,8 +157,8 @@ async def _serve(routes: dict[str, Any], latency: float) -> None:
                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
                 )
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client went away, or the server is stopping with the connection open
         finally:
             writer.close()
 

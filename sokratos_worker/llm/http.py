@@ -103,7 +103,7 @@ def make_client(
     """A thread-safe client; ``verify`` (from :func:`tls_verification`) or else
     ``ca_file``/``tls_verify`` say how the server's certificate is checked.
 
-    Requests go through :class:`StdlibTransport` (a third of httpx's own CPU per call),
+    Requests go through :class:`StdlibTransport` (less CPU per call than httpx's own),
     keeping ``keep_alive`` idle connections; with a proxy in the environment they go
     through httpx's transport, the one that honours it.
     """
