@@ -2,8 +2,8 @@
 
     python3 -m bench.http_client [--calls N]
 
-For bare ``http.client``, ``httpx.Client`` on its own transport, ``httpx.Client`` on
-sokratos-worker's ``StdlibTransport``, and the worker's ``FallbackChatClient``:
+For bare ``http.client``, ``httpx.Client`` on its own transport and on sokratos-worker's
+``StdlibTransport``, the worker's ``CookielessClient`` on it, and ``FallbackChatClient``:
 
 - CPU per call: one thread, sequential calls to a server that answers at once;
 - rate: 20 threads against the 50 ms server (the W2 shape, no queue; ideal 400/s).
@@ -39,6 +39,7 @@ from bench.run import RESULTS, llm_server, machine  # noqa: E402
 from bench.workers import _chat_body  # noqa: E402
 from sokratos_worker.config import BackendConfig  # noqa: E402
 from sokratos_worker.llm.chat import FallbackChatClient  # noqa: E402
+from sokratos_worker.llm.http import CookielessClient  # noqa: E402
 from sokratos_worker.llm.transport import StdlibTransport  # noqa: E402
 from sokratos_worker.logs import configure_logging  # noqa: E402
 
@@ -62,9 +63,11 @@ def _raw(url: str) -> Call:
     return call
 
 
-def _httpx(transport: Callable[[], httpx.BaseTransport] | None) -> Callable[[str], Call]:
+def _httpx(
+    transport: Callable[[], httpx.BaseTransport] | None, client_class: type[httpx.Client]
+) -> Callable[[str], Call]:
     def make(url: str) -> Call:
-        client = httpx.Client(transport=transport() if transport is not None else None)
+        client = client_class(transport=transport() if transport is not None else None)
         target = httpx.URL(f"{url}/chat/completions")
         return lambda: client.post(target, json=_chat_body("ping")).json()
 
@@ -83,8 +86,9 @@ def _fallback(url: str) -> Call:
 
 CLIENTS: dict[str, Callable[[str], Call]] = {
     "http.client (bare)": _raw,
-    "httpx, its own transport": _httpx(None),
-    "httpx, StdlibTransport": _httpx(StdlibTransport),
+    "httpx.Client, its own transport": _httpx(None, httpx.Client),
+    "httpx.Client, StdlibTransport": _httpx(StdlibTransport, httpx.Client),
+    "CookielessClient, StdlibTransport": _httpx(StdlibTransport, CookielessClient),
     "FallbackChatClient": _fallback,
 }
 

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 import httpx
 import structlog
@@ -114,12 +115,41 @@ def make_client(
     transport = (
         None if environment_proxies() else StdlibTransport(verify=verify, max_idle=keep_alive)
     )
-    return httpx.Client(
+    return CookielessClient(
         timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
         verify=verify,
         headers=headers,
         transport=transport,
     )
+
+
+class _NoCookies(httpx.Cookies):
+    """A jar that keeps nothing a response sets."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        """Keep nothing (httpx calls this for every response)."""
+
+
+class CookielessClient(httpx.Client):
+    """An ``httpx.Client`` that neither keeps nor sends cookies.
+
+    An LLM API authenticates with its key, not a session; a cookie a load balancer sets
+    would otherwise be kept per slot thread and sent back. Parsing every response for
+    cookies also cost about a tenth of a call's CPU (``python3 -m bench.http_client``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._jar = _NoCookies()
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        """Always empty."""
+        return self._jar
+
+    @cookies.setter
+    def cookies(self, cookies: object) -> None:
+        raise AttributeError("a CookielessClient keeps no cookies")
 
 
 def environment_proxies() -> bool:
@@ -166,8 +196,10 @@ class ClientPerThread:
 
 __all__ = [
     "ClientPerThread",
+    "CookielessClient",
     "Verdict",
     "classify",
+    "environment_proxies",
     "excerpt",
     "make_client",
     "retry_after_seconds",

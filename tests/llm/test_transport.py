@@ -42,9 +42,10 @@ class _Handler(socketserver.BaseRequestHandler):
             if not line:
                 return
             path = line.split()[1].decode()
-            length, chunked = 0, False
+            length, chunked, cookie = 0, False, None
             while (header := reader.readline()) not in (b"\r\n", b""):
                 name, _, value = header.decode().partition(":")
+                cookie = value.strip() if name.lower() == "cookie" else cookie
                 if name.lower() == "content-length":
                     length = int(value)
                 chunked |= name.lower() == "transfer-encoding" and "chunked" in value.lower()
@@ -57,10 +58,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 reader.close()  # with the body unread, the close resets the connection
                 return
             body = _read_chunks(reader) if chunked else reader.read(length) if length else b""
-            if not self._answer(sock, path, body):
+            if not self._answer(sock, path, body, cookie):
                 return
 
-    def _answer(self, sock: socket.socket, path: str, body: bytes) -> bool:
+    def _answer(self, sock: socket.socket, path: str, body: bytes, cookie: str | None) -> bool:
         """Reply for ``path``; False closes the connection."""
         if path == "/hang":
             threading.Event().wait(5)
@@ -83,8 +84,10 @@ class _Handler(socketserver.BaseRequestHandler):
             sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
             return True
         closing = path == "/close"
-        data = json.dumps({"path": path, "echo": body.decode()}).encode()
+        data = json.dumps({"path": path, "echo": body.decode(), "cookie": cookie}).encode()
         head = f"Content-Length: {len(data)}\r\n" + ("Connection: close\r\n" if closing else "")
+        if path == "/set-cookie":
+            head += "Set-Cookie: session=abc; Path=/\r\n"
         sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + data)
         return not closing
 
@@ -269,3 +272,13 @@ def test_a_body_of_unknown_length_is_sent_chunked(client: httpx.Client, server: 
     reply = client.post(f"{server.url}/echo", content=parts)
     assert reply.json()["echo"] == "one two three"
     assert client.get(f"{server.url}/after").status_code == 200  # the connection is still sound
+
+
+def test_the_worker_client_keeps_no_cookies(server: _Server) -> None:
+    with httpx.Client(trust_env=False) as plain:  # httpx's default, for contrast
+        plain.get(f"{server.url}/set-cookie")
+        assert plain.get(f"{server.url}/echo").json()["cookie"] == "session=abc"
+    with make_client(name="api", timeout=2.0) as client:
+        assert client.get(f"{server.url}/set-cookie").status_code == 200
+        assert client.get(f"{server.url}/echo").json()["cookie"] is None
+        assert len(client.cookies) == 0
