@@ -69,6 +69,7 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     drop: bool = False
+    close: bool = False  # answer, then close without "Connection: close" (a dropping proxy)
 
     @classmethod
     def chat(
@@ -407,6 +408,8 @@ def _make_handler(owner: ScriptedLLM) -> type[BaseHTTPRequestHandler]:
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(payload)
+            if reply.close:
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:
             """Silence the per-request stderr line."""

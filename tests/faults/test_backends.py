@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -334,3 +335,46 @@ def _drain_with_embedder(
         finally:
             assert stop(proc) == 0, tail(log)
     return finished, log
+
+
+@pytest.mark.timeout(180)
+def test_a_backend_that_closes_every_connection_after_answering(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A proxy in front of the model and the embedder that closes each kept-alive connection
+    right after its answer, without saying so: every next request needs a new connection,
+    which the client notices before sending (no request lost, no attempt used)."""
+    keys = [enqueue_triage(db, exchange(f"tokclose{i}", save=True)) for i in range(8)]
+    keys.append(enqueue_distillation(db, messages_archive("tokclosearchive1")))
+
+    def closing(responder: Responder) -> Responder:
+        return lambda request: dataclasses.replace(responder(request), close=True)
+
+    log = tmp_path / "worker.log"
+    embed = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
+    with ScriptedLLM(chat=closing(answer)) as server, ScriptedLLM() as embedder:
+        embedder.on(EMBEDDINGS, closing(embed))
+        env = pipeline_env(
+            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+        )
+        proc = start_worker(env, log)
+        try:
+            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=90)
+        finally:
+            assert stop(proc) == 0, tail(log)
+        requests = server.count() + embedder.count(EMBEDDINGS)
+    assert finished, tail(log, 1500)
+    fig = assert_exactly_once(db, keys)
+    assert fig.by_outcome == {"saved": len(keys)}, fig
+    assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
+    calls_failed = log.read_text().count('"llm_call_failed"')
+    # Without the check before reuse, every reused connection fails once (8 here); a server
+    # thread descheduled between its answer and its close can still win a rare race.
+    assert calls_failed <= 2, tail(log, 1500)
+    report(
+        "backend_closes_every_connection",
+        fig,
+        None,
+        requests=requests,
+        calls_failed_and_retried=calls_failed,
+    )
