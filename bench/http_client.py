@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import http.client
 import json
 import os
@@ -74,13 +75,24 @@ def _httpx(
     return make
 
 
-def _fallback(url: str) -> Call:
+@functools.cache
+def _shared_fallback_client(url: str) -> FallbackChatClient:
+    # One client for every thread, as the worker has (it keeps an httpx client per thread).
     backend = BackendConfig.model_validate(
         {"name": "bench", "url": url, "model": "scripted", "max_concurrency": 20}
     )
-    client = FallbackChatClient([backend])
+    return FallbackChatClient([backend])
+
+
+def fallback_call(url: str) -> Call:
+    """A call through sokratos-worker's chat client, as the W2 handler makes it."""
+    client = _shared_fallback_client(url)
     return lambda: client.complete(
-        response_model=Pong, system="s", user="ping", max_tokens=16, purpose="bench"
+        response_model=Pong,
+        system="Answer with a JSON object.",
+        user="ping",
+        max_tokens=16,
+        purpose="bench",
     )
 
 
@@ -89,7 +101,7 @@ CLIENTS: dict[str, Callable[[str], Call]] = {
     "httpx.Client, its own transport": _httpx(None, httpx.Client),
     "httpx.Client, StdlibTransport": _httpx(StdlibTransport, httpx.Client),
     "CookielessClient, StdlibTransport": _httpx(StdlibTransport, CookielessClient),
-    "FallbackChatClient": _fallback,
+    "FallbackChatClient": fallback_call,
 }
 
 
@@ -104,6 +116,7 @@ def cpu_per_call_ms(make: Callable[[str], Call], url: str, calls: int) -> float:
 
 
 def rate(make: Callable[[str], Call], url: str, calls: int, threads: int = 20) -> float:
+    """``calls`` calls from ``threads`` threads, each with its own ``make(url)``."""
     todo = list(range(calls))
     ready = threading.Barrier(threads + 1)
 

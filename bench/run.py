@@ -386,50 +386,16 @@ def llm_client_ceiling(url: str, n: int, concurrency: int = 20) -> float:
     the worker renders them (JSON) and thrown away, so W2's rate against this one is what the
     queue itself costs.
     """
-    import threading
-
     import structlog
-    from pydantic import BaseModel
 
-    from sokratos_worker.config import BackendConfig
-    from sokratos_worker.llm.chat import FallbackChatClient
+    from bench.http_client import fallback_call, rate
     from sokratos_worker.logs import configure_logging
-
-    class Pong(BaseModel):
-        ok: bool
-
-    client = FallbackChatClient([BackendConfig.model_validate(
-        {"name": "bench", "url": url, "model": "scripted", "max_concurrency": concurrency})])
-    todo = list(range(n))
-    ready = threading.Barrier(concurrency + 1)
-
-    def call() -> None:
-        client.complete(response_model=Pong, system="Answer with a JSON object.",
-                        user="ping", max_tokens=16, purpose="bench")
-
-    def one() -> None:
-        call()  # connect before the clock starts, as the worker's slots have
-        ready.wait()
-        while True:
-            try:
-                todo.pop()
-            except IndexError:
-                return
-            call()
 
     with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
         configure_logging("info", "json")
-        threads = [threading.Thread(target=one) for _ in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        ready.wait()
-        started = time.monotonic()
-        for thread in threads:
-            thread.join()
-        rate = n / (time.monotonic() - started)
+        result = rate(fallback_call, url, n, concurrency)
     structlog.reset_defaults()
-    client.close()
-    return rate
+    return result
 
 
 def llm_stats(url: str) -> dict[str, int]:
