@@ -98,23 +98,19 @@ def make_client(
     api_key: str | None = None,
     ca_file: str | None = None,
     tls_verify: bool = True,
-    keep_alive: int = 2,
     verify: ssl.SSLContext | bool | None = None,
 ) -> httpx.Client:
     """A thread-safe client; ``verify`` (from :func:`tls_verification`) or else
     ``ca_file``/``tls_verify`` say how the server's certificate is checked.
 
-    Requests go through :class:`StdlibTransport` (less CPU per call than httpx's own),
-    keeping ``keep_alive`` idle connections; with a proxy in the environment they go
-    through httpx's transport, the one that honours it.
+    Requests go through :class:`StdlibTransport` (less CPU per call than httpx's own); with
+    a proxy in the environment they go through httpx's transport, the one that honours it.
     """
     if verify is None:
         verify = tls_verification(name=name, ca_file=ca_file, tls_verify=tls_verify)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # httpx honours proxies from the environment only with its own transport.
-    transport = (
-        None if environment_proxies() else StdlibTransport(verify=verify, max_idle=keep_alive)
-    )
+    transport = None if environment_proxies() else StdlibTransport(verify=verify)
     return CookielessClient(
         timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
         verify=verify,

@@ -27,12 +27,7 @@ import httpx
 def _ssl_context(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
     if isinstance(verify, ssl.SSLContext):
         return verify
-    if verify:
-        return httpx.create_ssl_context()
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    return context
+    return httpx.create_ssl_context(verify=verify)  # False: no verification, as httpx does
 
 
 def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
@@ -41,9 +36,7 @@ def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
     if sock is None:
         return True
     try:
-        if not hasattr(select, "poll"):  # Windows; poll has no FD_SETSIZE limit elsewhere
-            return bool(select.select([sock], [], [], 0)[0])
-        poller = select.poll()
+        poller = select.poll()  # not select(): no FD_SETSIZE limit
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
     except (OSError, ValueError):
@@ -76,7 +69,7 @@ class StdlibTransport(httpx.BaseTransport):
             self._checkin(key, conn)
         return httpx.Response(
             status_code=response.status,
-            headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.getheaders()],
+            headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
             stream=httpx.ByteStream(response.content),
             extensions={
                 "http_version": b"HTTP/1.1",
@@ -211,10 +204,7 @@ class _Received:
         self.will_close = bool(response.will_close)
         self.body_sent = True
         self.content = content
-        self._headers = response.getheaders()
-
-    def getheaders(self) -> list[tuple[str, str]]:
-        return self._headers
+        self.headers = response.getheaders()
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
