@@ -200,7 +200,7 @@ def test_error_statuses_are_returned_not_raised(client: httpx.Client, server: _S
     )
 
 
-def test_headers_reach_the_server_once(client: httpx.Client, server: _Server) -> None:
+def test_a_large_body_arrives_whole(client: httpx.Client, server: _Server) -> None:
     reply = client.post(f"{server.url}/echo", content=b"x" * 70_000)
     assert reply.json()["echo"] == "x" * 70_000
 
