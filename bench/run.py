@@ -1,6 +1,6 @@
 """sokratos-worker against procrastinate 3.10 and pgqueuer 1.6, one command, one PostgreSQL.
 
-    python3 bench/run.py [--quick] [--rounds N] [--database-url URL]
+    python3 bench/run.py [--quick] [--rounds N] [--database-url URL] [--wait-quiet RATE]
 
 Writes bench/results/latest.json, latest.md and dated copies. See bench/README.md.
 """
@@ -62,6 +62,8 @@ class Config:
     cost_items: tuple[int, int]
     pgbench_seconds: int
     logdir: Path
+    wait_quiet: float = 0.0  # pgbench 1-client commits/s to wait for before the run (0: don't)
+    wait_max_s: float = 1800.0
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -297,7 +299,9 @@ def rss_growth(system: Sokratos, cfg: Config) -> dict[str, Any]:
 # -- pgbench ----------------------------------------------------------------------------------
 
 
-def pgbench(server_uri: str, cfg: Config) -> dict[str, Any]:
+def pgbench(
+    server_uri: str, cfg: Config, clients_list: tuple[int, ...] = (1, 4, 10)
+) -> dict[str, Any]:
     """Commit ceiling: one single-row INSERT per transaction, 1/4/10 clients."""
     exe = shutil.which("pgbench") or "/usr/bin/pgbench"
     dbname = "bench_pgbench"
@@ -314,7 +318,7 @@ def pgbench(server_uri: str, cfg: Config) -> dict[str, Any]:
     if info.get("password"):
         env["PGPASSWORD"] = str(info["password"])
     out: dict[str, Any] = {}
-    for clients in (1, 4, 10):
+    for clients in clients_list:
         cmd = [exe, "-n", "-f", str(script), "-c", str(clients), "-j", str(min(clients, 2)),
                "-T", str(cfg.pgbench_seconds), "-d", dbname]
         for key, flag in (("host", "-h"), ("port", "-p"), ("user", "-U")):
@@ -326,6 +330,40 @@ def pgbench(server_uri: str, cfg: Config) -> dict[str, Any]:
         out[str(clients)] = float(match.group(1)) if match else float("nan")
         if not match:
             print(run.stdout, run.stderr, file=sys.stderr)
+    return out
+
+
+def wait_quiet(server_uri: str, cfg: Config, target: float, max_wait_s: float) -> list[float]:
+    """Read pgbench's 1-client rate each minute until it reaches ``target`` or time runs out.
+
+    The machines these runs share change speed by a factor of two over a morning; starting
+    when the server commits as fast as in an earlier run makes the two runs comparable.
+    """
+    readings: list[float] = []
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        rate = pgbench(server_uri, cfg, (1,))["1"]
+        readings.append(rate)
+        quiet = rate >= target
+        print(f"  1 client: {rate:,.0f} commits/s ({'quiet enough' if quiet else 'busy'},"
+              f" waiting for {target:,.0f})", flush=True)
+        if quiet or time.monotonic() + 60 > deadline:
+            return readings
+        time.sleep(60)
+
+
+def commit_ceiling(server_uri: str, cfg: Config) -> dict[str, Any]:
+    """pgbench's 1/4/10-client rates, after waiting for a quiet machine if asked to."""
+    out: dict[str, Any] = {}
+    if cfg.wait_quiet:
+        print(f"waiting up to {cfg.wait_max_s / 60:g} min for a quiet machine …", flush=True)
+        out["quiet_wait"] = {
+            "target": cfg.wait_quiet,
+            "readings": wait_quiet(server_uri, cfg, cfg.wait_quiet, cfg.wait_max_s),
+        }
+    print("pgbench commit ceiling …", flush=True)
+    out["pgbench_tps"] = pgbench(server_uri, cfg)
+    print(f"  {out['pgbench_tps']}", flush=True)
     return out
 
 
@@ -484,9 +522,7 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
         for s in (sok, proc_, pgq10):
             s.create()
             s.close()
-        print("pgbench commit ceiling …", flush=True)
-        results["pgbench_tps"] = pgbench(server_uri, cfg)
-        print(f"  {results['pgbench_tps']}", flush=True)
+        results.update(commit_ceiling(server_uri, cfg))
 
         baselines = {}
         for s in (sok, proc_, pgq10):
@@ -545,6 +581,9 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
 
         results["rss"] = rss_growth(sok, cfg) if want("rss") else {}
         print(f"RSS: {results['rss']}", flush=True)
+        # Read again at the end: a machine that slowed down during the run shows here.
+        results["pgbench_after_tps"] = pgbench(server_uri, cfg, (1,))
+        print(f"pgbench after the run: {results['pgbench_after_tps']}", flush=True)
     results["duration_s"] = round(time.monotonic() - started, 1)
     return results
 
@@ -623,6 +662,23 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
             "w2": w2_table, "w3": w3_table, "goals": goals}
 
 
+def _machine_speed(res: dict[str, Any]) -> list[str]:
+    """How fast the shared machine was before and after the run (1-client pgbench)."""
+    lines = []
+    wait = res.get("quiet_wait")
+    if wait:
+        readings = ", ".join(f"{r:,.0f}" for r in wait["readings"])
+        reached = wait["readings"][-1] >= wait["target"]
+        lines.append(f"Started after waiting for a 1-client rate of {wait['target']:,.0f} "
+                     f"commits/s (readings a minute apart: {readings}; "
+                     f"{'reached' if reached else 'not reached: the run went ahead'}).")
+    after = res.get("pgbench_after_tps", {}).get("1")
+    if after is not None:
+        lines.append(f"1 client again after the run: {after:,.0f} commits/s "
+                     f"({after / res['pgbench_tps']['1'] - 1:+.0%} against the start).")
+    return [" ".join(lines), ""] if lines else []
+
+
 def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
     m = res["machine"]
     pg = res["postgres"]
@@ -643,6 +699,7 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
         "| commits/s | " + " | ".join(f"{res['pgbench_tps'][c]:,.0f}" for c in ("1", "4", "10"))
         + " |",
         "",
+        *_machine_speed(res),
         f"## W1 queue overhead ({res['config']['w1_items']:,} items, zero-work handler, "
         "concurrency 10; median [min-max] over rounds)",
         "",
@@ -719,6 +776,12 @@ def main(argv: list[str] | None = None) -> int:
                         " pgbench and the idle baselines always run)")
     parser.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL"),
                         help="a PostgreSQL server URI (default: an embedded one)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="COMMITS_PER_S",
+                        help="before the run, wait until pgbench's 1-client rate reaches this"
+                        " (on a shared machine: the rate of the run to compare with)")
+    parser.add_argument("--wait-max", type=float, default=30.0, metavar="MINUTES",
+                        help="give up waiting for a quiet machine after this (default 30);"
+                        " the run goes ahead and records the readings")
     args = parser.parse_args(argv)
     logdir = Path(tempfile.mkdtemp(prefix="sokratos-bench-logs-"))
     if args.quick:
@@ -726,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = Config(False, args.rounds or 5, 5000, 1000, 1000, 15.0, 20.0, (1000, 10000), 5,
                      logdir)
+    cfg.wait_quiet, cfg.wait_max_s = args.wait_quiet, args.wait_max * 60
     print(f"worker logs in {logdir}", flush=True)
     only = {w for w in args.only.split(",") if w}
     results = run(cfg, args.database_url, only)
