@@ -333,7 +333,7 @@ def pgbench(
     return out
 
 
-def wait_quiet(server_uri: str, cfg: Config, target: float, max_wait_s: float) -> list[float]:
+def wait_quiet(server_uri: str, cfg: Config, target: float, max_wait_s: float) -> dict[str, Any]:
     """Read pgbench's 1-client rate each minute until two readings in a row reach ``target``.
 
     The machines these runs share change speed by a factor of two over a morning; starting
@@ -349,7 +349,7 @@ def wait_quiet(server_uri: str, cfg: Config, target: float, max_wait_s: float) -
         print(f"  1 client: {rate:,.0f} commits/s ({'quiet' if quiet else 'waiting'} for"
               f" two readings of {target:,.0f})", flush=True)
         if quiet or time.monotonic() + 60 > deadline:
-            return readings
+            return {"target": target, "readings": readings, "reached": quiet}
         time.sleep(60)
 
 
@@ -359,13 +359,8 @@ def commit_ceiling(server_uri: str, cfg: Config) -> dict[str, Any]:
     if cfg.wait_quiet:
         print(f"waiting up to {cfg.wait_max_s / 60:g} min for a quiet machine …", flush=True)
         started = time.monotonic()
-        readings = wait_quiet(server_uri, cfg, cfg.wait_quiet, cfg.wait_max_s)
-        out["quiet_wait"] = {
-            "target": cfg.wait_quiet,
-            "readings": readings,
-            "reached": len(readings) >= 2 and min(readings[-2:]) >= cfg.wait_quiet,
-            "waited_s": round(time.monotonic() - started, 1),
-        }
+        out["quiet_wait"] = wait_quiet(server_uri, cfg, cfg.wait_quiet, cfg.wait_max_s)
+        out["quiet_wait"]["waited_s"] = round(time.monotonic() - started, 1)
     print("pgbench commit ceiling …", flush=True)
     out["pgbench_tps"] = pgbench(server_uri, cfg)
     print(f"  {out['pgbench_tps']}", flush=True)
