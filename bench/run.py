@@ -302,7 +302,7 @@ def rss_growth(system: Sokratos, cfg: Config) -> dict[str, Any]:
 def pgbench(
     server_uri: str, cfg: Config, clients_list: tuple[int, ...] = (1, 4, 10)
 ) -> dict[str, Any]:
-    """Commit ceiling: one single-row INSERT per transaction, 1/4/10 clients."""
+    """Commit ceiling: one single-row INSERT per transaction, per number of clients."""
     exe = shutil.which("pgbench") or "/usr/bin/pgbench"
     dbname = "bench_pgbench"
     with psycopg.connect(server_uri, autocommit=True) as conn:
@@ -337,8 +337,8 @@ def wait_quiet(server_uri: str, cfg: Config, target: float, max_wait_s: float) -
     """Read pgbench's 1-client rate each minute until two readings in a row reach ``target``.
 
     The machines these runs share change speed by a factor of two over a morning; starting
-    when the server commits as fast as in an earlier run makes the two runs comparable (one
-    fast reading alone was often a lull of a minute).
+    when the server commits as fast as in an earlier run makes the two runs comparable (a
+    single fast reading was usually followed by a slow one).
     """
     readings: list[float] = []
     deadline = time.monotonic() + max_wait_s
