@@ -33,6 +33,12 @@ T = TypeVar("T")
 
 WORKER_DIED = "worker died during the last attempt"
 
+# How an attempt ended when it did not end the item (besides the outcomes of Outcome):
+RETRY = "retry"  # failed, scheduled again after a backoff
+RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
+LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
+ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
+
 # A busy slot keeps its pooled connection from one settle to the next (the pool's check
 # costs a round trip per checkout); one idle longer than this is checked out afresh.
 STICKY_IDLE_S = 2.0
@@ -138,6 +144,7 @@ class Runner:
         self.request_stop()
         deadline = time.monotonic() + grace_s
         while self.inflight_count() and time.monotonic() < deadline:
+            self._progress()  # items finishing within the grace is progress too
             time.sleep(0.05)
         leftovers = self._take_inflight()
         released = self._release(leftovers)
@@ -149,6 +156,11 @@ class Runner:
         """Items claimed and not yet settled by this process."""
         with self._lock:
             return len(self._inflight)
+
+    def inflight_by_queue(self) -> Counter[Queue]:
+        """Items claimed and not yet settled by this process, per queue."""
+        with self._lock:
+            return Counter(queue for queue, _ in self._inflight)
 
     def take_stats(self) -> Stats:
         """The counts since the last call (for ``tick_finished``)."""
@@ -360,18 +372,16 @@ class Runner:
                 raise problem
             effects = handler.handle(item)
         except Exception as exc:
-            self._settle_failure(item, exc, handler, bound)
-            self._finished(item, started, "failed")
+            self._finished(item, started, self._fail(item, exc, handler, bound))
             return None
         try:
-            next_item = self._settle_success(item, effects, bound, started)
+            next_item, kind = self._settle_success(item, effects, bound, started)
         except Exception as exc:
             # A write the database refuses (constraint, range, dimension) is a failed attempt;
             # it used to kill the slot thread and leave the item leased and renewed forever.
-            self._settle_failure(item, exc, handler, bound)
-            self._finished(item, started, "failed")
+            self._finished(item, started, self._fail(item, exc, handler, bound))
             return None
-        self._finished(item, started, effects.outcome.value)
+        self._finished(item, started, kind)
         return next_item
 
     def _finished(self, item: Item, started: float, kind: str) -> None:
@@ -380,7 +390,8 @@ class Runner:
 
     def _settle_success(
         self, item: Item, effects: Effects, bound: structlog.BoundLogger, started: float
-    ) -> Item | None:
+    ) -> tuple[Item | None, str]:
+        """Returns the next item claimed with the settle, and how the attempt ended."""
         want_next = not (self._stop_claiming.is_set() or self._paused())
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
@@ -395,7 +406,7 @@ class Runner:
 
         done = self._with_database(item, settle, bound)
         if done is None:
-            return None
+            return None, ABANDONED
         result, next_items = done
         if result.settled:
             with self._lock:
@@ -414,17 +425,39 @@ class Runner:
         for next_item in next_items:  # tracked first, so in-flight never reads 0 in between
             self._track(next_item)
         self._untrack(item)
-        return next_items[0] if next_items else None
+        kind = effects.outcome.value if result.settled else LEASE_LOST
+        return (next_items[0] if next_items else None), kind
+
+    def _fail(
+        self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
+    ) -> str:
+        """Settle a failed attempt; a settle the database refuses must not kill the slot."""
+        try:
+            return self._settle_failure(item, exc, handler, bound)
+        except Exception as settle_exc:
+            bound.error(
+                "settle_failed",
+                error=describe(settle_exc),
+                item_error=describe(exc),
+                hint="the item stays leased until its lease expires, then runs again"
+                " (this attempt counts); fix the database error above",
+            )
+            self._untrack(item)  # not renewed: the lease runs out and the item is retried
+            return ABANDONED
 
     def _settle_failure(
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
-    ) -> None:
+    ) -> str:
+        """Retry, give back or dead-letter the item; returns how the attempt ended."""
+        kind = ABANDONED  # unless a settle below lands
         decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
         backend = getattr(exc, "backend", None)
         if decision.step is Step.GIVE_BACK:
-            self._with_database(
+            given = self._with_database(
                 item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
             )
+            if given is not None:
+                kind = RELEASED if given else LEASE_LOST
             with self._lock:
                 self._stats.add(item.queue, "given_back")
             bound.warning("attempt_given_back", reason=decision.reason)
@@ -446,31 +479,22 @@ class Runner:
                 bound,
             )
             if ok:
+                kind = RETRY
                 with self._lock:
                     self._stats.add(item.queue, "retried")
                 bound.warning(
                     "item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1)
                 )
             elif ok is False:
+                kind = LEASE_LOST
                 self._report_fenced(item, bound)
         else:
             memories = (
                 () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
             )
-            result = self._with_database(
-                item,
-                lambda c: store.dead_letter(
-                    c,
-                    item,
-                    owner=self.worker_id,
-                    error=decision.reason,
-                    backend=backend,
-                    memories=memories,
-                ),
-                bound,
-            )
+            result = self._dead_letter(item, decision.reason, backend, memories, bound)
             if result is not None and result.settled:
-                kind = Outcome.ARCHIVED.value if memories else Outcome.FAILED.value
+                kind = Outcome.ARCHIVED.value if result.memory_ids else Outcome.FAILED.value
                 with self._lock:
                     self._stats.add(item.queue, kind)
                 bound.error(
@@ -482,8 +506,49 @@ class Runner:
                     hint="see 'sokratos-worker failed list'; replay with 'failed retry ID'",
                 )
             elif result is not None:
+                kind = LEASE_LOST
                 self._report_fenced(item, bound)
         self._untrack(item)
+        return kind
+
+    def _dead_letter(
+        self,
+        item: Item,
+        error: str,
+        backend: str | None,
+        memories: tuple[NewMemory, ...],
+        bound: structlog.BoundLogger,
+    ) -> SettleResult | None:
+        """failed_operations + outcome + delete; without the archive if it is refused."""
+
+        def write(with_memories: tuple[NewMemory, ...]) -> SettleResult | None:
+            return self._with_database(
+                item,
+                lambda c: store.dead_letter(
+                    c,
+                    item,
+                    owner=self.worker_id,
+                    error=error,
+                    backend=backend,
+                    memories=with_memories,
+                ),
+                bound,
+            )
+
+        if not memories:
+            return write(())
+        try:
+            return write(memories)
+        except Exception as exc:
+            # The payload in failed_operations still keeps the conversation: never lose it
+            # because its raw-archive memory cannot be written (constraint, no embedding).
+            bound.error(
+                "archive_memory_refused",
+                error=describe(exc),
+                hint="the item goes to failed_operations without its raw-archive memory;"
+                " replay it with 'sokratos-worker failed retry ID' once the cause is fixed",
+            )
+            return write(())
 
     @staticmethod
     def _archive(
@@ -551,6 +616,8 @@ class Runner:
                             log.warning("lease_lost", queue=q.value, item_id=lost)
             except DatabaseUnavailable as exc:
                 log.warning("lease_renewal_failed", error=str(exc))
+            except Exception as exc:  # a timeout or a read-only server must not end renewals
+                log.error("lease_renewal_failed", error=describe(exc), retry_in_s=interval)
 
     def _release(self, items: list[Item]) -> int:
         released = 0

@@ -1,0 +1,128 @@
+"""When settling a failure fails too: the slot survives, nothing is lost, metrics say what happened."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+from sokratos_worker.config import Settings
+from sokratos_worker.model import Queue
+from sokratos_worker.runner import Runner
+from sokratos_worker.store.connection import Database
+from tests.support.db import count, enqueue_many, outcomes
+from tests.support.handlers import ScriptedHandler
+
+
+def _runner(database: Database, done: list[tuple[str, str]], **overrides: object) -> Runner:
+    values: dict[str, object] = {
+        "concurrency": 2,
+        "retry_base": 0.01,
+        "retry_max": 0.02,
+        "lease": 30,
+        "shutdown_grace": 5,
+    }
+    values.update(overrides)
+    handler = ScriptedHandler()
+    return Runner(
+        settings=Settings(**values),  # type: ignore[arg-type]
+        database=database,
+        handlers={Queue.TRIAGE: handler, Queue.DISTILLATION: handler},
+        worker_id="test",
+        on_item_done=lambda q, kind, _s: done.append((q.value, kind)),
+    )
+
+
+def _drain(runner: Runner) -> None:
+    runner.start(drain_only=True)
+    assert runner.wait_drained(60), "the drain did not end: a slot thread died?"
+    runner.shutdown(1)
+
+
+def test_refused_archive_memory_still_dead_letters_with_the_payload(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # A memories constraint refuses the raw archive (as a Sokratos database without an
+    # embedding for it would): the conversation must still reach failed_operations.
+    db.execute("ALTER TABLE memories ADD CONSTRAINT no_raw CHECK (summary <> 'raw archive')")
+    ids = enqueue_many(db, 2, behaviour="fail", queue="pending_distillation")
+    done: list[tuple[str, str]] = []
+    database = Database(database_url, size=4)
+    _drain(_runner(database, done, max_attempts=1))
+    database.close()
+    assert set(outcomes(db, "pending_distillation")) == set(ids)
+    assert set(outcomes(db, "pending_distillation").values()) == {"failed"}
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    assert count(db, "SELECT count(*) FROM memories") == 0
+    texts = db.execute(
+        "SELECT context_data->'payload'->>'archive_text' FROM failed_operations ORDER BY 1"
+    ).fetchall()
+    assert [t[0] for t in texts] == ["archive 0", "archive 1"]
+    assert sorted(done) == [("pending_distillation", "failed")] * 2
+
+
+def test_a_dead_letter_the_database_refuses_leaves_the_slot_working(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # failed_operations refuses every row: the failing item cannot be settled, but the slot
+    # thread lives on, the other items are done, and the item waits for its lease to expire.
+    db.execute("ALTER TABLE failed_operations ADD CONSTRAINT never CHECK (false)")
+    bad = enqueue_many(db, 1, behaviour="invalid", prefix="bad")
+    good = enqueue_many(db, 6, prefix="good")
+    done: list[tuple[str, str]] = []
+    database = Database(database_url, size=4)
+    runner = _runner(database, done, concurrency=1)
+    _drain(runner)
+    database.close()
+    got = outcomes(db)
+    assert {got[i] for i in good} == {"saved"} and bad[0] not in got
+    row = db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone()
+    assert row == (1, "test")  # leased until it expires; then it runs again
+    assert runner.inflight_count() == 0  # not renewed forever
+    assert ("pending_triage", "abandoned") in done
+
+
+def test_attempts_that_do_not_end_the_item_are_counted_as_such(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    enqueue_many(db, 1, behaviour="fail_once")
+    done: list[tuple[str, str]] = []
+    database = Database(database_url, size=4)
+    for _ in range(20):  # the retry backs off 10-20 ms: drain as successive ticks would
+        _drain(_runner(database, done))
+        if not count(db, "SELECT count(*) FROM pending_triage"):
+            break
+        time.sleep(0.05)
+    database.close()
+    assert done == [("pending_triage", "retry"), ("pending_triage", "saved")]
+
+
+def test_lease_renewals_survive_a_database_error(db: psycopg.Connection, database_url: str) -> None:
+    # A renewal that hits lock_timeout (not a dropped connection) used to end the renewer
+    # thread: every later long item would then lose its lease while still running.
+    enqueue_many(db, 1, behaviour="sleep:4")
+    done: list[tuple[str, str]] = []
+    conninfo = psycopg.conninfo.make_conninfo(database_url, options="-c lock_timeout=200ms")
+    database = Database(conninfo, size=4)
+    runner = _runner(database, done, lease=1.5)
+    runner.start(drain_only=True)
+    deadline = time.monotonic() + 10
+    while not count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner = 'test'"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with db.transaction():  # hold the row past two renewals (every 0.5 s)
+        db.execute("SELECT 1 FROM pending_triage FOR UPDATE").fetchall()
+        time.sleep(1.2)
+    time.sleep(1.0)
+    renewer_alive = [t.is_alive() for t in runner._threads if t.name == "lease-renewer"]
+    in_flight = runner.inflight_by_queue()  # what the sokratos_items_in_flight gauge shows
+    lease_left = db.execute(
+        "SELECT extract(epoch FROM lease_expires_at - now()) FROM pending_triage"
+    ).fetchone()
+    assert runner.wait_drained(30)
+    runner.shutdown(1)
+    database.close()
+    assert renewer_alive == [True]
+    assert in_flight == {Queue.TRIAGE: 1}
+    assert lease_left is not None and lease_left[0] > 0  # renewed again after the error
+    assert set(outcomes(db).values()) == {"saved"}
