@@ -27,6 +27,7 @@ from sokratos_worker import __version__
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
+from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.sdnotify import Notifier
@@ -37,6 +38,10 @@ from sokratos_worker.store.connection import Database, connect
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
 
 log = structlog.get_logger(__name__)
+
+# The dispatcher's longest legitimate pause: a health probe of every backend (15 s each)
+# while claiming is paused. Past this it is hung, and the watchdog pings stop.
+DISPATCHER_STALL_S = 120.0
 
 EXIT_OK = 0
 EXIT_SOFTWARE = 1
@@ -61,6 +66,8 @@ class Worker:
     metrics: Metrics = field(default_factory=Metrics)
     runner: Runner = field(init=False)
     _last_watchdog: float = 0.0
+    _last_progress: float = field(default_factory=time.monotonic)
+    _stall_reported: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _signals: int = 0
 
@@ -71,7 +78,7 @@ class Worker:
             handlers=self.handlers,
             worker_id=self.worker_id,
             on_state=self._on_state,
-            on_progress=self._watchdog,
+            on_progress=self._progressed,
             on_item_done=lambda q, kind, secs: self.metrics.item_settled(q.value, kind, secs),
         )
 
@@ -87,6 +94,13 @@ class Worker:
         self.runner.wake(notified=False)
         self._record_heartbeat()
         self._report(imported or 0)
+        if self.runner.state == State.RUNNING:  # other states say why on their own
+            self.notifier.status(self._running_status())
+
+    def _running_status(self) -> str:
+        queues = ", ".join(q.value for q in self.runner.queues) or "none (no backend configured)"
+        busy = f"{self.runner.inflight_count()} of {self.settings.concurrency} items in flight"
+        return f"{State.RUNNING}: {busy}; queues {queues}"
 
     def check_email(self) -> None:
         """Check every due account; one broken account never stops the others."""
@@ -198,9 +212,27 @@ class Worker:
         else:
             log.info("worker_state", state=state)
 
+    def _progressed(self) -> None:
+        """The dispatcher's loop came round (it does at least every second while it works)."""
+        self._last_progress = time.monotonic()
+        self._stall_reported = False
+        self._watchdog()
+
     def _watchdog(self) -> None:
-        interval = self.notifier.watchdog_interval()
+        """``WATCHDOG=1`` only while the dispatcher proves progress, so a hung one is restarted."""
         now = time.monotonic()
+        stalled_s = now - self._last_progress
+        if stalled_s > DISPATCHER_STALL_S:
+            if not self._stall_reported:
+                self._stall_reported = True
+                log.error(
+                    "dispatcher_stalled",
+                    stalled_s=round(stalled_s),
+                    hint="no more WATCHDOG=1: systemd restarts the worker and faulthandler"
+                    " writes every thread's stack to the journal",
+                )
+            return
+        interval = self.notifier.watchdog_interval()
         if interval is not None and now - self._last_watchdog >= interval / 2:
             self.notifier.watchdog()
             self._last_watchdog = now
@@ -243,8 +275,7 @@ class Worker:
         gc.freeze()
         self.runner.start()
         self.tick(email=False)
-        queues = ", ".join(q.value for q in self.runner.queues) or "none (no backend configured)"
-        self.notifier.ready(f"{State.RUNNING}: queues {queues}")
+        self.notifier.ready(self._running_status())
         log.info(
             "worker_started",
             worker_id=self.worker_id,
@@ -325,6 +356,9 @@ class Worker:
         return self.runner.state != State.WAITING_FOR_DATABASE
 
     def _refresh_metrics(self, metrics: Metrics) -> None:
+        in_flight = self.runner.inflight_by_queue()
+        for queue in Queue:
+            metrics.set_in_flight(queue.value, in_flight.get(queue, 0))
         try:
             with self.database.connection() as conn:
                 metrics.set_queues(status_store.queue_stats(conn))
