@@ -477,14 +477,22 @@ def enqueue(
     idempotency_key: str | None = None,
     source: str | None = None,
 ) -> int:
-    """Add an item through ``sokratos_enqueue`` (validation, idempotency, NOTIFY)."""
-    if source is None:
-        source = "distillation" if queue is Queue.DISTILLATION else "conversation"
+    """Add an item through the producers' functions (validation, idempotency, NOTIFY).
+
+    Only ``sokratos_enqueue_triage`` / ``sokratos_enqueue_distillation`` are granted to the
+    producer role (sql/roles.sql), so the client works under that role as well.
+    """
+    value = Jsonb(payload, dumps=_dumps)
     try:
-        row = conn.execute(
-            "SELECT sokratos_enqueue(%s, %s, %s, %s)",
-            (queue.value, Jsonb(payload, dumps=_dumps), idempotency_key, source),
-        ).fetchone()
+        if queue is Queue.TRIAGE:
+            row = conn.execute(
+                "SELECT sokratos_enqueue_triage(%s, %s::text, %s::text)",
+                (value, idempotency_key, source or "conversation"),
+            ).fetchone()
+        else:
+            row = conn.execute(
+                "SELECT sokratos_enqueue_distillation(%s, %s::text)", (value, idempotency_key)
+            ).fetchone()
     except psycopg.errors.InvalidParameterValue as exc:
         message = exc.diag.message_primary or str(exc)
         field, _, problem = message.partition(" ")
