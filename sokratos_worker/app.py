@@ -8,12 +8,12 @@ from typing import Any
 
 import structlog
 
-from sokratos_worker.config import ConfigError, Settings
+from sokratos_worker.config import Settings, unknown_variables
 from sokratos_worker.daemon import EXIT_OK, Worker, build_worker
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
+from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
-from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations
 
@@ -53,20 +53,11 @@ def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any]]:
             local.stop()
 
 
-def _check_embedding_column(settings: Settings, database: Database) -> None:
+def _check_schema(settings: Settings, database: Database) -> None:
     with database.connection() as conn:
-        fixed = status_store.database_has_fixed_embedding(conn)
-    if fixed is not None and not settings.embeddings_enabled:
-        raise ConfigError(
-            "SOKRATOS_EMBEDDING_URL",
-            "is required: this database's memories.embedding is NOT NULL (a Sokratos"
-            " database), so memories cannot be saved without an embedding model",
-        )
-    if fixed and settings.embedding_dim and fixed != settings.embedding_dim:
-        raise ConfigError(
-            "SOKRATOS_EMBEDDING_DIM",
-            f"is {settings.embedding_dim} but memories.embedding is vector({fixed})",
-        )
+        problems = schema_problems(settings, conn)
+    if problems:
+        raise problems[0]
 
 
 def run_worker(
@@ -78,13 +69,20 @@ def run_worker(
     migrate: bool,
 ) -> int:
     """``run`` and ``run --once``."""
+    unknown = unknown_variables()
+    if unknown:
+        log.warning(
+            "unknown_variables_ignored",
+            variables=unknown,
+            hint="a typo? every variable is listed in deploy/sokratos-worker.env.example",
+        )
     if migrate:
         apply_migrations(conninfo)
     # What a full drain uses (slots, dispatcher, lease renewer) is opened at start: a pool
     # grows one connection at a time, so 20 slots settling at once waited for each other.
     database = Database(conninfo, size=settings.concurrency + 4, keep_open=settings.concurrency + 2)
     try:
-        _check_embedding_column(settings, database)
+        _check_schema(settings, database)
         with backends(settings) as (effective, chat, embedder):
             metrics = Metrics()
             observed = ObservedChat(chat, metrics) if chat is not None else None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sokratos_worker.config import Settings
+from sokratos_worker.config import Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import CheckLine
+from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.store.connection import connect
 
 
@@ -12,7 +13,17 @@ def run_checks(settings: Settings) -> list[CheckLine]:
     """One line per check, in the order an operator would fix them."""
     from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
 
-    lines = [CheckLine("configuration", True, "valid")]
+    unknown = unknown_variables()
+    lines = [
+        CheckLine("configuration", True, "valid")
+        if not unknown
+        else CheckLine(
+            "configuration",
+            False,
+            f"unknown variables ignored: {', '.join(unknown)} (a typo? every variable is"
+            " listed in deploy/sokratos-worker.env.example)",
+        )
+    ]
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             version = conn.execute("SHOW server_version").fetchone()
@@ -28,9 +39,20 @@ def run_checks(settings: Settings) -> list[CheckLine]:
                     vector is not None,
                     f"version {vector[0]}"
                     if vector
-                    else "extension not installed: run 'sokratos-worker migrate' as a superuser",
+                    else "extension not installed: a superuser runs 'CREATE EXTENSION vector;'"
+                    " in this database (docs/production.md), then 'sokratos-worker migrate'",
                 )
             )
+            if vector is not None:
+                problems = schema_problems(settings, conn)
+                lines.append(
+                    CheckLine(
+                        "schema",
+                        not problems,
+                        "; ".join(str(p) for p in problems)
+                        or "migrations applied, fits the embedding configuration",
+                    )
+                )
     except DatabaseUnavailable as exc:
         lines.append(CheckLine("database", False, f"{exc}; check SOKRATOS_DATABASE_URL"))
     if not settings.llm_backends and not settings.local_model:

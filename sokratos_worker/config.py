@@ -237,7 +237,7 @@ class Settings(BaseSettings):
     retry_max: PositiveDuration = 1800.0
     lease: PositiveDuration = 300.0
     concurrency: int = Field(default=4, ge=1, le=256)
-    shutdown_grace: Duration = 30.0
+    shutdown_grace: PositiveDuration = 30.0
     llm_backends: list[BackendConfig] = Field(default_factory=list)
     embedding_url: str | None = None
     embedding_model: str | None = None
@@ -254,6 +254,12 @@ class Settings(BaseSettings):
     processed_emails_ttl_days: int = Field(default=90, ge=1)
     # Set by the template unit sokratos-worker@.service; part of the worker id.
     worker_instance: str | None = None
+
+    @field_validator("database_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # `SOKRATOS_DATABASE_URL=` in an env file means "not set" (embedded), not "libpq defaults".
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -355,9 +361,11 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
             message = "is required"
         variable = _variable_for(error["loc"])
         if variable == "configuration" and message.startswith(ENV_PREFIX):
-            variable, _, message = message.partition(": ")
-            if not message:
-                variable, message = "configuration", variable
+            # A cross-field check names its variable first: "SOKRATOS_X must …", "SOKRATOS_X: …".
+            head, sep, rest = message.partition(": ")
+            if not sep or " " in head:
+                head, _, rest = message.partition(" ")
+            variable, message = head, rest
         raise ConfigError(variable, message) from None
     except SettingsError as exc:
         raise ConfigError(_settings_error_variable(str(exc)), _settings_error_reason(exc)) from None
@@ -365,6 +373,18 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         if environ is not None:
             os.environ.clear()
             os.environ.update(saved)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``SOKRATOS_*`` names no setting reads: most likely typos, which would be ignored."""
+    known = {"SOKRATOS_TEST_DATABASE_URL", "SOKRATOS_TEST_PGDATA_BASE"}  # the test suite's
+    for field_name in Settings.model_fields:
+        for name in _variable_names(field_name):
+            known |= {name, name + "_FILE"}
+    env = os.environ if environ is None else environ
+    return sorted(
+        name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in known
+    )
 
 
 def _settings_error_variable(text: str) -> str:

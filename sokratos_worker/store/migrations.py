@@ -92,6 +92,15 @@ def apply_migrations(conninfo: str) -> list[str]:
     return applied
 
 
+def pending_migrations(conn: psycopg.Connection) -> list[str]:
+    """The migrations this version has that the database has not recorded, in order."""
+    table = conn.execute("SELECT to_regclass('sokratos_worker_migrations')").fetchone()
+    done: set[int] = set()
+    if table is not None and table[0] is not None:
+        done = {row[0] for row in conn.execute("SELECT version FROM sokratos_worker_migrations")}
+    return [m.name for m in load_migrations() if m.version not in done]
+
+
 def _apply_one(conn: psycopg.Connection, migration: Migration) -> None:
     try:
         with conn.transaction():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sokratos_worker.config import ConfigError, load_settings, parse_duration
+from sokratos_worker.config import ConfigError, load_settings, parse_duration, unknown_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,6 +94,17 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
             "password",
         ),
         ({"SOKRATOS_LOG_LEVEL": "loud"}, "SOKRATOS_LOG_LEVEL", "debug"),
+        ({"SOKRATOS_SHUTDOWN_GRACE": "0"}, "SOKRATOS_SHUTDOWN_GRACE", "greater than 0"),
+        (
+            {"SOKRATOS_RETRY_BASE": "5m", "SOKRATOS_RETRY_MAX": "1m"},
+            "SOKRATOS_RETRY_MAX",
+            "smaller than SOKRATOS_RETRY_BASE",
+        ),
+        (
+            {"SOKRATOS_EMBEDDING_URL": "http://127.0.0.1:1/v1"},
+            "SOKRATOS_EMBEDDING_URL",
+            "needs SOKRATOS_EMBEDDING_MODEL",
+        ),
         (
             {"SOKRATOS_DATABASE_URL_FILE": "/nonexistent/x"},
             "SOKRATOS_DATABASE_URL_FILE",
@@ -123,3 +134,19 @@ def test_invalid_configuration_exits_78_in_one_line_without_traceback() -> None:
     assert proc.returncode == 78
     assert proc.stderr.strip().count("\n") == 0
     assert "SOKRATOS_LEASE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_empty_database_url_means_the_embedded_server() -> None:
+    assert load_settings({"SOKRATOS_DATABASE_URL": ""}).uses_embedded_postgres
+    assert load_settings({"DATABASE_URL": "  "}).uses_embedded_postgres
+
+
+def test_unknown_variables_are_the_names_no_setting_reads() -> None:
+    env = {
+        "SOKRATOS_CONCURENCY": "8",  # a typo
+        "SOKRATOS_LEASE": "5m",
+        "SOKRATOS_DATABASE_URL_FILE": "/run/x",
+        "SOKRATOS_TEST_DATABASE_URL": "postgresql://",
+        "PATH": "/usr/bin",
+    }
+    assert unknown_variables(env) == ["SOKRATOS_CONCURENCY"]

@@ -7,7 +7,7 @@ import threading
 import psycopg
 import pytest
 
-from sokratos_worker.app import _check_embedding_column
+from sokratos_worker.app import _check_schema
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations, load_migrations
@@ -96,17 +96,17 @@ def test_an_existing_sokratos_database_is_adopted(empty_database_url: str) -> No
     database = Database(empty_database_url, size=1)
     try:
         with pytest.raises(ConfigError) as info:
-            _check_embedding_column(Settings(), database)
+            _check_schema(Settings(), database)
         assert info.value.variable == "SOKRATOS_EMBEDDING_URL"
         with pytest.raises(ConfigError) as info:
-            _check_embedding_column(
+            _check_schema(
                 Settings(
                     embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=1024
                 ),
                 database,
             )
         assert info.value.variable == "SOKRATOS_EMBEDDING_DIM"
-        _check_embedding_column(
+        _check_schema(
             Settings(embedding_url="http://127.0.0.1:1", embedding_model="m", embedding_dim=2560),
             database,
         )
