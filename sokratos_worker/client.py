@@ -13,10 +13,9 @@ from typing import Any
 
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
-from sokratos_worker.spool import spool_enqueue
+from sokratos_worker.spool import spool_enqueue, storable_payload
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import connect
-from sokratos_worker.store.sanitize import sanitize_payload
+from sokratos_worker.store.connection import connect, translated
 
 
 @dataclass(frozen=True)
@@ -54,30 +53,45 @@ def enqueue(
 ) -> Enqueued:
     """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead.
 
-    Raises :class:`InvalidPayload` naming the field when the payload is malformed.
+    Raises :class:`InvalidPayload` naming the field when the payload is malformed, and
+    psycopg's own errors for what the database refuses otherwise (missing migrations or
+    privileges).
     """
-    clean, notes = sanitize_payload(payload)
-    if not isinstance(clean, dict):
-        raise InvalidPayload("payload", "must be a JSON object")
-    if notes:
-        clean["_sanitized"] = notes
+    clean = storable_payload(payload)
     try:
-        with connect(conninfo, timeout=5.0) as conn:
+        # A connection lost mid-call counts as unreachable: spooled (without a key, a commit
+        # that did land is then enqueued twice rather than lost).
+        with translated(), connect(conninfo, timeout=5.0) as conn:
             return Enqueued(
                 item_id=store.enqueue(conn, queue, clean, idempotency_key=key, source=source)
             )
     except DatabaseUnavailable:
         if spool_dir is None:
             raise
-        _validate_offline(queue, clean, source)
-        return Enqueued(
-            spooled=spool_enqueue(spool_dir, queue, clean, idempotency_key=key, source=source)
-        )
+        return spool(spool_dir, queue, clean, key=key, source=source)
+
+
+def spool(
+    spool_dir: Path,
+    queue: Queue,
+    payload: dict[str, Any],
+    *,
+    key: str | None = None,
+    source: str | None = None,
+) -> Enqueued:
+    """Write the enqueue to the spool, sanitized and checked as the database would check it."""
+    clean = storable_payload(payload)
+    _validate_offline(queue, clean, source)
+    return Enqueued(
+        spooled=spool_enqueue(spool_dir, queue, clean, idempotency_key=key, source=source)
+    )
 
 
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
     """The same required fields as sokratos_check_payload, so the spool never holds junk."""
     if queue is Queue.TRIAGE:
+        if source not in (None, "conversation", "email"):
+            raise InvalidPayload("source", f"must be conversation or email, not {source}")
         field = "text" if source == "email" else "exchange"
         if not isinstance(payload.get(field), str):
             raise InvalidPayload(f"payload.{field}", "is required and must be a string")

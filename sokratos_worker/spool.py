@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
@@ -21,8 +22,26 @@ from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.failures import record_failure
+from sokratos_worker.store.sanitize import clean_text, sanitize_payload
 
 log = structlog.get_logger(__name__)
+
+# SQLSTATE classes that blame the value sent, not the database: data exceptions (22P05 a NUL
+# in jsonb, 22023 a missing field) and program limits (54000 an oversized jsonb).
+_REFUSED_CONTENT = ("22", "54")
+
+
+def storable_payload(payload: Any) -> dict[str, Any]:
+    """A copy PostgreSQL can store (NUL and lone surrogates escaped, noted in ``_sanitized``).
+
+    Raises :class:`InvalidPayload` for what cannot be stored at all (not an object, NaN...).
+    """
+    clean, notes = sanitize_payload(payload)
+    if not isinstance(clean, dict):
+        raise InvalidPayload("payload", "must be a JSON object")
+    if notes:
+        clean["_sanitized"] = notes
+    return clean
 
 
 def spool_enqueue(
@@ -33,12 +52,16 @@ def spool_enqueue(
     idempotency_key: str | None,
     source: str | None,
 ) -> Path:
-    """Write one enqueue durably; returns the file's path."""
+    """Write one enqueue durably; returns the file's path.
+
+    The payload is sanitized first, so the spool never holds what the import would be refused.
+    """
+    clean = storable_payload(payload)
     spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = idempotency_key or f"spool:{uuid.uuid4()}"
     record = {
         "queue": queue.value,
-        "payload": payload,
+        "payload": clean,
         "idempotency_key": key,
         "source": source,
         "spooled_at": datetime.now(UTC).isoformat(),
@@ -72,22 +95,25 @@ def import_spool(spool_dir: Path, database: Database) -> int:
     for path in sorted(spool_dir.glob("*.json")):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
-            queue = Queue(record["queue"])
-            payload = record["payload"]
-            key = record["idempotency_key"]
-            source = record.get("source")
+            queue, payload, key, source = _parse(record)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             _reject(path, database, f"unreadable spool file: {exc}", None)
             continue
         try:
             with database.connection() as conn:
                 item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
-        except InvalidPayload as exc:
-            _reject(path, database, str(exc), record)
-            continue
         except DatabaseUnavailable:
             log.warning("spool_import_paused", reason="database unavailable", left=str(path))
             break
+        except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
+            # A file refused for what it holds must not hold up the files after it; any other
+            # database error (no migrations, no privilege) blames no file and is raised.
+            if isinstance(exc, psycopg.Error) and not (exc.sqlstate or "").startswith(
+                _REFUSED_CONTENT
+            ):
+                raise
+            _reject(path, database, _refusal(exc), record)
+            continue
         path.unlink()
         imported += 1
         log.info("spool_imported", queue=queue.value, item_id=item_id, path=path.name)
@@ -96,12 +122,54 @@ def import_spool(spool_dir: Path, database: Database) -> int:
     return imported
 
 
+def _parse(record: Any) -> tuple[Queue, Any, str, str | None]:
+    """The fields of a spool record; TypeError/KeyError/ValueError when it is malformed."""
+    queue = Queue(record["queue"])
+    key, source = record["idempotency_key"], record.get("source")
+    if not isinstance(key, str) or not isinstance(source, str | None):
+        raise TypeError("idempotency_key and source must be strings")
+    return queue, record["payload"], key, source
+
+
+def _refusal(exc: Exception) -> str:
+    """Why a file was refused, without the payload excerpt PostgreSQL's CONTEXT line quotes."""
+    if isinstance(exc, psycopg.Error):
+        detail = f": {exc.diag.message_detail}" if exc.diag.message_detail else ""
+        return f"refused by the database ({exc.sqlstate}): {exc.diag.message_primary}{detail}"
+    if isinstance(exc, InvalidPayload):
+        return str(exc)
+    return f"cannot be stored as jsonb: {exc}"
+
+
 def _reject(path: Path, database: Database, error: str, record: Any) -> None:
-    """A spool file that can never be enqueued becomes a failed_operations row."""
-    context = record if record is not None else {"raw": path.read_text("utf-8", "replace")}
+    """A spool file that can never be enqueued becomes a failed_operations row.
+
+    What it held is kept in a form PostgreSQL accepts: the record sanitized, else the raw text.
+    A file this user cannot even read is renamed aside instead of deleted.
+    """
+    context: dict[str, Any] | None = None
+    if isinstance(record, dict):
+        try:
+            context, notes = sanitize_payload(record)
+        except InvalidPayload:
+            pass
+        else:
+            context = {**context, "_sanitized": notes} if notes else context
+    readable = True
+    if context is None:
+        try:
+            context = {"raw": clean_text(path.read_text("utf-8", "replace"))}
+        except OSError as exc:
+            readable, context = False, {"raw": None, "kept_as": f"{path}.unreadable"}
+            error = f"{error} ({exc.strerror})"
     with database.connection() as conn:
-        record_failure(conn, op_type="spool_import", label=path.name, error=error, context=context)
-    path.unlink()
+        record_failure(
+            conn, op_type="spool_import", label=path.name, error=clean_text(error), context=context
+        )
+    if readable:
+        path.unlink()
+    else:
+        path.rename(f"{path}.unreadable")
     log.error("spool_file_rejected", path=path.name, error=error)
 
 

@@ -1,7 +1,8 @@
-"""Producing work from Python as the documented producer role."""
+"""Producing work from Python as the documented producer role, and the spool's own hygiene."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import psycopg
@@ -9,6 +10,9 @@ import pytest
 
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.model import Queue
+from sokratos_worker.spool import import_spool, spool_enqueue
+from sokratos_worker.store.connection import Database
 from tests.support.db import count
 
 ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
@@ -41,3 +45,59 @@ def test_the_producer_role_enqueues_through_the_client(
     assert count(db, "SELECT count(*) FROM pending_distillation WHERE id = %s", archive.item_id)
     with pytest.raises(InvalidPayload, match=r"payload\.messages"):
         enqueue_distillation(producer_url, {"messages": "not a list"})
+
+
+def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    path = spool_enqueue(
+        spool, Queue.TRIAGE, {"exchange": "user: a\x00b"}, idempotency_key="nul", source=None
+    )
+    payload = json.loads(path.read_text("utf-8"))["payload"]
+    assert payload["exchange"] == "user: a\ufffdb" and payload["_sanitized"]
+    with pytest.raises(InvalidPayload, match="finite"):
+        spool_enqueue(
+            spool,
+            Queue.TRIAGE,
+            {"exchange": "x", "n": float("nan")},
+            idempotency_key=None,
+            source=None,
+        )
+    assert len(list(spool.glob("*.json"))) == 1
+
+
+def _write(spool: Path, name: str, text: str) -> None:
+    spool.mkdir(parents=True, exist_ok=True)
+    (spool / name).write_text(text, "utf-8")
+
+
+def test_a_file_postgres_refuses_does_not_block_the_later_ones(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """Files an older version (or a hand) wrote: NUL (22P05) and NaN (not JSON for jsonb)."""
+    spool = tmp_path / "spool"
+
+    def record(key: str, payload: str) -> str:
+        return f'{{"queue": "pending_triage", "idempotency_key": "{key}", "payload": {payload}}}'
+
+    _write(spool, "1-nul.json", record("nul", '{"exchange": "user: a\\u0000b"}'))
+    _write(spool, "2-nan.json", record("nan", '{"exchange": "user: x", "score": NaN}'))
+    _write(spool, "3-raw-nul.json", "not json \x00 at all")
+    _write(spool, "4-ok.json", record("ok", '{"exchange": "user: fine\\nassistant: ok"}'))
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database) == 1
+    finally:
+        database.close()
+    assert not list(spool.glob("*.json"))
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE idempotency_key = 'ok'") == 1
+    rows = db.execute(
+        "SELECT label, error_message, context_data FROM failed_operations"
+        " WHERE op_type = 'spool_import' ORDER BY label"
+    ).fetchall()
+    assert [r[0] for r in rows] == ["1-nul.json", "2-nan.json", "3-raw-nul.json"]
+    nul, nan, raw = (r[2] for r in rows)
+    assert nul["payload"]["exchange"] == "user: a\ufffdb" and nul["idempotency_key"] == "nul"
+    assert nul["_sanitized"]
+    assert "NaN" in nan["raw"] and "not json" in raw["raw"]
+    # Every file is accounted for: one enqueued, three recorded with what they held.
+    assert count(db, "SELECT count(*) FROM pending_triage") + len(rows) == 4
