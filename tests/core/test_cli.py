@@ -186,3 +186,61 @@ def test_check_probes_everything_and_names_what_failed(database_url: str, tmp_pa
     assert any(line.startswith("ok") and "database" in line for line in lines)
     assert any(line.startswith("FAIL") and "gone" in line for line in lines)
     assert "gone" in proc.stderr
+
+
+def test_enqueue_without_migrations_exits_1_naming_migrate(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    env = env_for(empty_database_url, tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
+    assert proc.returncode == 1, proc.stdout
+    assert "sokratos-worker migrate" in proc.stderr and "Traceback" not in proc.stderr
+    assert "spooled" not in proc.stdout and not (tmp_path / "d" / "spool").exists()
+
+
+def test_enqueue_without_the_producer_grant_exits_1_naming_the_role(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    db.execute((ROOT / "sql" / "roles.sql").read_text("utf-8"))
+    db.execute(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'sokratos_test_outsider')"
+        " THEN CREATE ROLE sokratos_test_outsider LOGIN; END IF; END $$"
+    )
+    db.execute("ALTER ROLE sokratos_test_outsider PASSWORD 'test-only-password'")
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    info.update(user="sokratos_test_outsider", password="test-only-password")
+    url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+    env = env_for(url, tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    proc = cli("enqueue", "distillation", "--file", "-", env=env, stdin='{"archive_text": "a"}')
+    if "password authentication failed" in proc.stderr or "no pg_hba.conf" in proc.stderr:
+        pytest.skip("the server refuses other logins")
+    assert proc.returncode == 1, proc.stdout
+    assert "sokratos_producer" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "d" / "spool").exists()
+
+
+def test_enqueue_when_the_embedded_postgres_cannot_start_spools_a_checked_payload(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "postgres").write_text("not a data directory")  # initdb fails at once
+    env = env_for(None, tmp_path, SOKRATOS_DATA_DIR=str(data))
+    bad = cli("enqueue", "distillation", "--file", "-", env=env, stdin='{"messages": 5}')
+    assert bad.returncode == 1 and "payload.messages" in bad.stderr
+    assert not (data / "spool").exists()
+    proc = cli("enqueue", "triage", "--exchange", "-", env=env, stdin="user: a\x00b\nassistant: ok")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(Path(proc.stdout.removeprefix("spooled ").strip()).read_text("utf-8"))
+    assert record["payload"]["exchange"].startswith("user: a\ufffdb")
+    assert record["payload"]["_sanitized"]
+
+
+def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "spool").write_text("a file where the spool directory should be")
+    env = env_for("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_DATA_DIR=str(data))
+    proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "spool cannot be written" in proc.stderr and "nothing was enqueued" in proc.stderr
