@@ -83,6 +83,7 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
     _write(spool, "2-nan.json", record("nan", '{"exchange": "user: x", "score": NaN}'))
     _write(spool, "3-raw-nul.json", "not json \x00 at all")
     _write(spool, "4-ok.json", record("ok", '{"exchange": "user: fine\\nassistant: ok"}'))
+    (spool / "0-unreadable.json").mkdir()  # reading it fails, as a file of another user would
     database = Database(database_url, size=2)
     try:
         assert import_spool(spool, database) == 1
@@ -94,10 +95,16 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
         "SELECT label, error_message, context_data FROM failed_operations"
         " WHERE op_type = 'spool_import' ORDER BY label"
     ).fetchall()
-    assert [r[0] for r in rows] == ["1-nul.json", "2-nan.json", "3-raw-nul.json"]
-    nul, nan, raw = (r[2] for r in rows)
+    assert [r[0] for r in rows] == [
+        "0-unreadable.json",
+        "1-nul.json",
+        "2-nan.json",
+        "3-raw-nul.json",
+    ]
+    unreadable, nul, nan, raw = (r[2] for r in rows)
+    assert unreadable["raw"] is None and (spool / "0-unreadable.json.unreadable").is_dir()
     assert nul["payload"]["exchange"] == "user: a\ufffdb" and nul["idempotency_key"] == "nul"
     assert nul["_sanitized"]
     assert "NaN" in nan["raw"] and "not json" in raw["raw"]
-    # Every file is accounted for: one enqueued, three recorded with what they held.
-    assert count(db, "SELECT count(*) FROM pending_triage") + len(rows) == 4
+    # Every file is accounted for: one enqueued, four recorded (with what they held).
+    assert count(db, "SELECT count(*) FROM pending_triage") + len(rows) == 5
