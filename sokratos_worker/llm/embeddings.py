@@ -20,6 +20,7 @@ import structlog
 from tenacity import (
     Retrying,
     retry_if_exception_type,
+    retry_if_not_exception_type,
     stop_after_attempt,
     wait_exponential,
     wait_random,
@@ -29,6 +30,7 @@ from sokratos_worker.llm.http import ClientPerThread, excerpt, make_client, tls_
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
+    EmbeddingsMisconfigured,
     EmbeddingsUnavailable,
 )
 
@@ -95,7 +97,8 @@ class HttpEmbedder:
         retrying = Retrying(
             stop=stop_after_attempt(attempts or self.attempts),
             wait=wait_exponential(multiplier=self._backoff_base, max=8.0) + wait_random(0, 1),
-            retry=retry_if_exception_type(EmbeddingsUnavailable),
+            retry=retry_if_exception_type(EmbeddingsUnavailable)
+            & retry_if_not_exception_type(EmbeddingsMisconfigured),  # the answer will not change
             sleep=self._sleep,
             reraise=True,
         )
@@ -148,6 +151,13 @@ class HttpEmbedder:
             log.warning("embedding_failed", status=response.status_code, count=len(texts))
             raise EmbeddingsUnavailable(
                 f"embedding server returned {response.status_code}: {body_start}"
+            )
+        if response.status_code in (401, 403, 404):
+            # A rotated key or a model never pulled: every item would fail the same way.
+            log.warning("embedding_failed", status=response.status_code, reason="configuration")
+            raise EmbeddingsMisconfigured(
+                f"embedding server returned {response.status_code}: {body_start}; check"
+                " SOKRATOS_EMBEDDING_URL, SOKRATOS_EMBEDDING_MODEL and the API key"
             )
         if response.status_code != 200:
             log.warning("embedding_failed", status=response.status_code, count=len(texts))

@@ -140,3 +140,7 @@ class EmbeddingDimensionMismatch(EmbeddingFailed):
 
 class EmbeddingsUnavailable(BackendsUnavailable):
     """The embedding server cannot be reached."""
+
+
+class EmbeddingsMisconfigured(EmbeddingsUnavailable, BackendsMisconfigured):
+    """The embedding server refused with 401/403/404: a key or model name to fix, not the item."""

@@ -318,6 +318,46 @@ def test_an_embedding_server_that_refuses_each_first_request_costs_no_attempt(
     report("embedding_503_on_first_request", fig, None, refused_requests=next(refused))
 
 
+@pytest.mark.timeout(180)
+def test_an_embedding_model_that_is_not_there_pauses_without_using_attempts(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """durability.md, rule 7: an embedding server answering 404 (a model never pulled, a
+    rotated key) is not the items' fault: their attempts are given back and claiming pauses
+    until a probe succeeds; then every item is saved on its first counted attempt."""
+    keys = [enqueue_triage(db, exchange(f"tokmissingembed{i}", save=True)) for i in range(4)]
+    embed_ok = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
+    pulled = threading.Event()
+
+    def embed(request: Request) -> Reply:
+        return embed_ok(request) if pulled.is_set() else Reply.error(404, "model not found")
+
+    log = tmp_path / "worker.log"
+    with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
+        embedder.on(EMBEDDINGS, embed)
+        env = pipeline_env(
+            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
+        )
+        proc = start_worker(env, log)
+        try:
+            assert wait_until(lambda: "claiming_paused" in log.read_text(), timeout=60), tail(log)
+            time.sleep(1.0)  # a paused worker claims nothing more
+            held = db.execute("SELECT max(attempts), count(*) FROM pending_triage").fetchone()
+            failures = scalar(db, "SELECT count(*) FROM failed_operations")
+            pulled.set()
+            started = time.monotonic()
+            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=90)
+            recovered_s = time.monotonic() - started
+        finally:
+            assert stop(proc) == 0, tail(log)
+    assert held == (0, len(keys)) and failures == 0, (held, failures)
+    assert finished, tail(log, 1500)
+    fig = assert_exactly_once(db, keys)
+    assert fig.by_outcome == {"saved": len(keys)}, fig
+    assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
+    report("embedding_404_model_missing", fig, recovered_s)
+
+
 def _drain_with_embedder(
     db: psycopg.Connection, database_url: str, tmp_path: Path, embed: Responder, items: int
 ) -> tuple[bool, Path]:
