@@ -145,7 +145,9 @@ class Worker:
 
     def _record_heartbeat(self) -> None:
         detail = {
-            "backends": [{"name": s.name, "circuit": s.circuit} for s in self._backend_states()],
+            "backends": [
+                {**s.detail, "name": s.name, "circuit": s.circuit} for s in self._backend_states()
+            ],
             "concurrency": self.settings.concurrency,
             "in_flight": self.runner.inflight_count(),
             "queues": [q.value for q in self.runner.queues],

@@ -77,7 +77,7 @@ def render_status(report: dict[str, Any]) -> str:
     if not report["workers"]:
         lines.append("workers: none running")
     for w in report["workers"]:
-        backends = ", ".join(f"{b['name']} {b['circuit']}" for b in w["backends"]) or "none"
+        backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
         lines.append(
             f"worker {w['worker_id']}: {w['state']}, last tick {w['last_tick_at']},"
             f" backends: {backends}"
@@ -87,3 +87,17 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(f"embeddings: {report['embeddings']}")
     return "\n".join(lines)
+
+
+def _backend_text(backend: dict[str, Any]) -> str:
+    """``brain closed``, or why it is not: failures, next probe and the last error."""
+    text = f"{backend['name']} {backend['circuit']}"
+    failures = backend.get("consecutive_failures") or 0
+    if backend["circuit"] == "closed" and not failures:
+        return text
+    why = [f"{failures} failures in a row"]
+    if backend.get("retry_in_s"):
+        why.append(f"next probe in {backend['retry_in_s']:.0f}s")
+    if backend.get("last_error"):
+        why.append(f"last error: {backend['last_error']}")
+    return f"{text} ({'; '.join(why)})"

@@ -240,6 +240,10 @@ def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
             assert attempts == 0, "an outage of every backend used up attempts"
             leased = scalar(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL")
             assert leased == 0
+            # status names each backend's circuit and why (the heartbeat carries the detail).
+            status = json.loads(cli(env, "status", "--json", timeout=30).stdout)
+            shown = [b for w in status["workers"] for b in w["backends"]]
+            assert shown and all("consecutive_failures" in b and "last_error" in b for b in shown)
             assert primary.count(CHAT) + fallback.count(CHAT) == paused_calls
             # The servers come back: the probe succeeds, claiming resumes.
             for server in (primary, fallback):
