@@ -221,9 +221,13 @@ reload_systemd
 cat <<NEXT
 install.sh: done. Next:
   1. edit $ETC_DIR/env (and put secrets into $CRED_DIR, then run this script again);
-  2. create the database roles (sql/roles.sql) and run migrations as the owner:
-       $VENV/bin/$APP migrate
-  3. check and start:
+  2. with an external PostgreSQL: migrate as the role that owns the tables, then create the
+     least-privilege roles (roles.sql needs the migrated schema):
+       SOKRATOS_DATABASE_URL='postgresql://OWNER@HOST/DB' $VENV/bin/$APP migrate
+       psql 'postgresql://OWNER@HOST/DB' -v ON_ERROR_STOP=1 -f sql/roles.sql
+     (with the embedded PostgreSQL the service migrates its own database: skip this step);
+  3. check with the service's configuration ('$APP check', run as docs/production.md §8
+     shows), then start:
        systemctl start $APP && systemctl status $APP
      or several workers on this host: systemctl start $APP@a $APP@b
   See docs/production.md.
