@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 
@@ -40,13 +40,33 @@ configuration: environment variables SOKRATOS_* (see deploy/sokratos-worker.env.
 any variable X may be given as X_FILE or as a file X in $CREDENTIALS_DIRECTORY.
 With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DATA_DIR.
 
-exit codes: 0 ok, 1 error, 75 database unreachable (SOKRATOS_STARTUP_TIMEOUT), 78 bad config.
+exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable
+(SOKRATOS_STARTUP_TIMEOUT), 78 bad config.
 """
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error exits 1: the contract allows only 0, 1, 75 and 78."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_FAILURE, f"{self.prog}: error: {message}\n")
+
+
+def _at_least_one(value: str) -> int:
+    """A whole number, 1 or more (0 days would purge every failure; a limit of 0 lists none)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {number}")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option, with help text."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sokratos-worker",
         description="Durable background pipelines for Sokratos: conversation and email triage,"
         " distillation of archived conversations, and email checks.",
@@ -87,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "enqueue",
         help="add an item to a queue",
         description="Prints the new item id (or the existing id for a known --key), or"
-        " 'spooled PATH' when the database is unreachable. Exit 1 on invalid input.",
+        " 'spooled PATH' when the database is unreachable. Exit 1 on invalid input, and when"
+        " the database refuses the item (migrations not applied, a role without"
+        " sokratos_producer): nothing is spooled then.",
     )
     kinds = enqueue.add_subparsers(dest="kind", metavar="KIND", required=True)
     triage = kinds.add_parser("triage", help="a conversation exchange to score and save")
@@ -116,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="queues, recent failures, live workers, email accounts",
         description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
         " failures in the last 24 h by op_type; each live worker's state and backends;"
-        " email accounts and their last check.",
+        " email accounts and their last check. It exits 0 even when the database is"
+        " unreachable: read the 'database' field ('ok' or 'unreachable'). With"
+        " SOKRATOS_DATABASE_URL unset it attaches to the embedded PostgreSQL, or starts it"
+        " for the length of the command.",
     )
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -124,18 +149,35 @@ def build_parser() -> argparse.ArgumentParser:
     actions = failed.add_subparsers(dest="action", metavar="ACTION", required=True)
     flist = actions.add_parser("list", help="failures, newest first")
     flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
-    flist.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
-    flist.add_argument("--json", action="store_true", help="JSON lines on stdout")
-    fshow = actions.add_parser("show", help="one failure with its full context_data")
-    fshow.add_argument("id", type=int)
-    fretry = actions.add_parser(
-        "retry", help="re-enqueue the stored payload as a new item (once per failure)"
+    flist.add_argument(
+        "--limit", type=_at_least_one, default=50, help="at most this many, 1 or more (default 50)"
     )
-    fretry.add_argument("ids", type=int, nargs="*", metavar="ID")
-    fretry.add_argument("--all", action="store_true", help="every failure not yet retried")
-    fretry.add_argument("--op-type", help="with --all: only this op_type")
+    flist.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    fshow = actions.add_parser(
+        "show",
+        help="one failure with its full context_data",
+        description="Print one failure with its full context_data (the stored payload and"
+        " every attempt's error) as JSON.",
+    )
+    fshow.add_argument("id", type=int, metavar="ID", help="the failure's id (first column of list)")
+    fretry = actions.add_parser(
+        "retry",
+        help="re-enqueue the stored payload as a new item (once per failure)",
+        description="Name failure IDs, or --all (optionally with --op-type); not both.",
+    )
+    fretry.add_argument("ids", type=int, nargs="*", metavar="ID", help="failures to retry")
+    fretry.add_argument(
+        "--all", action="store_true", help="every failure not yet retried (instead of IDs)"
+    )
+    fretry.add_argument("--op-type", help="with --all only: just this op_type")
     fpurge = actions.add_parser("purge", help="delete failures older than DAYS")
-    fpurge.add_argument("--older-than", type=int, required=True, metavar="DAYS")
+    fpurge.add_argument(
+        "--older-than",
+        type=_at_least_one,
+        required=True,
+        metavar="DAYS",
+        help="delete failures created more than DAYS days ago (1 or more)",
+    )
 
     commands.add_parser(
         "check",
@@ -334,6 +376,10 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
     from sokratos_worker.store import failures  # noqa: PLC0415
     from sokratos_worker.store.connection import connect  # noqa: PLC0415
 
+    problem = _retry_usage_problem(args) if args.action == "retry" else None
+    if problem:
+        print(f"sokratos-worker failed retry: error: {problem}", file=sys.stderr)
+        return EXIT_FAILURE
     with database_url(settings) as url, connect(url) as conn:
         if args.action == "list":
             rows = failures.list_failures(conn, op_type=args.op_type, limit=args.limit)
@@ -357,12 +403,10 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
             print(json.dumps(found, default=str, indent=2, ensure_ascii=False))
             return EXIT_OK
         if args.action == "retry":
-            ids = list(args.ids)
-            if args.all:
-                ids = failures.retryable_ids(conn, op_type=args.op_type)
+            ids = failures.retryable_ids(conn, op_type=args.op_type) if args.all else args.ids
             if not ids:
-                print("sokratos-worker: name failure IDs or --all", file=sys.stderr)
-                return EXIT_FAILURE if not args.all else EXIT_OK
+                print("nothing to retry")
+                return EXIT_OK
             code = EXIT_OK
             for failure_id in ids:
                 result = failures.retry_failure(conn, failure_id)
@@ -373,6 +417,15 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
         deleted = failures.purge_failures(conn, older_than_days=args.older_than)
         print(f"deleted {deleted} failures older than {args.older_than} days")
         return EXIT_OK
+
+
+def _retry_usage_problem(args: argparse.Namespace) -> str | None:
+    """IDs and --all are alternatives; --op-type only narrows --all."""
+    if args.op_type is not None and not args.all:
+        return "--op-type only with --all"
+    if bool(args.ids) == args.all:
+        return "name failure IDs or --all (not both)"
+    return None
 
 
 def _check(_: argparse.Namespace, settings: Settings) -> int:

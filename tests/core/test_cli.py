@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -151,7 +152,8 @@ def test_failed_list_show_retry_purge(
     assert first.returncode == 0 and "re-enqueued" in first.stdout
     assert second.returncode == 0 and "re-enqueued" not in second.stdout
     assert count(db, "SELECT count(*) FROM pending_triage") == 1
-    purge = cli("failed", "purge", "--older-than", "0", env=env)
+    db.execute("UPDATE failed_operations SET created_at = now() - interval '2 days'")
+    purge = cli("failed", "purge", "--older-than", "1", env=env)
     assert purge.returncode == 0 and "deleted 1" in purge.stdout
 
 
@@ -244,3 +246,48 @@ def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
     proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "spool cannot be written" in proc.stderr and "nothing was enqueued" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["failed", "purge", "--older-than", "0"], "--older-than: must be 1 or more"),
+        (["failed", "purge", "--older-than", "-3"], "--older-than: must be 1 or more"),
+        (["failed", "purge"], "--older-than"),
+        (["failed", "list", "--limit", "-1"], "--limit: must be 1 or more"),
+        (["failed", "retry"], "name failure IDs or --all"),
+        (["failed", "retry", "3", "--all"], "not both"),
+        (["failed", "retry", "3", "--op-type", "distillation"], "--op-type only with --all"),
+        (["failed", "show", "seven"], "invalid int value"),
+        (["enqueue", "sideways"], "invalid choice"),
+    ],
+)
+def test_usage_errors_exit_1_before_touching_the_database(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    """An unreachable database with a 1 s deadline: reaching for it would exit 75."""
+    env = env_for("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_STARTUP_TIMEOUT="1s")
+    proc = cli(*args, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and "error:" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_help_explains_the_failed_and_status_options() -> None:
+    def help_of(*args: str) -> str:
+        return " ".join(_subparser(build_parser(), *args).format_help().split())
+
+    assert "ID " in help_of("failed", "show") and "one failure" in help_of("failed", "show")
+    assert "days" in help_of("failed", "purge") and "1 or more" in help_of("failed", "purge")
+    retry = help_of("failed", "retry")
+    assert "--all" in retry and "not both" in retry
+    status = help_of("status")
+    assert "exits 0 even when the database is unreachable" in status
+    assert "embedded PostgreSQL" in status
+
+
+def _subparser(parser: Any, *names: str) -> Any:
+    for name in names:
+        action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = action.choices[name]
+    return parser
