@@ -4,12 +4,14 @@ For each message, :func:`sokratos_worker.store.email.record_message` commits the
 mark, the triage item and the new checkpoint together, so mail is never marked processed
 before its triage is durably queued (Sokratos hazard 1) and the checkpoint never passes a
 message that was not fetched (hazard 2). Messages are handled one by one, in UID order
-(hazard 3).
+(hazard 3). A message that cannot be turned into a triage item goes to failed_operations
+(:mod:`sokratos_worker.email.failed`) and the check carries on past it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -18,6 +20,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig, Settings
+from sokratos_worker.email.failed import record_failed_message
 from sokratos_worker.email.imap import (
     FetchedMessage,
     ImapError,
@@ -32,14 +35,19 @@ from sokratos_worker.email.parse import (
     parse_email,
     truncate_bytes,
 )
-from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.model import CheckLine
 from sokratos_worker.store import email as store
+from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
 
 # A silent server must not hold up the tick: every socket read gives up after this.
 IMAP_TIMEOUT_S = 30.0
+
+
+class MessageNotRecorded(WorkerError):
+    """The database refused one message's record; the check stops before it (names the UID)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class AccountReport:
     enqueued: int = 0
     seen_without_triage: int = 0
     duplicates: int = 0
+    failed: int = 0
     uidvalidity_reset: bool = False
     skipped_reason: str | None = None
     error: str | None = None
@@ -68,6 +77,7 @@ class _Counts:
     enqueued: int = 0
     seen_without_triage: int = 0
     duplicates: int = 0
+    failed: int = 0
 
 
 def is_due(checkpoint: store.Checkpoint | None, interval_s: float, now: datetime) -> bool:
@@ -100,12 +110,23 @@ def build_payload(
         "size": len(message.raw),
         "notes": list(parsed.notes),
     }
-    return message_key(account.name, parsed), payload
+    key = message_key(account.name, parsed)
+    # What psycopg would refuse (a lone surrogate) fails here, as this message's own problem.
+    json.dumps([key, payload], ensure_ascii=False).encode("utf-8")
+    return key, payload
 
 
 def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
     """Before the initial-lookback cutoff (a missing INTERNALDATE counts as new)."""
     return cutoff is not None and internal_date is not None and internal_date < cutoff
+
+
+def _needs_body(headers: bytes) -> bool:
+    """Without a Message-ID the key hashes the body, so the whole message is fetched."""
+    try:
+        return parse_email(headers).message_id is None
+    except Exception:  # the full fetch reports what is wrong with this message
+        return True
 
 
 def _messages(
@@ -119,7 +140,7 @@ def _messages(
     for old, group in itertools.groupby(refs, key=lambda r: _is_old(r.internal_date, cutoff)):
         for batch in session.batches(list(group), headers_only=old):
             for fetched in batch:
-                if old and parse_email(fetched.raw).message_id is None:
+                if old and _needs_body(fetched.raw):
                     yield session.fetch([fetched.uid])[0], old
                 else:
                     yield fetched, old
@@ -134,7 +155,13 @@ def _record(
     old: bool,
     counts: _Counts,
 ) -> None:
-    key, payload = build_payload(account, state.uidvalidity, message)
+    try:
+        key, payload = build_payload(account, state.uidvalidity, message)
+    except Exception as exc:  # parsing should never raise, but one message must not block all
+        record_failed_message(conn, account, state.uidvalidity, message, exc)
+        counts.fetched += 1
+        counts.failed += 1
+        return
     record = store.MessageRecord(
         account=account.name,
         mailbox=account.mailbox,
@@ -143,7 +170,16 @@ def _record(
         key=key,
         payload=None if old else payload,
     )
-    new, item_id = store.record_message(conn, record)
+    try:
+        new, item_id = store.record_message(conn, record)
+    except DatabaseUnavailable:
+        raise
+    except Exception as exc:
+        # Not skipped: a refusal such as a missing privilege would otherwise skip every message.
+        raise MessageNotRecorded(
+            f"UID {message.uid} (UIDVALIDITY {state.uidvalidity}) could not be recorded:"
+            f" {type(exc).__name__}: {exc}; the check stops before it"
+        ) from exc
     counts.fetched += 1
     if not new:
         counts.duplicates += 1
@@ -188,8 +224,9 @@ def check_account(
             )
             store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
             last_uid, reset = 0, True
-        # Until one check completes (first check, or after a reset), old mail is only seen.
-        first = reset or checkpoint is None or checkpoint.checked_at is None
+        # Only a new account's first check records old mail as seen; after a UIDVALIDITY
+        # change processed_emails alone tells seen from unseen, whatever a message's date.
+        first = checkpoint is None or checkpoint.checked_at is None
         cutoff = now - timedelta(seconds=lookback_s) if first else None
         for message, old in _messages(session, session.refs_above(last_uid), cutoff):
             _record(conn, account, state, message, old=old, counts=counts)
@@ -201,6 +238,7 @@ def check_account(
         enqueued=counts.enqueued,
         seen_without_triage=counts.seen_without_triage,
         duplicates=counts.duplicates,
+        failed=counts.failed,
         uidvalidity_reset=reset,
     )
 
@@ -208,6 +246,7 @@ def check_account(
 def _failed(
     conn: store.Connection, account: EmailAccountConfig, error: str, now: datetime
 ) -> AccountReport:
+    error = clean_text(error)  # an exception may quote mail bytes; last_error must be storable
     store.record_error(conn, account.name, account.mailbox, error, now)
     log.warning("email_check_failed", account=account.name, error=error)
     return AccountReport(name=account.name, error=error)
@@ -250,6 +289,7 @@ def _check_one(
         enqueued=report.enqueued,
         seen_without_triage=report.seen_without_triage,
         duplicates=report.duplicates,
+        failed=report.failed,
         uidvalidity_reset=report.uidvalidity_reset,
     )
     return report

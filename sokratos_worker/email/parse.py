@@ -1,8 +1,10 @@
 """Raw RFC 5322 bytes → :class:`ParsedEmail`, and Sokratos's email summary format.
 
 Parsing never raises: whatever a mail server hands over (broken MIME, unknown charsets, NUL
-bytes, undecodable base64) becomes a best-effort text plus a note in ``notes`` saying what
-was wrong, so one bad message never stops a check (``durability.md`` "Bad input").
+bytes, raw 8-bit headers, undecodable base64) becomes a best-effort text plus a note in
+``notes`` saying what was wrong, so one bad message never stops a check (``durability.md``
+"Bad input"). Every string that leaves the parser can be encoded as UTF-8 and stored by
+PostgreSQL: no lone surrogates, no NUL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from email import policy
 from email.message import Message
 from html.parser import HTMLParser
 
+from sokratos_worker.store.sanitize import clean_text
+
 # Sokratos truncates the body to 2000 bytes before triage (behaviour §4.3).
 BODY_LIMIT_BYTES = 2000
 # Address lists and subjects are bounded too, so one message cannot make a huge payload.
@@ -32,6 +36,8 @@ _BLOCK_TAGS = frozenset(
     | {"blockquote", "pre", "hr", "section", "article", "header", "footer"}
 )
 _SKIP_TAGS = frozenset({"script", "style", "head", "title"})
+# An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
+_ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
 
 
 @dataclass(frozen=True)
@@ -115,19 +121,48 @@ def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def _decode_header(value: str, notes: list[str]) -> str:
-    """An RFC 2047 header value as text, unfolded; bad encoded words never raise."""
-    unfolded = re.sub(r"\r?\n[ \t]+", " ", value).strip()
+def _unescape(text: str, notes: list[str]) -> str:
+    """Raw 8-bit header bytes (RFC 6532), which the email package keeps as surrogates, as UTF-8."""
+    if text.isascii():
+        return text
     try:
-        pieces = email.header.decode_header(unfolded)
-    except Exception:  # a malformed encoded word keeps its raw form
-        return unfolded
+        data = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError:  # not escaped bytes: _clean replaces whatever is left
+        return text
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        notes.append("8-bit header that is not UTF-8: decoded with replacement characters")
+        return data.decode("utf-8", errors="replace")
+
+
+def _decode_word(word: str, notes: list[str]) -> str:
+    """One RFC 2047 encoded word; a malformed one keeps its raw form."""
+    try:
+        pieces = email.header.decode_header(word)
+    except Exception:  # bad base64 and the like: show the word as it came
+        return word
+    return "".join(
+        _decode_bytes(data, charset, notes) if isinstance(data, bytes) else data
+        for data, charset in pieces
+    )
+
+
+def _decode_header(value: str, notes: list[str]) -> str:
+    """A header value as text, unfolded: raw 8-bit bytes read as UTF-8, encoded words decoded.
+
+    The text around encoded words is kept as it is, rather than passed through
+    ``email.header.decode_header``, which would turn its non-ASCII characters into escapes.
+    """
+    unfolded = re.sub(r"\r?\n[ \t]+", " ", _unescape(value, notes)).strip()
+    chunks = _ENCODED_WORD.split(unfolded)
     out: list[str] = []
-    for piece, charset in pieces:
-        if isinstance(piece, str):
-            out.append(piece)
-        else:
-            out.append(_decode_bytes(piece, charset or "ascii", notes))
+    for index, chunk in enumerate(chunks):
+        if index % 2:
+            out.append(_decode_word(chunk, notes))
+        elif not (chunk.isspace() and 0 < index < len(chunks) - 1):
+            # Whitespace between two encoded words is not part of the text (RFC 2047 §6.2).
+            out.append(chunk)
     return "".join(out).strip()
 
 
@@ -150,6 +185,10 @@ def _parse_date(value: str) -> datetime | None:
         return None
     if parsed.tzinfo is None:
         return None  # "-0000" means no zone information: not a usable instant
+    try:
+        parsed.astimezone()  # the summary shows local time: year 9999 -0100 cannot be shown
+    except (OverflowError, ValueError):
+        return None
     return parsed
 
 
@@ -225,12 +264,18 @@ def _raw_body(raw: bytes) -> bytes:
 
 
 def _clean(text: str, notes: list[str]) -> str:
-    """PostgreSQL cannot store NUL in text or jsonb: drop them and say so."""
+    """Text PostgreSQL can store: NUL dropped, lone surrogates replaced by U+FFFD, and noted.
+
+    Surrogates can still come from odd charsets (``raw-unicode-escape``, ``utf-7``) after the
+    headers were decoded; they would fail at the payload's UTF-8 encoding.
+    """
     if "\x00" in text:
-        if "NUL bytes removed" not in notes:
-            notes.append("NUL bytes removed")
-        return text.replace("\x00", "")
-    return text
+        notes.append("NUL bytes removed")
+        text = text.replace("\x00", "")
+    storable = clean_text(text)
+    if storable != text:
+        notes.append("invalid characters replaced by U+FFFD")
+    return storable
 
 
 def parse_email(raw: bytes) -> ParsedEmail:
@@ -274,10 +319,11 @@ def parse_email(raw: bytes) -> ParsedEmail:
         cc=_clean(_header(msg, "Cc", notes), notes),
         subject=_clean(_header(msg, "Subject", notes), notes),
         date=date,
-        date_raw=date_raw,
+        date_raw=_clean(date_raw, notes),
         body=_clean(body, notes),
         attachments=tuple(Attachment(_clean(a.name, notes), a.size) for a in attachments),
-        notes=tuple(dict.fromkeys(notes)),
+        # Notes quote content types and charsets from the message: they must be storable too.
+        notes=tuple(dict.fromkeys(clean_text(n) for n in notes)),
         raw_body=_raw_body(raw),
     )
 

@@ -60,6 +60,29 @@ def latin1() -> bytes:
     )
 
 
+def raw_utf8_headers() -> bytes:
+    """RFC 6532: UTF-8 straight in the headers (and the Message-ID), no encoded words."""
+    return (
+        b"From: J\xc3\xbcrgen <j@example.org>\r\nTo: Zo\xc3\xab <zoe@example.org>\r\n"
+        b"Cc: Ren\xc3\xa9e <renee@example.org>\r\nSubject: Gr\xc3\xbc\xc3\x9fe\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0100\r\n"
+        b"Message-ID: <gr\xc3\xbc\xc3\x9fe-1@example.de>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n\r\n"
+        b"Sch\xc3\xb6ne Gr\xc3\xbc\xc3\x9fe aus M\xc3\xbcnchen\r\n"
+    )
+
+
+def raw_latin1_headers() -> bytes:
+    """8-bit headers that are not UTF-8 (ISO-8859-1 bytes sent raw), next to an encoded word."""
+    return (
+        b"From: J\xfcrgen <j@example.org>\r\nTo: alice@example.org\r\n"
+        b"Subject: Gr\xfc\xdfe =?utf-8?q?aus_M=C3=BCnchen?=\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0100\r\nMessage-ID: <latin1-raw-1@example.de>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nHallo\r\n"
+    )
+
+
 def malformed_mime() -> bytes:
     """multipart/mixed that declares no boundary, with a broken base64 part after it."""
     return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -150,6 +151,46 @@ def test_uidvalidity_change_resets_the_checkpoint_without_retriage(
     assert any(e["event"] == "email_uidvalidity_changed" for e in logs)
 
 
+def test_uidvalidity_change_triages_unseen_mail_whatever_its_date(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """The lookback is for a new account only: after a reset, processed_emails decides."""
+    first_check = NOW - timedelta(days=5)
+    kept = [mails.plain(subject=f"kept {n}") for n in range(2)]
+    for raw in kept:
+        dovecot.append(mailbox, raw, when=first_check - timedelta(hours=1))
+    settings = make_settings(account(), email_initial_lookback=86400)
+    [report] = check_due_accounts(settings, database_url, now=first_check)
+    assert report.enqueued == 2
+
+    # While the worker is down for days, a message arrives, then the mailbox is rebuilt.
+    missed = mails.plain(subject="arrived while the worker was down")
+    missed_at = NOW - timedelta(days=3)  # older than the one-day lookback at the next check
+    dovecot.append(mailbox, missed, when=missed_at)
+    old_validity = dovecot.uidvalidity(mailbox)
+    dovecot.delete_mailbox(mailbox)
+    dovecot.create_mailbox(mailbox)
+    for raw in kept:
+        dovecot.append(mailbox, raw, when=first_check - timedelta(hours=1))
+    dovecot.append(mailbox, missed, when=missed_at)
+    assert dovecot.uidvalidity(mailbox) != old_validity
+
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert report.uidvalidity_reset
+    assert (report.fetched, report.enqueued, report.duplicates) == (3, 1, 2)
+    assert report.seen_without_triage == 0
+    assert [i["payload"]["subject"] for i in items(db)] == [
+        "kept 0",
+        "kept 1",
+        "arrived while the worker was down",
+    ]
+    assert items(db)[2]["payload"]["uid"] == 3
+    # Checked again: nothing new, so the missed message stays enqueued exactly once.
+    [report] = check_due_accounts(settings, database_url, now=NOW + timedelta(minutes=10))
+    assert (report.fetched, report.enqueued) == (0, 0)
+    assert len(items(db)) == 3
+
+
 def test_messages_without_message_id_get_stable_hash_keys(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
@@ -205,8 +246,18 @@ def test_multi_megabyte_attachment_is_listed_not_stored(
         (mails.latin1(), "Schöne Grüße, bis Montag!", None),
         (mails.malformed_mime(), "SGVsbG8gd29ybGQ=", "malformed MIME"),
         (mails.unclosed_multipart(), "Hello there", "malformed MIME"),
+        (mails.raw_utf8_headers(), "Subject: Grüße\n", None),
+        (mails.raw_latin1_headers(), "Subject: Gr\ufffd\ufffde aus München\n", "not UTF-8"),
     ],
-    ids=["html-only", "unknown-charset", "iso-8859-1", "malformed-mime", "unclosed-multipart"],
+    ids=[
+        "html-only",
+        "unknown-charset",
+        "iso-8859-1",
+        "malformed-mime",
+        "unclosed-multipart",
+        "raw-utf8-headers",
+        "raw-8bit-headers-not-utf8",
+    ],
 )
 def test_difficult_mail_gives_a_clear_item(
     dovecot: Dovecot,
@@ -231,6 +282,82 @@ def test_difficult_mail_gives_a_clear_item(
         assert any(expected_note in n for n in payload["notes"])
     else:
         assert payload["notes"] == []
+
+
+def test_raw_utf8_headers_do_not_block_the_account(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """RFC 6532 headers once stopped every check at this message (UnicodeEncodeError)."""
+    dovecot.append(mailbox, mails.raw_utf8_headers())
+    dovecot.append(mailbox, mails.plain(subject="after it"))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert report.ok, report.error
+    assert (report.fetched, report.enqueued, report.failed) == (2, 2, 0)
+    utf8, plain = items(db)
+    assert utf8["payload"]["subject"] == "Grüße"
+    assert utf8["payload"]["from"] == "Jürgen <j@example.org>"
+    assert utf8["payload"]["cc"] == "Renée <renee@example.org>"
+    assert utf8["payload"]["message_id"] == "<grüße-1@example.de>"
+    assert utf8["key"] == "email:home:<grüße-1@example.de>"
+    assert "\nSubject: Grüße\n" in utf8["payload"]["text"]
+    assert plain["payload"]["subject"] == "after it"
+    assert [p[1] for p in processed(db)] == [1, 2]
+    _, last_uid, checked_at, last_error = checkpoint(db)  # type: ignore[misc]
+    assert (last_uid, last_error) == (2, None)
+    assert checked_at is not None
+
+
+def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: Any,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed_operations row and the checkpoint past it, instead of a blocked account."""
+
+    def fragile(raw: bytes) -> Any:
+        if b"Subject: poison" in raw:
+            raise RuntimeError("parser bug")
+        return parse_email(raw)
+
+    monkeypatch.setattr("sokratos_worker.email.check.parse_email", fragile)
+    for subject in ("before", "poison", "after"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    settings = make_settings(account())
+    with capture_logs() as logs:
+        [report] = check_due_accounts(settings, database_url, now=later(0))
+    assert report.ok, report.error
+    assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
+    assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
+    assert [p[1] for p in processed(db)] == [1, 3]  # no processed mark for the failed one
+    assert checkpoint(db)[1] == 3  # type: ignore[index]
+    assert checkpoint(db)[3] is None  # type: ignore[index]
+
+    [(op_type, label, error, context)] = db.execute(
+        "SELECT op_type, label, error_message, context_data FROM failed_operations"
+    ).fetchall()
+    assert (op_type, label) == ("email_message", "home UID 2")
+    validity = dovecot.uidvalidity(mailbox)
+    assert error.startswith(f"email account 'home': UID 2 (UIDVALIDITY {validity})")
+    assert error.endswith("RuntimeError: parser bug")
+    assert (context["account"], context["mailbox"], context["uid"]) == ("home", mailbox, 2)
+    assert "Subject: poison" in context["headers"]
+    assert "noon" not in repr(context)  # the body is not kept
+    [event] = [e for e in logs if e["event"] == "email_message_failed"]
+    assert (event["account"], event["uid"], event["error"]) == ("home", 2, error)
+    assert event["what_to_do"] == context["what_to_do"]
+
+    # Once fixed, the statement the operator is given fetches it again; nothing else re-triaged.
+    monkeypatch.undo()
+    statement = re.search(r"UPDATE email_checkpoints [^;]*", context["what_to_do"])
+    assert statement is not None
+    db.execute(statement.group(0))
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert (report.fetched, report.enqueued, report.duplicates) == (2, 1, 1)
+    assert [i["payload"]["subject"] for i in items(db)] == ["before", "after", "poison"]
 
 
 def test_latin1_headers_and_unparsable_date_in_payload(

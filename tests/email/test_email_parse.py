@@ -6,6 +6,8 @@ from datetime import UTC, datetime
 
 import mails
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from sokratos_worker.email.parse import (
     BODY_LIMIT_BYTES,
@@ -52,6 +54,55 @@ def test_unknown_charset_is_decoded_with_replacement() -> None:
     parsed = parse_email(mails.unknown_charset())
     assert parsed.body.startswith("Hello \ufffd\ufffd world, café")
     assert any("unknown charset 'x-no-such-charset'" in n for n in parsed.notes)
+
+
+def test_raw_utf8_headers_are_read_as_utf8() -> None:
+    parsed = parse_email(mails.raw_utf8_headers())
+    assert parsed.subject == "Grüße"
+    assert parsed.from_ == "Jürgen <j@example.org>"
+    assert parsed.to == "Zoë <zoe@example.org>"
+    assert parsed.cc == "Renée <renee@example.org>"
+    assert parsed.message_id == "<grüße-1@example.de>"
+    assert message_key("home", parsed) == "home:<grüße-1@example.de>"
+    assert parsed.body == "Schöne Grüße aus München"
+    assert parsed.notes == ()
+    assert "\nSubject: Grüße\n" in format_email_summary(parsed)
+
+
+def test_raw_headers_that_are_not_utf8_get_replacement_characters() -> None:
+    parsed = parse_email(mails.raw_latin1_headers())
+    assert parsed.subject == "Gr\ufffd\ufffde aus München"
+    assert parsed.from_ == "J\ufffdrgen <j@example.org>"
+    assert any("8-bit header that is not UTF-8" in n for n in parsed.notes)
+
+
+def test_words_between_encoded_words_keep_their_spaces() -> None:
+    raw = b"Subject: Re: =?utf-8?q?Gr=C3=BC=C3=9Fe?= =?utf-8?q?_aus?= M\xc3\xbcnchen\r\n\r\n"
+    assert parse_email(raw).subject == "Re: Grüße aus München"
+
+
+@given(
+    header=st.binary(max_size=60),
+    charset=st.sampled_from(["utf-8", "utf-7", "raw-unicode-escape", "utf-16", "x-unknown"]),
+    body=st.binary(max_size=60),
+)
+@example(header=b"Gr\xc3\xbc\xfc\x00", charset="raw-unicode-escape", body=b"\\ud800")
+@example(header=b"=?utf-7?q?+2AA-?=", charset="utf-7", body=b"+2AA-")
+def test_every_field_can_be_stored(header: bytes, charset: str, body: bytes) -> None:
+    """Whatever the bytes, nothing leaves the parser that UTF-8 or PostgreSQL would refuse."""
+    raw = (
+        b"From: " + header + b"\r\nTo: " + header + b"\r\nCc: " + header
+        + b"\r\nSubject: " + header + b"\r\nDate: " + header + b"\r\nMessage-ID: <" + header
+        + b">\r\nContent-Type: text/plain; charset=" + charset.encode()
+        + b'\r\nContent-Disposition: inline; filename="' + header + b'"\r\n\r\n' + body
+    )  # fmt: skip
+    parsed = parse_email(raw)
+    texts = [parsed.from_, parsed.to, parsed.cc, parsed.subject, parsed.date_raw, parsed.body]
+    texts += [parsed.message_id or "", *parsed.notes, *(a.name for a in parsed.attachments)]
+    texts += [format_email_summary(parsed), message_key("home", parsed)]
+    for text in texts:
+        text.encode("utf-8")  # raises on a lone surrogate
+        assert "\x00" not in text
 
 
 def test_iso_8859_1_body_and_encoded_headers() -> None:
@@ -117,6 +168,13 @@ def test_key_without_message_id_is_a_stable_hash() -> None:
 def test_overlong_message_id_is_hashed() -> None:
     parsed = parse_email(mails.plain(message_id="<" + "x" * 300 + "@example.org>"))
     assert message_key("home", parsed).startswith("home:sha256:")
+
+
+def test_a_date_that_cannot_be_shown_in_local_time_is_unparsable() -> None:
+    parsed = parse_email(mails.plain(date="Fri, 31 Dec 9999 23:30:00 -0100"))
+    assert parsed.date is None
+    assert "\nDate: \n" in format_email_summary(parsed)
+    assert "unparsable Date header" in parsed.notes
 
 
 def test_nul_bytes_are_removed_and_noted() -> None:

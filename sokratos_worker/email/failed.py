@@ -1,0 +1,105 @@
+"""A message that cannot be turned into a triage item: a failed_operations row, then past it.
+
+``durability.md`` "Bad input": bad input gets a clear error and a failed_operations row, and
+never stops the worker. For email that means one message must not hold an account's
+checkpoint back forever: the row (what is known of the message, and what to do) and the
+checkpoint's move past its UID commit together, like the processed mark of a normal message.
+The message itself stays on the server, untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from sokratos_worker.config import EmailAccountConfig
+from sokratos_worker.email.imap import FetchedMessage
+from sokratos_worker.store import email as store
+from sokratos_worker.store.connection import translated
+from sokratos_worker.store.failures import record_failure
+from sokratos_worker.store.sanitize import clean_text
+
+log = structlog.get_logger(__name__)
+
+OP_TYPE = "email_message"
+# Enough of the header block to find the message in a mail client; never the body.
+HEADERS_LIMIT = 4000
+
+
+def _headers(raw: bytes) -> str:
+    """The message's header block as storable text (bytes that are not UTF-8 replaced)."""
+    end = min((i for i in (raw.find(b"\r\n\r\n"), raw.find(b"\n\n")) if i >= 0), default=-1)
+    block = raw[:end] if end >= 0 else raw
+    return clean_text(block[:HEADERS_LIMIT].decode("utf-8", errors="replace"))
+
+
+def _literal(text: str) -> str:
+    """An SQL string literal, for a statement shown to the operator (never executed here)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def what_to_do(account: EmailAccountConfig, uidvalidity: int, uid: int) -> str:
+    """The operator's next step, with the statement that fetches the message again."""
+    return (
+        f"the message is still on the server (mailbox {account.mailbox!r}, UID {uid});"
+        " read it there, or once the cause is fixed fetch it again with"
+        f" UPDATE email_checkpoints SET last_uid = {uid - 1}"
+        f" WHERE account = {_literal(account.name)} AND mailbox = {_literal(account.mailbox)}"
+        f" AND uidvalidity = {uidvalidity};"
+        " mail already seen is not triaged again"
+    )
+
+
+def record_failed_message(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    uidvalidity: int,
+    message: FetchedMessage,
+    exc: Exception,
+) -> int:
+    """Record ``message`` in failed_operations and move the checkpoint past it; the row's id."""
+    error = clean_text(
+        f"email account {account.name!r}: UID {message.uid} (UIDVALIDITY {uidvalidity})"
+        f" could not be handled: {type(exc).__name__}: {exc}"
+    )
+    hint = what_to_do(account, uidvalidity, message.uid)
+    context: dict[str, Any] = {
+        "account": account.name,
+        "mailbox": account.mailbox,
+        "uidvalidity": uidvalidity,
+        "uid": message.uid,
+        "internal_date": message.internal_date.isoformat() if message.internal_date else None,
+        "size": len(message.raw),
+        "headers": _headers(message.raw),
+        "what_to_do": hint,
+    }
+    record = store.MessageRecord(
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=uidvalidity,
+        uid=message.uid,
+        key="",
+        payload=None,
+    )
+    with translated(), conn.transaction():
+        failure_id = record_failure(
+            conn,
+            op_type=OP_TYPE,
+            label=f"{account.name} UID {message.uid}",
+            error=error,
+            context=context,
+        )
+        # No processed mark, so a later fetch (see what_to_do) is not taken for a duplicate;
+        # the store has no public function that only advances the checkpoint.
+        store._advance_checkpoint(conn, record)
+    log.error(
+        "email_message_failed",
+        account=account.name,
+        mailbox=account.mailbox,
+        uid=message.uid,
+        failure_id=failure_id,
+        error=error,
+        what_to_do=hint,
+    )
+    return failure_id
