@@ -93,6 +93,7 @@ class Runner:
         self._on_item_done = on_item_done
         self._lock = threading.Lock()
         self._inflight: dict[tuple[Queue, int], Item] = {}
+        self._adopted: dict[tuple[Queue, int], Item] = {}  # re-claims of items running here
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
         self._stop_claiming = threading.Event()
@@ -250,8 +251,8 @@ class Runner:
                     conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
                 )
                 for item in items:
-                    self._track(item)
-                    self._handoff.put(item)
+                    if self._track(item):
+                        self._handoff.put(item)
                 free -= len(items)
                 got += len(items)
         return asked, got
@@ -260,11 +261,38 @@ class Runner:
         with self.database.connection() as conn:
             return store.next_ready_in(conn, self.queues)
 
-    def _track(self, item: Item) -> None:
+    def _track(self, item: Item) -> bool:
+        """Record a claimed item; False when a slot here is already running it."""
+        key = (item.queue, item.id)
         with self._lock:
-            self._inflight[(item.queue, item.id)] = item
             self._stats.add(item.queue, "claimed")
+            running_here = key in self._inflight
+            if running_here:
+                # Its lease ran out while it ran (a database outage longer than the lease) and
+                # we claimed it again: the run in progress adopts this claim for its settle.
+                self._adopted[key] = item
+            else:
+                self._inflight[key] = item
+        if running_here:
+            log.warning(
+                "item_reclaimed_while_running",
+                queue=item.queue.value,
+                item_id=item.id,
+                attempt=item.attempt,
+                hint="its lease expired while it ran; it runs once, and this attempt counts",
+            )
+            return False
         log.debug("item_claimed", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
+        return True
+
+    def _latest_claim(self, item: Item) -> Item:
+        """The claim a settle must be fenced by: a re-claim adopted while the item ran wins."""
+        with self._lock:
+            newer = self._adopted.pop((item.queue, item.id), None)
+            if newer is None:
+                return item
+            self._inflight[(item.queue, item.id)] = newer
+            return newer
 
     def _untrack(self, item: Item) -> bool:
         with self._lock:
@@ -392,6 +420,7 @@ class Runner:
         self, item: Item, effects: Effects, bound: structlog.BoundLogger, started: float
     ) -> tuple[Item | None, str]:
         """Returns the next item claimed with the settle, and how the attempt ended."""
+        item = self._latest_claim(item)
         want_next = not (self._stop_claiming.is_set() or self._paused())
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
@@ -422,16 +451,17 @@ class Runner:
             )
         else:
             self._report_fenced(item, bound)
-        for next_item in next_items:  # tracked first, so in-flight never reads 0 in between
-            self._track(next_item)
+        # Tracked first, so in-flight never reads 0 in between.
+        fresh = [next_item for next_item in next_items if self._track(next_item)]
         self._untrack(item)
         kind = effects.outcome.value if result.settled else LEASE_LOST
-        return (next_items[0] if next_items else None), kind
+        return (fresh[0] if fresh else None), kind
 
     def _fail(
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
     ) -> str:
         """Settle a failed attempt; a settle the database refuses must not kill the slot."""
+        item = self._latest_claim(item)
         try:
             return self._settle_failure(item, exc, handler, bound)
         except Exception as settle_exc:

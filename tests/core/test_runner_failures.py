@@ -126,3 +126,36 @@ def test_lease_renewals_survive_a_database_error(db: psycopg.Connection, databas
     assert in_flight == {Queue.TRIAGE: 1}
     assert lease_left is not None and lease_left[0] > 0  # renewed again after the error
     assert set(outcomes(db).values()) == {"saved"}
+
+
+def test_an_item_reclaimed_by_its_own_process_runs_once(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # Its lease runs out while it runs (as after a database outage longer than the lease):
+    # the dispatcher's free slot claims it again. It must not run twice, and the run in
+    # progress settles it under the new claim.
+    enqueue_many(db, 1, behaviour="sleep:2")
+    done: list[tuple[str, str]] = []
+    database = Database(database_url, size=4)
+    handler = ScriptedHandler()
+    runner = Runner(
+        settings=Settings(concurrency=2, lease=30, shutdown_grace=5),  # type: ignore[call-arg]
+        database=database,
+        handlers={Queue.TRIAGE: handler},
+        worker_id="test",
+        on_item_done=lambda q, kind, _s: done.append((q.value, kind)),
+    )
+    runner.start(drain_only=True)
+    deadline = time.monotonic() + 10
+    while not count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner = 'test'"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 second'")
+    runner.wake()
+    assert runner.wait_drained(30)
+    runner.shutdown(1)
+    database.close()
+    assert handler.calls == 1
+    row = db.execute("SELECT outcome, attempts FROM work_outcomes").fetchone()
+    assert row == ("saved", 2)  # the re-claim counted, as after any expired lease
+    assert done == [("pending_triage", "saved")] and runner.inflight_count() == 0
