@@ -90,9 +90,8 @@ def record_failed_message(
             error=error,
             context=context,
         )
-        # No processed mark, so a later fetch (see what_to_do) is not taken for a duplicate;
-        # the store has no public function that only advances the checkpoint.
-        store._advance_checkpoint(conn, record)
+        # No processed mark, so a later fetch (see what_to_do) is not taken for a duplicate.
+        store.advance_checkpoint(conn, record)
     log.error(
         "email_message_failed",
         account=account.name,

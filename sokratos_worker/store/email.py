@@ -110,7 +110,7 @@ def _enqueue(conn: Connection, record: MessageRecord) -> int:
     return item_id
 
 
-def _advance_checkpoint(conn: Connection, record: MessageRecord) -> None:
+def advance_checkpoint(conn: Connection, record: MessageRecord) -> None:
     """Move last_uid forward (never back, should two checks of one account overlap)."""
     conn.execute(
         "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, last_uid)"
@@ -135,7 +135,7 @@ def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int |
         new = _insert_processed(conn, record)
         if new and record.payload is not None:
             item_id = _enqueue(conn, record)
-        _advance_checkpoint(conn, record)
+        advance_checkpoint(conn, record)
     return new, item_id
 
 

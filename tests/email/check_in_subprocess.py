@@ -22,7 +22,7 @@ from sokratos_worker.store import email as store
 
 
 def _block_at(uid: int, marker: Path) -> None:
-    original = store._advance_checkpoint
+    original = store.advance_checkpoint
 
     def blocking(conn: store.Connection, record: store.MessageRecord) -> None:
         original(conn, record)
@@ -30,7 +30,7 @@ def _block_at(uid: int, marker: Path) -> None:
             marker.write_text("in transaction")
             time.sleep(600)
 
-    store._advance_checkpoint = blocking
+    store.advance_checkpoint = blocking
 
 
 def main(argv: list[str]) -> None:
