@@ -226,7 +226,7 @@ def check_account(
             last_uid, reset = 0, True
         # Only a new account's first check records old mail as seen; after a UIDVALIDITY
         # change processed_emails alone tells seen from unseen, whatever a message's date.
-        first = checkpoint is None or checkpoint.checked_at is None
+        first = checkpoint is None or not checkpoint.first_check_done
         cutoff = now - timedelta(seconds=lookback_s) if first else None
         for message, old in _messages(session, session.refs_above(last_uid), cutoff):
             _record(conn, account, state, message, old=old, counts=counts)

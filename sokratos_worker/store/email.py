@@ -44,6 +44,7 @@ class Checkpoint:
     checked_at: datetime | None
     last_error: str | None
     last_error_at: datetime | None
+    first_check_done: bool = False  # kept through UIDVALIDITY resets, unlike checked_at
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint 
     """The account's checkpoint row, or None before its first check."""
     with translated():
         row = conn.execute(
-            "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at"
-            " FROM email_checkpoints WHERE account = %s AND mailbox = %s",
+            "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at,"
+            " first_check_done FROM email_checkpoints WHERE account = %s AND mailbox = %s",
             (account, mailbox),
         ).fetchone()
     return Checkpoint(*row) if row else None
@@ -145,10 +146,12 @@ def finish_check(
     """A complete check: stamp checked_at and clear the last error."""
     with translated():
         conn.execute(
-            "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, checked_at)"
-            " VALUES (%s, %s, %s, %s)"
+            "INSERT INTO email_checkpoints"
+            " (account, mailbox, uidvalidity, checked_at, first_check_done)"
+            " VALUES (%s, %s, %s, %s, true)"
             " ON CONFLICT (account, mailbox) DO UPDATE SET uidvalidity = EXCLUDED.uidvalidity,"
-            " checked_at = EXCLUDED.checked_at, last_error = NULL, last_error_at = NULL",
+            " checked_at = EXCLUDED.checked_at, last_error = NULL, last_error_at = NULL,"
+            " first_check_done = true",
             (account, mailbox, uidvalidity, now),
         )
 

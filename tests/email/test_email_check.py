@@ -191,6 +191,30 @@ def test_uidvalidity_change_triages_unseen_mail_whatever_its_date(
     assert len(items(db)) == 3
 
 
+def test_a_reread_after_uidvalidity_that_failed_part_way_still_applies_no_lookback(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """A reset clears checked_at; the check after a re-read that failed part-way must not
+    take the account for a new one and record old unseen mail as seen without triage."""
+    first_check = NOW - timedelta(days=5)
+    dovecot.append(mailbox, mails.plain(subject="kept"), when=first_check - timedelta(hours=1))
+    settings = make_settings(account(), email_initial_lookback=86400)
+    [report] = check_due_accounts(settings, database_url, now=first_check)
+    assert report.enqueued == 1
+    missed = mails.plain(subject="arrived while the worker was down")
+    dovecot.delete_mailbox(mailbox)
+    dovecot.create_mailbox(mailbox)
+    dovecot.append(mailbox, missed, when=NOW - timedelta(days=3))  # older than the lookback
+    # The re-read after the reset died before reaching the message (as a crash would leave it).
+    db.execute(
+        "UPDATE email_checkpoints SET uidvalidity = %s, last_uid = 0, checked_at = NULL",
+        (dovecot.uidvalidity(mailbox),),
+    )
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert (report.enqueued, report.seen_without_triage) == (1, 0)
+    assert [i["payload"]["subject"] for i in items(db)][-1] == "arrived while the worker was down"
+
+
 def test_messages_without_message_id_get_stable_hash_keys(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
