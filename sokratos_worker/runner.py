@@ -591,15 +591,26 @@ class Runner:
             return ()
 
     def _report_fenced(self, item: Item, bound: structlog.BoundLogger) -> None:
+        """Say why a settle changed nothing: another owner, or our own earlier settle."""
         try:
             with self._connection() as conn:
                 landed = store.outcome_exists(conn, item)
+                exists, owner = store.lease_owner(conn, item)
         except DatabaseUnavailable:
-            landed = False
+            landed, exists, owner = False, True, "unknown"
         if landed:
             bound.info("item_already_settled")
+        elif exists and owner is not None:
+            bound.warning(
+                "lease_lost",
+                new_owner=owner,
+                hint="another worker took the item over; it finishes it",
+            )
+        elif exists:
+            # A retry or give-back of ours landed before the connection dropped.
+            bound.info("item_already_released")
         else:
-            bound.warning("lease_lost", hint="another worker took the item over; it finishes it")
+            bound.warning("item_gone", hint="its row was deleted outside the worker")
 
     def _with_database(
         self,

@@ -450,6 +450,17 @@ def outcome_exists(conn: psycopg.Connection, item: Item) -> bool:
     return row is not None
 
 
+def lease_owner(conn: psycopg.Connection, item: Item) -> tuple[bool, str | None]:
+    """Whether the item's row still exists, and who holds its lease (None: nobody)."""
+    row = conn.execute(
+        sql.SQL("SELECT lease_owner FROM {} WHERE id = %s").format(
+            sql.Identifier(item.queue.value)
+        ),
+        (item.id,),
+    ).fetchone()
+    return (row is not None, row[0] if row is not None else None)
+
+
 def next_ready_in(conn: psycopg.Connection, queues: Sequence[Queue]) -> float | None:
     """Seconds until the earliest item becomes claimable (backoff or lease), None if empty."""
     parts = [

@@ -47,6 +47,7 @@ def test_expired_lease_is_claimed_again_and_the_old_owner_is_fenced(db: psycopg.
     _expire(db)  # the rows a killed worker leaves
     (new,) = store.claim(db, Queue.TRIAGE, owner="alive", limit=1, lease_s=60)
     assert new.id == old.id and new.attempt == 2
+    assert store.lease_owner(db, old) == (True, "alive")  # what the old owner's log names
     effects = Effects(
         Outcome.SAVED, memories=(NewMemory(origin=old.origin(0), summary="x", salience=5),)
     )
@@ -62,6 +63,7 @@ def test_expired_lease_is_claimed_again_and_the_old_owner_is_fenced(db: psycopg.
     assert result.settled and len(result.memory_ids) == 1
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 1
+    assert store.lease_owner(db, old) == (False, None) and store.outcome_exists(db, old)
 
 
 def test_settle_is_one_transaction_with_effects_and_replay_writes_nothing_twice(
