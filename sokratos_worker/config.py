@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import (
     AfterValidator,
     AliasChoices,
@@ -259,7 +261,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # `SOKRATOS_DATABASE_URL=` in an env file means "not set" (embedded), not "libpq defaults".
-        return None if isinstance(value, str) and not value.strip() else value
+        if isinstance(value, str) and not value.strip():
+            return None
+        if isinstance(value, str):
+            try:
+                conninfo_to_dict(value)
+            except psycopg.ProgrammingError:
+                # Not the parser's text: it may quote the URL, password included.
+                raise ValueError(
+                    "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
+                    " or key=value string"
+                ) from None
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from sokratos_worker.config import ConfigError
 from sokratos_worker.errors import DatabaseUnavailable
 
 T = TypeVar("T")
@@ -51,10 +52,43 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+# What the server answers when the URL itself is wrong: waiting will not help. These come
+# without a SQLSTATE (libpq reports start-up failures as text), like a refused connection.
+_LOGIN_REFUSED = (
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",  # the role or the database
+    "permission denied for database",
+)
+
+
+class DatabaseLoginRefused(ConfigError):
+    """The server answered and refused this URL's login: fix SOKRATOS_DATABASE_URL."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            "SOKRATOS_DATABASE_URL",
+            f"the server refused the login ({detail}): check the user, password and database name",
+        )
+
+
 def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
     """One connection outside any pool (migrations, LISTEN, CLI commands)."""
-    with translated():
-        return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=int(timeout))
+    try:
+        with translated():
+            return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=int(timeout))
+    except DatabaseUnavailable as exc:
+        cause = exc.__cause__
+        text = str(cause or exc)
+        if cause is not None and any(marker in text for marker in _LOGIN_REFUSED):
+            raise DatabaseLoginRefused(_fatal_line(text)) from cause
+        raise
+
+
+def _fatal_line(text: str) -> str:
+    """``FATAL:  password authentication failed for user "x"`` out of libpq's message."""
+    _, sep, fatal = text.partition("FATAL:")
+    return " ".join((fatal if sep else text).split())
 
 
 def make_pool(

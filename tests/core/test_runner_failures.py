@@ -134,7 +134,9 @@ def test_an_item_reclaimed_by_its_own_process_runs_once(
     # Its lease runs out while it runs (as after a database outage longer than the lease):
     # the dispatcher's free slot claims it again. It must not run twice, and the run in
     # progress settles it under the new claim.
-    enqueue_many(db, 1, behaviour="sleep:2")
+    # Long enough that the re-claim lands while it runs, even on a loaded machine (if the run
+    # ended between the re-claim's statement and its bookkeeping, it would run again).
+    enqueue_many(db, 1, behaviour="sleep:5")
     done: list[tuple[str, str]] = []
     database = Database(database_url, size=4)
     handler = ScriptedHandler()
