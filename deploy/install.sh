@@ -106,6 +106,11 @@ install_venv() {
     fi
     mkdir -p "$OPT_DIR"
     if [[ ! -x "$VENV/bin/python" ]]; then
+        if ! "$python" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+            echo "install.sh: $python cannot create a virtual environment;" \
+                "on Debian/Ubuntu: apt-get install python3-venv" >&2
+            exit 1
+        fi
         say "creating $VENV"
         "$python" -m venv "$VENV"
     fi

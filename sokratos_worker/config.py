@@ -312,6 +312,12 @@ class Settings(BaseSettings):
         accounts = [a.name for a in self.email_accounts]
         if len(accounts) != len(set(accounts)):
             raise ValueError("SOKRATOS_EMAIL_ACCOUNTS: account names must be unique")
+        if self.worker_instance and self.database_url is None:
+            # Each instance has its own state directory: embedded servers would split the queues.
+            raise ValueError(
+                f"SOKRATOS_DATABASE_URL: is required for sokratos-worker@{self.worker_instance}:"
+                " the instances on a host share one PostgreSQL"
+            )
         return self
 
     @classmethod

@@ -294,6 +294,10 @@ class Runner:
             self._inflight[(item.queue, item.id)] = newer
             return newer
 
+    def _is_inflight(self, queue: Queue, item_id: int) -> bool:
+        with self._lock:
+            return (queue, item_id) in self._inflight
+
     def _untrack(self, item: Item) -> bool:
         with self._lock:
             return self._inflight.pop((item.queue, item.id), None) is not None
@@ -654,7 +658,8 @@ class Runner:
                             conn, q, owner=self.worker_id, ids=ids, lease_s=self.settings.lease
                         )
                         for lost in set(ids) - kept:
-                            log.warning("lease_lost", queue=q.value, item_id=lost)
+                            if self._is_inflight(q, lost):  # not just settled meanwhile
+                                log.warning("lease_lost", queue=q.value, item_id=lost)
             except DatabaseUnavailable as exc:
                 log.warning("lease_renewal_failed", error=str(exc))
             except Exception as exc:  # a timeout or a read-only server must not end renewals

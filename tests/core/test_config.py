@@ -95,6 +95,7 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
         ),
         ({"SOKRATOS_LOG_LEVEL": "loud"}, "SOKRATOS_LOG_LEVEL", "debug"),
         ({"SOKRATOS_SHUTDOWN_GRACE": "0"}, "SOKRATOS_SHUTDOWN_GRACE", "greater than 0"),
+        ({"SOKRATOS_WORKER_INSTANCE": "a"}, "SOKRATOS_DATABASE_URL", "sokratos-worker@a"),
         (
             {"SOKRATOS_RETRY_BASE": "5m", "SOKRATOS_RETRY_MAX": "1m"},
             "SOKRATOS_RETRY_MAX",
