@@ -94,6 +94,7 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: dict[tuple[Queue, int], Item] = {}
         self._adopted: dict[tuple[Queue, int], Item] = {}  # re-claims of items running here
+        self._left_leased: dict[tuple[Queue, int], float] = {}  # ran, settle not written
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
         self._stop_claiming = threading.Event()
@@ -477,6 +478,7 @@ class Runner:
                 " (this attempt counts); fix the database error above",
             )
             self._untrack(item)  # not renewed: the lease runs out and the item is retried
+            self._leave_leased(item)
             return ABANDONED
 
     def _settle_failure(
@@ -637,6 +639,7 @@ class Runner:
                         hint="the lease expires and the item is claimed again",
                     )
                     self._untrack(item)
+                    self._leave_leased(item)
                     return None
                 bound.warning("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
                 time.sleep(delay)
@@ -648,9 +651,10 @@ class Runner:
         interval = max(0.5, self.settings.lease / 3)
         while not self._stopped.wait(interval):
             with self._lock:
-                by_queue: dict[Queue, list[int]] = {}
+                by_queue: dict[Queue, list[int]] = {q: [] for q in self.queues}
                 for q, item_id in self._inflight:
                     by_queue.setdefault(q, []).append(item_id)
+                left = self._left_leased_ids()
             try:
                 with self.database.connection() as conn:
                     for q, ids in by_queue.items():
@@ -660,10 +664,46 @@ class Runner:
                         for lost in set(ids) - kept:
                             if self._is_inflight(q, lost):  # not just settled meanwhile
                                 log.warning("lease_lost", queue=q.value, item_id=lost)
+                        self._release_orphans(conn, q, [*ids, *left.get(q, [])], interval)
             except DatabaseUnavailable as exc:
                 log.warning("lease_renewal_failed", error=str(exc))
             except Exception as exc:  # a timeout or a read-only server must not end renewals
                 log.error("lease_renewal_failed", error=describe(exc), retry_in_s=interval)
+
+    def _release_orphans(
+        self, conn: Connection, queue: Queue, keep: list[int], older_than_s: float
+    ) -> None:
+        orphans = store.release_orphans(
+            conn,
+            queue,
+            owner=self.worker_id,
+            keep=keep,
+            lease_s=self.settings.lease,
+            older_than_s=older_than_s,
+        )
+        if orphans:
+            log.warning(
+                "orphaned_leases_released",
+                queue=queue.value,
+                item_ids=orphans,
+                hint="claimed when a connection dropped before the answer; attempt given back",
+            )
+            self.wake(notified=False)
+
+    def _leave_leased(self, item: Item) -> None:
+        """An item that ran but could not be settled keeps its lease (and its attempt)."""
+        with self._lock:
+            self._left_leased[(item.queue, item.id)] = time.monotonic()
+
+    def _left_leased_ids(self) -> dict[Queue, list[int]]:
+        """Called with the lock held; forgets entries whose lease has long expired."""
+        horizon = time.monotonic() - 2 * self.settings.lease
+        for key in [k for k, at in self._left_leased.items() if at < horizon]:
+            del self._left_leased[key]
+        by_queue: dict[Queue, list[int]] = {}
+        for q, item_id in self._left_leased:
+            by_queue.setdefault(q, []).append(item_id)
+        return by_queue
 
     def _release(self, items: list[Item]) -> int:
         released = 0

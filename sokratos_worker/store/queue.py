@@ -252,6 +252,34 @@ def renew(
     return {int(row[0]) for row in rows}
 
 
+def release_orphans(
+    conn: psycopg.Connection,
+    queue: Queue,
+    *,
+    owner: str,
+    keep: Sequence[int],
+    lease_s: float,
+    older_than_s: float,
+) -> list[int]:
+    """Give back ``owner``'s leases on items it does not know it holds; returns their ids.
+
+    A claim whose COMMIT landed but whose answer was lost (the connection dropped) leaves an
+    item leased to this process that no slot runs. Only leases taken (or renewed) more than
+    ``older_than_s`` ago count: a claim being handed to a slot right now is not an orphan.
+    """
+    rows = conn.execute(
+        sql.SQL(
+            """UPDATE {table} SET attempts = greatest(attempts - 1, 0), lease_owner = NULL,
+                   lease_expires_at = NULL
+               WHERE lease_owner = %(owner)s AND NOT (id = ANY(%(keep)s))
+                 AND lease_expires_at < now() + make_interval(secs => %(lease)s - %(age)s)
+               RETURNING id"""
+        ).format(table=sql.Identifier(queue.value)),
+        {"owner": owner, "keep": list(keep), "lease": lease_s, "age": older_than_s},
+    ).fetchall()
+    return [int(row[0]) for row in rows]
+
+
 def _fence(item: Item, owner: str) -> dict[str, Any]:
     return {"id": item.id, "owner": owner, "attempt": item.attempt}
 

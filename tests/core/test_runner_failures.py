@@ -9,6 +9,7 @@ import psycopg
 from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
+from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
 from tests.support.handlers import ScriptedHandler
@@ -161,3 +162,28 @@ def test_an_item_reclaimed_by_its_own_process_runs_once(
     row = db.execute("SELECT outcome, attempts FROM work_outcomes").fetchone()
     assert row == ("saved", 2)  # the re-claim counted, as after any expired lease
     assert done == [("pending_triage", "saved")] and runner.inflight_count() == 0
+
+
+def test_an_orphaned_lease_of_this_process_is_given_back(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # A claim whose COMMIT landed but whose answer was lost leaves an item leased to this
+    # process that no slot runs: it must not wait out its lease and lose an attempt.
+    enqueue_many(db, 1)
+    (orphan,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=3)
+    db.execute("UPDATE pending_triage SET lease_expires_at = lease_expires_at + interval '1 s'")
+    done: list[tuple[str, str]] = []
+    database = Database(database_url, size=4)
+    runner = _runner(database, done, lease=3)  # renewals (and the orphan check) every second
+    # Given back at the first renewal, a second after the start: before the lease (4 s) runs
+    # out, after which the item would be claimed again with its lost attempt counted.
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not outcomes(db) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.request_stop()
+    runner.shutdown(1)
+    database.close()
+    row = db.execute("SELECT outcome, attempts FROM work_outcomes").fetchone()
+    assert row == ("saved", 1), row  # the lost claim's attempt was given back
+    assert orphan.attempt == 1 and done == [("pending_triage", "saved")]
