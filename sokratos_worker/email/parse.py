@@ -61,6 +61,7 @@ class ParsedEmail:
     date_raw: str
     body: str
     attachments: tuple[Attachment, ...] = ()
+    bcc: str = ""  # present on mail the user sent (a Sent folder)
     notes: tuple[str, ...] = ()
     raw_body: bytes = field(default=b"", repr=False)
 
@@ -317,6 +318,7 @@ def parse_email(raw: bytes) -> ParsedEmail:
         from_=_clean(_header(msg, "From", notes), notes),
         to=_clean(_header(msg, "To", notes), notes),
         cc=_clean(_header(msg, "Cc", notes), notes),
+        bcc=_clean(_header(msg, "Bcc", notes), notes),
         subject=_clean(_header(msg, "Subject", notes), notes),
         date=date,
         date_raw=_clean(date_raw, notes),
@@ -349,6 +351,8 @@ def format_email_summary(parsed: ParsedEmail) -> str:
     ]
     if parsed.cc:
         lines.append(f"CC: {truncate_bytes(parsed.cc, HEADER_LIMIT_BYTES)}")
+    if parsed.bcc:
+        lines.append(f"BCC: {truncate_bytes(parsed.bcc, HEADER_LIMIT_BYTES)}")
     lines.append(f"Subject: {truncate_bytes(parsed.subject, HEADER_LIMIT_BYTES)}")
     lines.append(
         f"Date: {parsed.date.astimezone().strftime('%Y-%m-%d %H:%M') if parsed.date else ''}"

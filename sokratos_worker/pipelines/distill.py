@@ -11,7 +11,7 @@ from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.archive import Archive, archive_from_payload
 from sokratos_worker.pipelines.schemas import Distillation, Fact
-from sokratos_worker.pipelines.text import byte_len, chunk_text, truncate_within
+from sokratos_worker.pipelines.text import byte_len, chunk_text
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
 
 log = structlog.get_logger(__name__)
@@ -71,26 +71,47 @@ class DistillationHandler:
         return self.chat.probe() and (self.embedder is None or self.embedder.probe())
 
     def _distil(self, item: Item, archive: Archive) -> tuple[list[Fact], str]:
-        """Ask for facts; on "context too long" halve the archive once and ask again."""
-        limit = DISTILL_MAX_BYTES
-        for last in (False, True):
-            text = truncate_within(archive.text, limit)
-            try:
-                result = self.chat.complete(
-                    response_model=Distillation,
-                    system=prompts.DISTILLATION,
-                    user=text,
-                    max_tokens=DISTILL_MAX_TOKENS,
-                    purpose="distillation",
-                )
-            except ContextTooLong:
-                if last:
-                    raise
-                log.info("distillation_input_shortened", item_id=item.id, bytes=byte_len(text))
-                limit //= 2
-                continue
-            return result.value.facts, result.backend
-        raise AssertionError("unreachable")  # pragma: no cover
+        """Ask for the facts of the whole archive, in windows of at most 16 kB.
+
+        A longer archive is read window by window (split at line ends) rather than cut off,
+        so nothing in it goes undistilled.
+        """
+        windows = chunk_text(archive.text, DISTILL_MAX_BYTES, min_bytes=1)
+        if len(windows) > 1:
+            log.info(
+                "distillation_in_windows",
+                item_id=item.id,
+                windows=len(windows),
+                bytes=byte_len(archive.text),
+            )
+        facts: list[Fact] = []
+        backend = ""
+        for window in windows:
+            found, backend = self._distil_window(item, window, halve=True)
+            facts.extend(found)
+        return facts, backend
+
+    def _distil_window(self, item: Item, text: str, *, halve: bool) -> tuple[list[Fact], str]:
+        """One call; on "context too long", the window's two halves (once)."""
+        try:
+            result = self.chat.complete(
+                response_model=Distillation,
+                system=prompts.DISTILLATION,
+                user=text,
+                max_tokens=DISTILL_MAX_TOKENS,
+                purpose="distillation",
+            )
+        except ContextTooLong:
+            if not halve:
+                raise
+            log.info("distillation_input_halved", item_id=item.id, bytes=byte_len(text))
+            facts: list[Fact] = []
+            backend = ""
+            for half in chunk_text(text, max(1, byte_len(text) // 2), min_bytes=1):
+                found, backend = self._distil_window(item, half, halve=False)
+                facts.extend(found)
+            return facts, backend
+        return result.value.facts, result.backend
 
     def _plan(
         self, item: Item, facts: list[Fact], backend: str, pipeline_id: int | None
@@ -101,6 +122,7 @@ class DistillationHandler:
         supersessions: list[Supersession] = []
         existing: list[int] = []
         known = 0
+        batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
         for fact in facts:
             key = fact.text.strip().lower()
             if not key or key in seen:
@@ -114,7 +136,11 @@ class DistillationHandler:
                 tags=tuple(fact.tags),
                 pipeline_id=pipeline_id,
             )
-            plan = self.writer.plan(item, draft, first_chunk=len(memories), fact_dedupe=True)
+            plan = self.writer.plan(
+                item, draft, first_chunk=len(memories), fact_dedupe=True, batch=batch
+            )
+            if plan.memories and plan.memories[0].embedding is not None:
+                batch.append(plan.memories[0].embedding)
             if plan.known_fact:
                 known += 1
             elif plan.duplicate_of is not None:

@@ -86,11 +86,9 @@ class TriageVerdict(BaseModel):
 
     @field_validator("summary")
     @classmethod
-    def _summary_present(cls, value: str) -> str:
-        text = value.strip()
-        if not text:
-            raise ValueError("summary must not be empty")
-        return text
+    def _summary_trimmed(cls, value: str) -> str:
+        # May be empty: a verdict that saves nothing needs no summary (the triage decides).
+        return value.strip()
 
     @field_validator("category")
     @classmethod

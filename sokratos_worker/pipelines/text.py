@@ -56,8 +56,11 @@ def truncate_within(text: str, limit: int) -> str:
     return truncate(text, limit - len(ELLIPSIS))
 
 
-def chunk_text(text: str, max_bytes: int = MAX_CHUNK_BYTES) -> list[str]:
-    """Split ``text`` into chunks of ≤ ``max_bytes``, preferring newlines; drop tails < 50 bytes."""
+def chunk_text(
+    text: str, max_bytes: int = MAX_CHUNK_BYTES, min_bytes: int = MIN_CHUNK_BYTES
+) -> list[str]:
+    """Split ``text`` into chunks of ≤ ``max_bytes``, preferring newlines; drop tails < 50 bytes
+    (``min_bytes``: memories skip scraps; a model's input must lose nothing, so it passes 1)."""
     data = text.encode("utf-8")
     if len(data) <= max_bytes:
         return [text]
@@ -73,7 +76,7 @@ def chunk_text(text: str, max_bytes: int = MAX_CHUNK_BYTES) -> list[str]:
                 window = window[: newline + 1]
         rest = rest[len(window) :]
         chunk = window.decode("utf-8").strip()
-        if byte_len(chunk) >= MIN_CHUNK_BYTES:
+        if byte_len(chunk) >= min_bytes:
             chunks.append(chunk)
     return chunks or [text.strip()]
 

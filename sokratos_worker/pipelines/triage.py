@@ -7,7 +7,7 @@ from datetime import datetime
 
 import structlog
 
-from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.errors import InvalidPayload, ItemError
 from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder, EmbeddingFailed
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome
 from sokratos_worker.pipelines import payload as fields
@@ -132,6 +132,12 @@ class TriageHandler:
         if verdict.salience_score < threshold:
             reason = f"salience {verdict.salience_score:g} below {key} {threshold:g}"
             return self._skip(item, backend, verdict, reason)
+        if not verdict.summary:
+            raise ItemError(
+                f"the model scored salience {verdict.salience_score:g} but gave no summary"
+                " to save",
+                backend=backend,
+            )
         draft = MemoryDraft(
             text=verdict.summary,
             salience=verdict.salience_score,

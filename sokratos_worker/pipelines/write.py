@@ -6,6 +6,7 @@ settle commits in one transaction with the item's deletion (behaviour §2, §3).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +54,13 @@ class WritePlan:
     contradiction_backend: str | None = None
 
 
+def cosine_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """pgvector's ``<=>``: 1 - cosine similarity (1.0 for a zero vector)."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return 1.0 - dot / norms if norms else 1.0
+
+
 class MemoryWriter:
     """Plans memory writes for one process; without an embedder it saves text only."""
 
@@ -64,11 +72,19 @@ class MemoryWriter:
         self.embedder = embedder
 
     def plan(
-        self, item: Item, draft: MemoryDraft, *, first_chunk: int = 0, fact_dedupe: bool = False
+        self,
+        item: Item,
+        draft: MemoryDraft,
+        *,
+        first_chunk: int = 0,
+        fact_dedupe: bool = False,
+        batch: Sequence[Sequence[float]] = (),
     ) -> WritePlan:
         """Rows for ``draft`` with origins ``item.origin(first_chunk + i)``.
 
-        ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation).
+        ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation),
+        including the facts planned before it from the same item (``batch``: their vectors),
+        which are written in the same transaction and so are not in the table yet.
         Embedding outages propagate (the attempt is given back); a failed verdict does not.
         """
         chunks = chunk_text(draft.text)
@@ -77,7 +93,10 @@ class MemoryWriter:
             return WritePlan(memories=self._rows(item, draft, bare, first_chunk))
         first = self._embed(chunks[0])
         vec = first[0][1]
-        if fact_dedupe and self.reader.fact_exists(vec, FACT_DUPLICATE_DISTANCE):
+        if fact_dedupe and (
+            any(cosine_distance(vec, other) < FACT_DUPLICATE_DISTANCE for other in batch)
+            or self.reader.fact_exists(vec, FACT_DUPLICATE_DISTANCE)
+        ):
             return WritePlan(known_fact=True)
         duplicate = self.reader.near_duplicate(vec, NEAR_DUPLICATE_DISTANCE)
         if duplicate is not None:

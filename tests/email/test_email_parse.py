@@ -33,6 +33,16 @@ def test_plain_message_fields_and_summary_format() -> None:
     assert message_key("home", parsed) == "home:<m1@example.org>"
 
 
+def test_sent_mail_shows_its_bcc_line_after_cc() -> None:
+    parsed = parse_email(
+        mails.plain(extra_headers="Cc: c@x.org\r\nBcc: Secret Santa <santa@x.org>")
+    )
+    assert parsed.bcc == "Secret Santa <santa@x.org>"
+    assert "\nCC: c@x.org\nBCC: Secret Santa <santa@x.org>\nSubject: " in format_email_summary(
+        parsed
+    )
+
+
 def test_missing_to_and_unparsable_date() -> None:
     parsed = parse_email(mails.plain(to="", date="someday soon"))
     assert parsed.date is None

@@ -11,6 +11,7 @@ from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.llm.types import ChatFailed, ContextTooLong, EmbeddingsUnavailable
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
 from sokratos_worker.pipelines import DistillationHandler
+from sokratos_worker.pipelines.text import chunk_text
 from sokratos_worker.pipelines.write import MemoryWriter
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import MemoryReader
@@ -172,14 +173,53 @@ def test_tool_output_and_the_whole_input_are_bounded(
         {"role": "assistant", "tool_calls": [{"name": "fetch", "arguments": {"x": "a" * 900}}]},
         {"role": "tool", "name": "fetch", "content": "r" * 5000},
     ] * 20
-    chat.script("distillation", ContextTooLong("too long"), {"facts": []})
+    chat.script("distillation", ContextTooLong("too long"), *[{"facts": []}] * 12)
     distill_handler(database, chat, embedder).handle(distill_item({"messages": messages}))
-    first, second = (c.user for c in chat.calls)
+    first, second, *rest = (c.user for c in chat.calls)
     assert len(first.encode()) <= 16000
-    assert len(second.encode()) <= 8000
+    # Too long for the model: that window is read in two halves, the rest in windows as before.
+    assert len(second.encode()) <= 8000 and rest and all(len(t.encode()) <= 16000 for t in rest)
     assert "[fetch result] " + "r" * 1000 + "...\n" in first
     assert "assistant called fetch(" in first
     assert "r" * 1001 not in first
+
+
+def test_a_long_archive_is_read_in_windows_and_nothing_is_left_out(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    lines = [f"[2026-03-14 09:{i % 60:02d}] user: small talk number {i}" for i in range(800)]
+    lines.append("[2026-03-14 10:00] user: I moved to Oslo last week")
+    text = "[Conversation archived 2026-03-14 10:05]\n" + "\n".join(lines)
+    assert len(text.encode()) > 2 * 16000
+    windows = len(chunk_text(text, 16000, min_bytes=1))
+    oslo = {"facts": [{"text": "The user lives in Oslo.", "salience": 7}]}
+    chat.script("distillation", *[{"facts": []}] * (windows - 1), oslo)
+    effects = distill_handler(database, chat, embedder).handle(distill_item({"archive_text": text}))
+    sent = [c.user for c in chat.calls]
+    assert len(sent) >= 3 and all(len(t.encode()) <= 16000 for t in sent)
+    assert "I moved to Oslo last week" in sent[-1]
+    assert "\n".join(sent).count("user: ") == len(lines)  # every line went to the model once
+    assert effects.outcome is Outcome.SAVED
+    assert [m.summary for m in effects.memories] == ["The user lives in Oslo."]
+
+
+def test_two_wordings_of_one_fact_in_one_archive_are_saved_once(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    first = "The user lives in Leipzig."
+    embedder.vectors["The user's home is Leipzig."] = near(embedder.vector(first), 0.05)
+    chat.script(
+        "distillation",
+        {
+            "facts": [
+                {"text": first, "salience": 7},
+                {"text": "The user's home is Leipzig.", "salience": 7},
+                {"text": "The user goes climbing.", "salience": 6},
+            ]
+        },
+    )
+    effects = distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
+    assert [m.summary for m in effects.memories] == [first, "The user goes climbing."]
 
 
 def test_final_failure_archives_the_raw_text(

@@ -42,7 +42,6 @@ def test_triage_defaults_and_cleaning() -> None:
     "reply",
     [
         {"summary": "missing score"},
-        {"salience_score": 5, "summary": "   "},
         {"salience_score": "high", "summary": "s"},
         {"salience_score": True, "summary": "s"},
         {"salience_score": 5, "summary": "s", "tags": "notalist"},
@@ -51,6 +50,13 @@ def test_triage_defaults_and_cleaning() -> None:
 def test_triage_rejects_what_cannot_be_repaired(reply: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         TriageVerdict.model_validate(reply)
+
+
+def test_an_empty_summary_is_a_valid_reply() -> None:
+    # Nothing worth keeping, and said so: the triage skips it below the threshold (Sokratos
+    # decodes it the same way) instead of retrying and dead-lettering a valid answer.
+    verdict = TriageVerdict.model_validate({"salience_score": 0, "summary": "  "})
+    assert verdict.summary == ""
 
 
 def test_schemas_ask_for_every_key() -> None:

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from sokratos_worker.config import load_settings
-from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.errors import InvalidPayload, ItemError
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.llm.types import (
     ChatFailed,
@@ -307,6 +307,18 @@ def email_payload(**extra: object) -> dict[str, object]:
         "text": "From: HR\nTo: me\nSubject: Your offer\nDate: 2026-03-13 10:15\n\nWe are pleased.",
         **extra,
     }
+
+
+def test_an_empty_summary_is_skipped_below_the_threshold_and_retried_above_it(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("conversation_triage", verdict(1, summary=""), verdict(8, summary=""))
+    handler = triage_handler(database, chat, embedder)
+    item = make_item({"exchange": "user: nothing much today\nassistant: ok, enjoy"})
+    effects = handler.handle(item)
+    assert effects.outcome is Outcome.SKIPPED and "below" in (effects.detail or "")
+    with pytest.raises(ItemError, match="no summary"):
+        handler.handle(item)
 
 
 def test_email_save_false_vetoes_a_high_score(
