@@ -122,6 +122,7 @@ class DistillationHandler:
         supersessions: list[Supersession] = []
         existing: list[int] = []
         known = 0
+        unchecked = 0  # facts saved without a contradiction verdict
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
         for fact in facts:
             key = fact.text.strip().lower()
@@ -147,6 +148,7 @@ class DistillationHandler:
                 existing.append(plan.duplicate_of)
             memories.extend(plan.memories)
             supersessions.extend(plan.supersessions)
+            unchecked += plan.contradiction_failed is not None
         log.info(
             "distillation_planned",
             item_id=item.id,
@@ -161,9 +163,12 @@ class DistillationHandler:
             return Effects(
                 Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
             )
+        detail = f"{len(seen) - known - len(existing)} new facts of {len(facts)}"
+        if unchecked:
+            detail += f"; contradiction check failed for {unchecked}: nothing superseded"
         return Effects(
             Outcome.SAVED,
-            detail=f"{len(seen) - known - len(existing)} new facts of {len(facts)}",
+            detail=detail,
             memories=tuple(memories),
             supersessions=tuple(supersessions),
             existing_memory_ids=tuple(existing),

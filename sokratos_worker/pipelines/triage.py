@@ -134,8 +134,7 @@ class TriageHandler:
             return self._skip(item, backend, verdict, reason)
         if not verdict.summary:
             raise ItemError(
-                f"the model scored salience {verdict.salience_score:g} but gave no summary"
-                " to save",
+                f"the model scored salience {verdict.salience_score:g} but gave no summary to save",
                 backend=backend,
             )
         draft = MemoryDraft(
@@ -164,9 +163,14 @@ class TriageHandler:
             superseded=len(plan.supersessions),
             backend=backend,
         )
+        detail = f"salience {verdict.salience_score:g} (threshold {threshold:g})"
+        if plan.contradiction_failed:
+            detail += (
+                f"; contradiction check failed ({plan.contradiction_failed}): nothing superseded"
+            )
         return Effects(
             Outcome.SAVED,
-            detail=f"salience {verdict.salience_score:g} (threshold {threshold:g})",
+            detail=detail,
             memories=plan.memories,
             supersessions=plan.supersessions,
             backend=backend,

@@ -52,6 +52,7 @@ class WritePlan:
     duplicate_of: int | None = None
     known_fact: bool = False
     contradiction_backend: str | None = None
+    contradiction_failed: str | None = None  # why no verdict came (saved all the same)
 
 
 def cosine_distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -105,9 +106,14 @@ class MemoryWriter:
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
         memories = self._rows(item, draft, embedded, first_chunk)
-        supersessions, backend = self._contradictions(item, draft.text, vec, memories[0].origin)
+        supersessions, backend, failed = self._contradictions(
+            item, draft.text, vec, memories[0].origin
+        )
         return WritePlan(
-            memories=memories, supersessions=supersessions, contradiction_backend=backend
+            memories=memories,
+            supersessions=supersessions,
+            contradiction_backend=backend,
+            contradiction_failed=failed,
         )
 
     def _embed(self, text: str) -> list[tuple[str, list[float]]]:
@@ -149,13 +155,14 @@ class MemoryWriter:
 
     def _contradictions(
         self, item: Item, summary: str, vec: list[float], new_origin: str
-    ) -> tuple[tuple[Supersession, ...], str | None]:
-        """Supersessions of the live memories the LLM judges contradicted by ``summary``."""
+    ) -> tuple[tuple[Supersession, ...], str | None, str | None]:
+        """Supersessions of the live memories the LLM judges contradicted by ``summary``,
+        the backend that judged, and why no verdict came (if it did not)."""
         if self.chat is None:
-            return (), None
+            return (), None, None
         candidates = self.reader.similar_live(vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES)
         if not candidates:
-            return (), None
+            return (), None, None
         try:
             result = self.chat.complete(
                 response_model=ContradictionVerdicts,
@@ -172,7 +179,7 @@ class MemoryWriter:
                 candidates=len(candidates),
                 error=type(exc).__name__,
             )
-            return (), None
+            return (), None, type(exc).__name__
         contradicted = result.value.contradicted(len(candidates))
         log.info(
             "contradiction_checked",
@@ -185,4 +192,4 @@ class MemoryWriter:
             Supersession(old_memory_id=candidates[n - 1].id, new_origin=new_origin)
             for n in contradicted
         )
-        return supersessions, result.backend
+        return supersessions, result.backend, None

@@ -212,6 +212,8 @@ def test_a_failed_verdict_still_saves_without_supersession(
     effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
     assert effects.outcome is Outcome.SAVED
     assert effects.supersessions == ()
+    # The outcome row says so: an operator can tell "nothing contradicted" from "not checked".
+    assert "contradiction check failed (ChatFailed)" in (effects.detail or "")
 
 
 def test_superseded_and_identity_memories_are_not_candidates(
