@@ -152,6 +152,7 @@ class Runner:
         released = self._release(leftovers)
         for _ in range(self.settings.concurrency):
             self._handoff.put(None)
+        self._stopped.set()  # the lease renewer ends too: nothing of ours is leased any more
         return released
 
     def inflight_count(self) -> int:
