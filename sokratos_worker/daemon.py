@@ -39,8 +39,9 @@ from sokratos_worker.store.queue import NOTIFY_CHANNEL
 
 log = structlog.get_logger(__name__)
 
-# The dispatcher's longest legitimate pause: a health probe of every backend (15 s each)
-# while claiming is paused. Past this it is hung, and the watchdog pings stop.
+# The dispatcher comes round at least once a second, also while it waits for a backend probe
+# or for the database; one claim statement or pool checkout blocking it longer than this
+# (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
 DISPATCHER_STALL_S = 120.0
 
 EXIT_OK = 0

@@ -288,27 +288,46 @@ class Runner:
         return True
 
     def _latest_claim(self, item: Item) -> Item:
-        """The claim a settle must be fenced by: a re-claim adopted while the item ran wins."""
+        """The claim a settle must be fenced by: a re-claim adopted while the item ran wins
+        (also after an earlier settle of this run swapped it in and then failed)."""
+        key = (item.queue, item.id)
         with self._lock:
-            newer = self._adopted.pop((item.queue, item.id), None)
-            if newer is None:
-                return item
-            self._inflight[(item.queue, item.id)] = newer
-            return newer
+            newer = self._adopted.pop(key, None)
+            if newer is not None:
+                self._inflight[key] = newer
+                return newer
+            return self._inflight.get(key, item)
 
     def _is_inflight(self, queue: Queue, item_id: int) -> bool:
         with self._lock:
             return (queue, item_id) in self._inflight
 
-    def _untrack(self, item: Item) -> bool:
+    def _untrack(self, item: Item, *, leave_leased: bool = False) -> bool:
+        """The run of ``item`` is over. ``leave_leased``: it ran but its settle could not be
+        written, so its lease (and attempt) stays; recorded in the same step, so the
+        orphan check never sees it in neither place."""
+        key = (item.queue, item.id)
         with self._lock:
-            return self._inflight.pop((item.queue, item.id), None) is not None
+            found = self._inflight.pop(key, None) is not None
+            if leave_leased:
+                self._left_leased[key] = time.monotonic()
+            # Claimed again after this run's settle was fenced by its older claim: the new
+            # claim's attempt is counted and nothing else will run it, so a slot does.
+            again = self._adopted.pop(key, None)
+            if again is not None:
+                self._inflight[key] = again
+        if again is not None:
+            log.info("item_runs_under_its_new_claim", queue=item.queue.value, item_id=item.id)
+            self._handoff.put(again)
+        return found
 
     def _take_inflight(self) -> list[Item]:
+        """Every claim this process holds, the newest of each item (for release at shutdown)."""
         with self._lock:
-            items = list(self._inflight.values())
+            items = {**self._inflight, **self._adopted}
             self._inflight.clear()
-        return items
+            self._adopted.clear()
+        return list(items.values())
 
     # -- pause when no backend can be reached ----------------------------------------
 
@@ -330,7 +349,7 @@ class Runner:
     def _maybe_resume(self) -> None:
         if time.monotonic() < self._paused_until:
             return
-        if any(self._probe(h) for h in self.handlers.values()):
+        if self._probe_while_alive():
             self._pause_delay = 5.0
             self._paused_until = 0.0
             self._set_state(State.RUNNING, "")
@@ -338,6 +357,21 @@ class Runner:
             self.wake(notified=False)
         else:
             self._pause(self.state_detail or "backends still unreachable", probe_failed=True)
+
+    def _probe_while_alive(self) -> bool:
+        """Probe the handlers in a thread, proving progress meanwhile: a probe of several
+        hung backends can outlast the watchdog, and waiting for it is not being stuck."""
+        healthy: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: healthy.append(any(self._probe(h) for h in self.handlers.values())),
+            name="probe",
+            daemon=True,
+        )
+        thread.start()
+        while thread.is_alive() and not self._stop_claiming.is_set():
+            thread.join(1.0)
+            self._progress()
+        return bool(healthy and healthy[0])
 
     @staticmethod
     def _probe(handler: Handler) -> bool:
@@ -455,12 +489,12 @@ class Runner:
                 backend=effects.backend,
                 duration_ms=round((time.monotonic() - started) * 1000, 1),
             )
+            kind = effects.outcome.value
         else:
-            self._report_fenced(item, bound)
+            kind = self._report_fenced(item, bound, released=LEASE_LOST)
         # Tracked first, so in-flight never reads 0 in between.
         fresh = [next_item for next_item in next_items if self._track(next_item)]
         self._untrack(item)
-        kind = effects.outcome.value if result.settled else LEASE_LOST
         return (fresh[0] if fresh else None), kind
 
     def _fail(
@@ -478,8 +512,8 @@ class Runner:
                 hint="the item stays leased until its lease expires, then runs again"
                 " (this attempt counts); fix the database error above",
             )
-            self._untrack(item)  # not renewed: the lease runs out and the item is retried
-            self._leave_leased(item)
+            # Not renewed: the lease runs out and the item runs again (this attempt counts).
+            self._untrack(item, leave_leased=True)
             return ABANDONED
 
     def _settle_failure(
@@ -494,7 +528,7 @@ class Runner:
                 item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
             )
             if given is not None:
-                kind = RELEASED if given else LEASE_LOST
+                kind = RELEASED if given else self._report_fenced(item, bound, released=RELEASED)
             with self._lock:
                 self._stats.add(item.queue, "given_back")
             bound.warning("attempt_given_back", reason=decision.reason)
@@ -523,8 +557,7 @@ class Runner:
                     "item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1)
                 )
             elif ok is False:
-                kind = LEASE_LOST
-                self._report_fenced(item, bound)
+                kind = self._report_fenced(item, bound, released=RETRY)
         else:
             memories = (
                 () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
@@ -543,8 +576,7 @@ class Runner:
                     hint="see 'sokratos-worker failed list'; replay with 'failed retry ID'",
                 )
             elif result is not None:
-                kind = LEASE_LOST
-                self._report_fenced(item, bound)
+                kind = self._report_fenced(item, bound, released=LEASE_LOST)
         self._untrack(item)
         return kind
 
@@ -597,27 +629,35 @@ class Runner:
             bound.warning("archive_memories_failed", error=describe(exc))
             return ()
 
-    def _report_fenced(self, item: Item, bound: structlog.BoundLogger) -> None:
-        """Say why a settle changed nothing: another owner, or our own earlier settle."""
+    def _report_fenced(self, item: Item, bound: structlog.BoundLogger, released: str) -> str:
+        """Say why a settle changed nothing, and return how the attempt really ended: the
+        outcome an earlier commit of ours recorded (its answer lost with the connection),
+        ``released`` when the item waits unleased (our retry or give-back landed), or
+        ``lease_lost``."""
         try:
             with self._connection() as conn:
-                landed = store.outcome_exists(conn, item)
+                outcome = store.outcome_of(conn, item)
                 exists, owner = store.lease_owner(conn, item)
         except DatabaseUnavailable:
-            landed, exists, owner = False, True, "unknown"
-        if landed:
-            bound.info("item_already_settled")
-        elif exists and owner is not None:
+            outcome, exists, owner = None, True, "unknown"
+        if outcome is not None:
+            bound.info("item_already_settled", outcome=outcome)
+            with self._lock:
+                self._stats.add(item.queue, outcome)
+            return outcome
+        if exists and owner is not None:
             bound.warning(
                 "lease_lost",
                 new_owner=owner,
                 hint="another worker took the item over; it finishes it",
             )
-        elif exists:
+            return LEASE_LOST
+        if exists:
             # A retry or give-back of ours landed before the connection dropped.
             bound.info("item_already_released")
-        else:
-            bound.warning("item_gone", hint="its row was deleted outside the worker")
+            return released
+        bound.warning("item_gone", hint="its row was deleted outside the worker")
+        return LEASE_LOST
 
     def _with_database(
         self,
@@ -639,8 +679,7 @@ class Runner:
                         error=str(exc),
                         hint="the lease expires and the item is claimed again",
                     )
-                    self._untrack(item)
-                    self._leave_leased(item)
+                    self._untrack(item, leave_leased=True)
                     return None
                 bound.warning("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
                 time.sleep(delay)
@@ -655,7 +694,6 @@ class Runner:
                 by_queue: dict[Queue, list[int]] = {q: [] for q in self.queues}
                 for q, item_id in self._inflight:
                     by_queue.setdefault(q, []).append(item_id)
-                left = self._left_leased_ids()
             try:
                 with self.database.connection() as conn:
                     for q, ids in by_queue.items():
@@ -665,7 +703,8 @@ class Runner:
                         for lost in set(ids) - kept:
                             if self._is_inflight(q, lost):  # not just settled meanwhile
                                 log.warning("lease_lost", queue=q.value, item_id=lost)
-                        self._release_orphans(conn, q, [*ids, *left.get(q, [])], interval)
+                        # Taken again now: the pass may have waited longer than a claim's age.
+                        self._release_orphans(conn, q, self._held_ids(q), interval)
             except DatabaseUnavailable as exc:
                 log.warning("lease_renewal_failed", error=str(exc))
             except Exception as exc:  # a timeout or a read-only server must not end renewals
@@ -691,20 +730,16 @@ class Runner:
             )
             self.wake(notified=False)
 
-    def _leave_leased(self, item: Item) -> None:
-        """An item that ran but could not be settled keeps its lease (and its attempt)."""
-        with self._lock:
-            self._left_leased[(item.queue, item.id)] = time.monotonic()
-
-    def _left_leased_ids(self) -> dict[Queue, list[int]]:
-        """Called with the lock held; forgets entries whose lease has long expired."""
+    def _held_ids(self, queue: Queue) -> list[int]:
+        """The items of ``queue`` whose lease this process knows it holds: running, adopted,
+        or left leased after a settle that could not be written (those expire by themselves,
+        so entries older than the lease are forgotten)."""
         horizon = time.monotonic() - 2 * self.settings.lease
-        for key in [k for k, at in self._left_leased.items() if at < horizon]:
-            del self._left_leased[key]
-        by_queue: dict[Queue, list[int]] = {}
-        for q, item_id in self._left_leased:
-            by_queue.setdefault(q, []).append(item_id)
-        return by_queue
+        with self._lock:
+            for key in [k for k, at in self._left_leased.items() if at < horizon]:
+                del self._left_leased[key]
+            keys = {*self._inflight, *self._adopted, *self._left_leased}
+        return [item_id for q, item_id in keys if q is queue]
 
     def _release(self, items: list[Item]) -> int:
         released = 0

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from sokratos_worker.config import ConfigError
@@ -52,6 +53,22 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+# A server that vanished without closing the TCP connection (a host down, a network cut)
+# is noticed in about a minute instead of never (libpq ignores these on Unix sockets).
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
+def with_keepalives(conninfo: str) -> str:
+    """``conninfo`` with TCP keepalives, unless it sets them itself."""
+    given = conninfo_to_dict(conninfo)
+    return make_conninfo(conninfo, **{k: v for k, v in KEEPALIVES.items() if k not in given})
+
+
 # What the server answers when the URL itself is wrong: waiting will not help. These come
 # without a SQLSTATE (libpq reports start-up failures as text), like a refused connection.
 _LOGIN_REFUSED = (
@@ -76,7 +93,9 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
     """One connection outside any pool (migrations, LISTEN, CLI commands)."""
     try:
         with translated():
-            return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=int(timeout))
+            return psycopg.connect(
+                with_keepalives(conninfo), autocommit=autocommit, connect_timeout=int(timeout)
+            )
     except DatabaseUnavailable as exc:
         cause = exc.__cause__
         text = str(cause or exc)
@@ -100,7 +119,7 @@ def make_pool(
     grows beyond them one connection at a time, on demand, up to ``size``.
     """
     return ConnectionPool(
-        conninfo,
+        with_keepalives(conninfo),
         min_size=max(1, min(keep_open, size)),
         max_size=max(1, size),
         kwargs={"autocommit": True, "connect_timeout": 10},
@@ -126,9 +145,13 @@ def wait_for_database(
             with connect(conninfo, timeout=min(10.0, max(1.0, deadline_s))) as conn:
                 conn.execute("SELECT 1")
             return
-        except DatabaseUnavailable as exc:
+        except (DatabaseUnavailable, DatabaseLoginRefused) as exc:
+            # A refused login is waited out too (a directory server behind the database's
+            # authentication may be restarting), but ends as the configuration error it is.
             waited = time.monotonic() - started
             if waited + delay > deadline_s:
+                if isinstance(exc, DatabaseLoginRefused):
+                    raise
                 raise DatabaseUnavailable(
                     f"database still unreachable after {waited:.0f}s: {exc}"
                 ) from exc

@@ -264,14 +264,16 @@ def release_orphans(
     """Give back ``owner``'s leases on items it does not know it holds; returns their ids.
 
     A claim whose COMMIT landed but whose answer was lost (the connection dropped) leaves an
-    item leased to this process that no slot runs. Only leases taken (or renewed) more than
-    ``older_than_s`` ago count: a claim being handed to a slot right now is not an orphan.
+    item leased to this process that no slot runs. Only live leases taken (or renewed) more
+    than ``older_than_s`` ago count: a claim being handed to a slot right now is not an
+    orphan, and an expired lease is anyone's to claim again (that claim counts the attempt).
     """
     rows = conn.execute(
         sql.SQL(
             """UPDATE {table} SET attempts = greatest(attempts - 1, 0), lease_owner = NULL,
                    lease_expires_at = NULL
                WHERE lease_owner = %(owner)s AND NOT (id = ANY(%(keep)s))
+                 AND lease_expires_at > now()
                  AND lease_expires_at < now() + make_interval(secs => %(lease)s - %(age)s)
                RETURNING id"""
         ).format(table=sql.Identifier(queue.value)),
@@ -469,13 +471,13 @@ def dead_letter(
     return SettleResult(settled=True, memory_ids=memory_ids)
 
 
-def outcome_exists(conn: psycopg.Connection, item: Item) -> bool:
-    """True when the item already has its outcome (a commit that landed before a drop)."""
+def outcome_of(conn: psycopg.Connection, item: Item) -> str | None:
+    """The item's recorded outcome, if it has one (a commit that landed before a drop)."""
     row = conn.execute(
-        "SELECT 1 FROM work_outcomes WHERE queue = %s AND item_id = %s",
+        "SELECT outcome FROM work_outcomes WHERE queue = %s AND item_id = %s",
         (item.queue.value, item.id),
     ).fetchone()
-    return row is not None
+    return str(row[0]) if row is not None else None
 
 
 def lease_owner(conn: psycopg.Connection, item: Item) -> tuple[bool, str | None]:

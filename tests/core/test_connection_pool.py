@@ -41,4 +41,3 @@ def test_the_pool_grows_beyond_keep_open_up_to_its_size(database_url: str) -> No
         assert _backends(database_url) == 3  # returned, they stay open (idle) until max_idle
     finally:
         database.close()
-

@@ -40,7 +40,7 @@ def test_a_key_inserted_directly_is_one_item_while_pending_and_after_it_finished
 
 
 def test_rows_inserted_without_a_key_are_not_remembered(db: psycopg.Connection) -> None:
-    db.execute("INSERT INTO pending_distillation (payload) VALUES ('{\"archive_text\": \"a\"}')")
+    db.execute('INSERT INTO pending_distillation (payload) VALUES (\'{"archive_text": "a"}\')')
     assert count(db, "SELECT count(*) FROM sokratos_idempotency_keys") == 0
     assert _enqueue(db, "k") != _enqueue(db, "k2")
     assert count(db, "SELECT count(*) FROM sokratos_idempotency_keys") == 2

@@ -1,0 +1,152 @@
+"""Interleavings of claims, settles and renewals, forced one step at a time (found in review).
+
+Each test drives the runner's steps by hand or injects the other thread's step into the
+window, against a real PostgreSQL, and asserts the attempt accounting of durability.md.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.model import Item, Queue
+from sokratos_worker.runner import Runner
+from sokratos_worker.store import queue as store
+from sokratos_worker.store.connection import Database
+from tests.support.db import count, enqueue_many, outcomes
+from tests.support.handlers import ScriptedHandler
+
+
+class Recording(ScriptedHandler):
+    """Also records the attempt number of every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts: list[int] = []
+
+    def handle(self, item: Item) -> Any:
+        self.attempts.append(item.attempt)
+        return super().handle(item)
+
+
+def _runner(
+    database: Database, done: list[tuple[str, str]], **overrides: object
+) -> tuple[Runner, Recording]:
+    values: dict[str, object] = {
+        "concurrency": 2,
+        "retry_base": 0.01,
+        "retry_max": 0.02,
+        "lease": 30,
+        "shutdown_grace": 5,
+    }
+    values.update(overrides)
+    handler = Recording()
+    runner = Runner(
+        settings=Settings(**values),  # type: ignore[arg-type]
+        database=database,
+        handlers={Queue.TRIAGE: handler},
+        worker_id="test",
+        on_item_done=lambda q, kind, _s: done.append((q.value, kind)),
+    )
+    return runner, handler
+
+
+def test_a_refused_settle_after_an_adopted_reclaim_is_retried_under_the_new_claim(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enqueue_many(db, 1, behaviour="skip")
+    database = Database(database_url, size=4)
+    done: list[tuple[str, str]] = []
+    runner, _ = _runner(database, done)
+    (first,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
+    runner._track(first)  # a slot runs it (attempt 1) ...
+    db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 s'")
+    assert runner._claim_for_idle_slots() == (1, 1)  # ... and it is claimed again: adopted
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise psycopg.errors.CheckViolation("memories refused (injected)")
+
+    monkeypatch.setattr(store, "settle_success", refused)
+    runner._process(first)
+    database.close()
+    row = db.execute("SELECT attempts, lease_owner, last_error FROM pending_triage").fetchone()
+    assert row is not None and row[:2] == (2, None) and "memories refused" in row[2]
+    assert done == [("pending_triage", "retry")] and runner.inflight_count() == 0
+
+
+def test_a_claim_landing_between_give_back_and_untrack_is_run_not_leaked(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (item_id,) = enqueue_many(db, 1, behaviour="unavailable")
+    database = Database(database_url, size=4)
+    done: list[tuple[str, str]] = []
+    runner, _ = _runner(database, done)
+    (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
+    runner._track(item)
+    real_pause = runner._pause
+
+    def pause_after_a_concurrent_claim(reason: str, **kwargs: Any) -> None:
+        runner._claim_for_idle_slots()  # another thread's claim lands in this window
+        real_pause(reason, **kwargs)
+
+    monkeypatch.setattr(runner, "_pause", pause_after_a_concurrent_claim)
+    runner._process(item)
+    database.close()
+    assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (1, "test")
+    # The new claim (its attempt counted) goes to a slot, tracked and renewed like any other.
+    assert runner.inflight_count() == 1 and not runner._adopted
+    handed = runner._handoff.get_nowait()
+    assert handed is not None and (handed.id, handed.attempt) == (item_id, 1)
+
+
+def test_an_abandoned_attempt_counts_even_when_its_lease_expires_unclaimed(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # Every retry is refused by the database: each attempt is abandoned and must count, so the
+    # item reaches failed_operations instead of having its attempts given back for ever.
+    db.execute("ALTER TABLE pending_triage ADD CONSTRAINT no_retry CHECK (last_error IS NULL)")
+    enqueue_many(db, 1, behaviour="fail")
+    database = Database(database_url, size=4)
+    done: list[tuple[str, str]] = []
+    runner, handler = _runner(database, done, concurrency=1, lease=1.5, max_attempts=2)
+    runner.start()
+    deadline = time.monotonic() + 20
+    while not count(db, "SELECT count(*) FROM failed_operations") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.request_stop()
+    runner.shutdown(1)
+    database.close()
+    assert handler.attempts == [1, 2], handler.attempts
+    assert outcomes(db) and set(outcomes(db).values()) == {"failed"}
+
+
+def test_a_settle_that_landed_before_its_answer_was_lost_counts_as_its_outcome(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enqueue_many(db, 1)
+    database = Database(database_url, size=4)
+    done: list[tuple[str, str]] = []
+    runner, _ = _runner(database, done, concurrency=1)
+    real = store.settle_success
+    dropped: list[int] = []
+
+    def drop_the_answer(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real(conn, *args, **kwargs)
+        if not dropped:
+            dropped.append(1)
+            raise DatabaseUnavailable("connection dropped after COMMIT (injected)")
+        return result
+
+    monkeypatch.setattr(store, "settle_success", drop_the_answer)
+    runner.start(drain_only=True)
+    assert runner.wait_drained(30)
+    runner.shutdown(1)
+    database.close()
+    assert set(outcomes(db).values()) == {"saved"}
+    assert done == [("pending_triage", "saved")]
+    assert runner.take_stats().counts["pending_triage"]["saved"] == 1
