@@ -164,6 +164,9 @@ class TriageHandler:
             backend=backend,
         )
         detail = f"salience {verdict.salience_score:g} (threshold {threshold:g})"
+        if verdict.paradigm_shift:
+            # Transitions are the main application's (contract §5): leave it the model's flag.
+            detail += "; paradigm shift flagged"
         if plan.contradiction_failed:
             detail += (
                 f"; contradiction check failed ({plan.contradiction_failed}): nothing superseded"

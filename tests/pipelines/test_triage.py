@@ -323,6 +323,15 @@ def test_an_empty_summary_is_skipped_below_the_threshold_and_retried_above_it(
         handler.handle(item)
 
 
+def test_a_paradigm_shift_flag_is_left_in_the_outcome_for_the_main_application(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    chat.script("conversation_triage", verdict(9, paradigm_shift=True))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    assert (effects.detail or "").endswith("; paradigm shift flagged")
+
+
 def test_email_save_false_vetoes_a_high_score(
     database: Database, chat: FakeChat, embedder: FakeEmbedder
 ) -> None:
