@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -58,9 +59,11 @@ def enqueue(
     privileges).
     """
     clean = storable_payload(payload)
+    if key is None and spool_dir is not None:
+        # A connection lost mid-call counts as unreachable and is spooled; the spooled copy
+        # carries the key the database saw, so a COMMIT that did land is not enqueued twice.
+        key = f"spool:{uuid.uuid4()}"
     try:
-        # A connection lost mid-call counts as unreachable: spooled (without a key, a commit
-        # that did land is then enqueued twice rather than lost).
         with translated(), connect(conninfo, timeout=5.0) as conn:
             return Enqueued(
                 item_id=store.enqueue(conn, queue, clean, idempotency_key=key, source=source)

@@ -108,3 +108,30 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
     assert "NaN" in nan["raw"] and "not json" in raw["raw"]
     # Every file is accounted for: one enqueued, four recorded (with what they held).
     assert count(db, "SELECT count(*) FROM pending_triage") + len(rows) == 5
+
+
+def test_a_commit_whose_answer_was_lost_is_spooled_and_imported_as_one_item(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sokratos_worker.errors import DatabaseUnavailable
+    from sokratos_worker.store import queue as store
+
+    real = store.enqueue
+
+    def commit_then_drop(*args: object, **kwargs: object) -> int:
+        real(*args, **kwargs)  # type: ignore[arg-type]  # autocommit: it landed
+        raise DatabaseUnavailable("connection lost after COMMIT (injected)")
+
+    monkeypatch.setattr(store, "enqueue", commit_then_drop)
+    spool = tmp_path / "spool"
+    result = enqueue_triage(
+        database_url, "user: I adopted a cat\nassistant: lovely", spool_dir=spool
+    )
+    assert result.spooled is not None  # the client cannot know the COMMIT landed
+    monkeypatch.setattr(store, "enqueue", real)
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database) == 1
+    finally:
+        database.close()
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1  # one item, not two
