@@ -13,7 +13,10 @@ from sokratos_worker.store.connection import connect
 
 def collect_status(settings: Settings) -> dict[str, Any]:
     """The contract's ``status --json`` object (plus a few more keys)."""
-    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
+    from sokratos_worker.cli import (  # noqa: PLC0415 - avoid an import cycle
+        EmbeddedUnavailable,
+        database_url,
+    )
 
     report: dict[str, Any] = {
         "database": "unreachable",
@@ -39,7 +42,8 @@ def collect_status(settings: Settings) -> dict[str, Any]:
                 conn, stale_after_s=max(180.0, settings.heartbeat_interval * 3)
             )
             report["email_accounts"] = _accounts(settings, conn)
-    except DatabaseUnavailable as exc:
+    except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
+        # Reported, not raised: scripts read "database" (contract §1), and status exits 0.
         report["error"] = str(exc)
     return report
 

@@ -240,6 +240,12 @@ def test_enqueue_when_the_embedded_postgres_cannot_start_spools_a_checked_payloa
     record = json.loads(Path(proc.stdout.removeprefix("spooled ").strip()).read_text("utf-8"))
     assert record["payload"]["exchange"].startswith("user: a\ufffdb")
     assert record["payload"]["_sanitized"]
+    # status reports it as the contract's "unreachable" (scripts read that field), exit 0.
+    status = cli("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["database"] == "unreachable" and "could not start" in report["error"]
+    assert report["spooled"] == 1
 
 
 def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
