@@ -106,4 +106,5 @@ def run_once(worker: Worker) -> int:
     worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
     worker.runner.shutdown(worker.settings.shutdown_grace)
     worker._report(0)
+    worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     return EXIT_OK

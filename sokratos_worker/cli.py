@@ -343,10 +343,19 @@ def _enqueue_or_spool(
 
     try:
         with database_url(settings, wait=False) as url:
-            return client.enqueue(url, queue, payload, key=key, spool_dir=settings.spool_dir)
+            return client.enqueue(
+                url,
+                queue,
+                payload,
+                key=key,
+                spool_dir=settings.spool_dir,
+                spool_for=settings.database_identity,
+            )
     except EmbeddedUnavailable:
         # No server at all: spooled, sanitized and checked as client.enqueue spools.
-        return client.spool(settings.spool_dir, queue, payload, key=key)
+        return client.spool(
+            settings.spool_dir, queue, payload, key=key, spool_for=settings.database_identity
+        )
 
 
 def _refused_enqueue(exc: psycopg.Error) -> str:
@@ -380,7 +389,8 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
     if problem:
         print(f"sokratos-worker failed retry: error: {problem}", file=sys.stderr)
         return EXIT_FAILURE
-    with database_url(settings) as url, connect(url) as conn:
+    # An operator at a terminal: say at once that the database is away (exit 75), no waiting.
+    with database_url(settings, wait=False) as url, connect(url) as conn:
         if args.action == "list":
             rows = failures.list_failures(conn, op_type=args.op_type, limit=args.limit)
             for row in rows:

@@ -51,8 +51,10 @@ def enqueue(
     key: str | None = None,
     source: str | None = None,
     spool_dir: Path | None = None,
+    spool_for: str | None = None,
 ) -> Enqueued:
-    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead.
+    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead
+    (``spool_for``: ``Settings.database_identity``, so only a worker on it imports the file).
 
     Raises :class:`InvalidPayload` naming the field when the payload is malformed, and
     psycopg's own errors for what the database refuses otherwise (missing migrations or
@@ -71,7 +73,7 @@ def enqueue(
     except DatabaseUnavailable:
         if spool_dir is None:
             raise
-        return spool(spool_dir, queue, clean, key=key, source=source)
+        return spool(spool_dir, queue, clean, key=key, source=source, spool_for=spool_for)
 
 
 def spool(
@@ -81,12 +83,15 @@ def spool(
     *,
     key: str | None = None,
     source: str | None = None,
+    spool_for: str | None = None,
 ) -> Enqueued:
     """Write the enqueue to the spool, sanitized and checked as the database would check it."""
     clean = storable_payload(payload)
     _validate_offline(queue, clean, source)
     return Enqueued(
-        spooled=spool_enqueue(spool_dir, queue, clean, idempotency_key=key, source=source)
+        spooled=spool_enqueue(
+            spool_dir, queue, clean, idempotency_key=key, source=source, database=spool_for
+        )
     )
 
 

@@ -342,6 +342,16 @@ class Settings(BaseSettings):
         return self.embedding_url is not None
 
     @property
+    def database_identity(self) -> str:
+        """Which database this is, without credentials: a spool file is imported only there."""
+        if self.database_url is None:
+            return f"embedded:{self.data_dir}"
+        info = conninfo_to_dict(self.database_url.get_secret_value())
+        host = info.get("host") or info.get("hostaddr") or "localhost"
+        dbname = info.get("dbname") or info.get("user") or ""
+        return f"postgresql://{host}:{info.get('port') or 5432}/{dbname}"
+
+    @property
     def spool_dir(self) -> Path:
         """Where enqueues wait while PostgreSQL is unreachable."""
         return self.data_dir / "spool"
@@ -378,6 +388,8 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "missing":
             message = "is required"
+        elif error["type"] == "extra_forbidden":
+            message = "is not a known field (a typo? see deploy/sokratos-worker.env.example)"
         variable = _variable_for(error["loc"])
         if variable == "configuration" and message.startswith(ENV_PREFIX):
             # A cross-field check names its variable first: "SOKRATOS_X must …", "SOKRATOS_X: …".

@@ -88,7 +88,10 @@ class Worker:
     def tick(self, *, email: bool = True) -> None:
         """One heartbeat: spool import, due email checks, heartbeat row, report, wake."""
         imported = self._safely(
-            "spool_import", lambda: import_spool(self.settings.spool_dir, self.database)
+            "spool_import",
+            lambda: import_spool(
+                self.settings.spool_dir, self.database, self.settings.database_identity
+            ),
         )
         if email and self.settings.email_accounts and self.settings.email_check_interval > 0:
             self.check_email()
@@ -160,6 +163,10 @@ class Worker:
             "heartbeat",
             lambda: self._write_heartbeat(self.runner.state, detail),
         )
+
+    def record_stopped(self) -> None:
+        """The last heartbeat: ``status`` no longer lists this process as live."""
+        self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
 
     def _write_heartbeat(self, state: str, detail: dict[str, Any]) -> None:
         with self.database.connection() as conn:
@@ -255,9 +262,9 @@ class Worker:
                     while not self._stop.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.runner.wake()
-            except DatabaseUnavailable as exc:
-                log.warning("listen_reconnecting", error=str(exc), retry_in_s=delay)
             except Exception as exc:
+                if self._stop.is_set():
+                    return  # the database went away because we are stopping: not news
                 log.warning("listen_reconnecting", error=str(exc).strip(), retry_in_s=delay)
             self._stop.wait(delay)
             delay = min(delay * 2, 10.0)
@@ -296,7 +303,7 @@ class Worker:
         )
         scheduler.shutdown(wait=False)
         released = self.runner.shutdown(self.settings.shutdown_grace)
-        self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
+        self.record_stopped()
         if metrics_server is not None:
             metrics_server.stop()
         log.info("worker_stopped", released=released)

@@ -51,10 +51,13 @@ def spool_enqueue(
     *,
     idempotency_key: str | None,
     source: str | None,
+    database: str | None = None,
 ) -> Path:
     """Write one enqueue durably; returns the file's path.
 
     The payload is sanitized first, so the spool never holds what the import would be refused.
+    ``database`` names the database it was meant for (``Settings.database_identity``): only a
+    worker on that database imports it.
     """
     clean = storable_payload(payload)
     spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -65,6 +68,7 @@ def spool_enqueue(
         "idempotency_key": key,
         "source": source,
         "spooled_at": datetime.now(UTC).isoformat(),
+        "database": database,
     }
     name = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}.json"
     final = spool_dir / name
@@ -75,8 +79,12 @@ def spool_enqueue(
         os.fsync(handle.fileno())
     temp.rename(final)
     _fsync_dir(spool_dir)
-    log.warning("enqueue_spooled", queue=queue.value, path=str(final))
+    log.warning("enqueue_spooled", queue=queue.value, path=str(final), meant_for=database)
     return final
+
+
+# Spool files meant for another database, already reported by this process.
+_SAID_ELSEWHERE: set[str] = set()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -87,8 +95,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def import_spool(spool_dir: Path, database: Database) -> int:
-    """Enqueue every spooled file, deleting each after its commit; returns files imported."""
+def import_spool(spool_dir: Path, database: Database, identity: str | None = None) -> int:
+    """Enqueue every spooled file, deleting each after its commit; returns files imported.
+
+    A file meant for another database than ``identity`` is left where it is (and said once).
+    """
     if not spool_dir.is_dir():
         return 0
     imported = 0
@@ -98,6 +109,19 @@ def import_spool(spool_dir: Path, database: Database) -> int:
             queue, payload, key, source = _parse(record)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             _reject(path, database, f"unreadable spool file: {exc}", None)
+            continue
+        meant_for = record.get("database")
+        if identity and isinstance(meant_for, str) and meant_for != identity:
+            if path.name not in _SAID_ELSEWHERE:
+                _SAID_ELSEWHERE.add(path.name)
+                log.warning(
+                    "spool_file_for_another_database",
+                    path=str(path),
+                    meant_for=meant_for,
+                    this_worker=identity,
+                    hint="left in the spool: a worker on that database (same data directory)"
+                    " imports it",
+                )
             continue
         try:
             with database.connection() as conn:

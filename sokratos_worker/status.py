@@ -73,6 +73,10 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(f"    leased by {owner}: {count}")
     if report.get("spooled"):
         lines.append(f"spool: {report['spooled']} enqueues waiting for import")
+    if report["database"] != "ok":  # nothing below the database can be known
+        lines.append("queues, failures (24h), workers, email accounts: unknown (no database)")
+        lines.append(f"embeddings: {report['embeddings']}")
+        return "\n".join(lines)
     failures = report["failures_24h"]
     lines.append(
         "failures (24h): "

@@ -153,7 +153,8 @@ def wait_for_database(
                 if isinstance(exc, DatabaseLoginRefused):
                     raise
                 raise DatabaseUnavailable(
-                    f"database still unreachable after {waited:.0f}s: {exc}"
+                    f"database still unreachable after {waited:.0f}s"
+                    f" (SOKRATOS_STARTUP_TIMEOUT {deadline_s:g}s): {exc}"
                 ) from exc
             if on_wait is not None:
                 on_wait(waited, str(exc))

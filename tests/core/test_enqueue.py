@@ -135,3 +135,29 @@ def test_a_commit_whose_answer_was_lost_is_spooled_and_imported_as_one_item(
     finally:
         database.close()
     assert count(db, "SELECT count(*) FROM pending_triage") == 1  # one item, not two
+
+
+def test_a_spool_file_is_imported_only_into_the_database_it_was_meant_for(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    from sokratos_worker.config import Settings
+
+    ours = Settings(database_url=database_url).database_identity  # type: ignore[arg-type]
+    other = Settings(database_url="postgresql://u:secret@db.example.org/sokratos").database_identity  # type: ignore[arg-type]
+    assert other == "postgresql://db.example.org:5432/sokratos"  # no credentials in it
+    spool = tmp_path / "spool"
+    exchange = {"exchange": "user: my sister moved to Porto\nassistant: noted"}
+    for meant_for, key in ((other, "elsewhere"), (ours, "here"), (None, "older-file")):
+        spool_enqueue(
+            spool, Queue.TRIAGE, exchange, idempotency_key=key, source=None, database=meant_for
+        )
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database, ours) == 2
+        assert import_spool(spool, database, ours) == 0  # the other one stays, said once
+    finally:
+        database.close()
+    keys = {r[0] for r in db.execute("SELECT idempotency_key FROM pending_triage")}
+    assert keys == {"here", "older-file"}
+    left = [json.loads(p.read_text())["database"] for p in spool.glob("*.json")]
+    assert left == [other]
