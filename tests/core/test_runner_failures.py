@@ -6,27 +6,18 @@ import time
 
 import psycopg
 
-from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
-from tests.support.handlers import ScriptedHandler
+from tests.support.handlers import ScriptedHandler, fast_settings
 
 
 def _runner(database: Database, done: list[tuple[str, str]], **overrides: object) -> Runner:
-    values: dict[str, object] = {
-        "concurrency": 2,
-        "retry_base": 0.01,
-        "retry_max": 0.02,
-        "lease": 30,
-        "shutdown_grace": 5,
-    }
-    values.update(overrides)
     handler = ScriptedHandler()
     return Runner(
-        settings=Settings(**values),  # type: ignore[arg-type]
+        settings=fast_settings(**overrides),
         database=database,
         handlers={Queue.TRIAGE: handler, Queue.DISTILLATION: handler},
         worker_id="test",
@@ -142,7 +133,7 @@ def test_an_item_reclaimed_by_its_own_process_runs_once(
     database = Database(database_url, size=4)
     handler = ScriptedHandler()
     runner = Runner(
-        settings=Settings(concurrency=2, lease=30, shutdown_grace=5),  # type: ignore[call-arg]
+        settings=fast_settings(),
         database=database,
         handlers={Queue.TRIAGE: handler},
         worker_id="test",

@@ -12,14 +12,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Item, Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
-from tests.support.handlers import ScriptedHandler
+from tests.support.handlers import ScriptedHandler, fast_settings
 
 
 class Recording(ScriptedHandler):
@@ -37,17 +36,9 @@ class Recording(ScriptedHandler):
 def _runner(
     database: Database, done: list[tuple[str, str]], **overrides: object
 ) -> tuple[Runner, Recording]:
-    values: dict[str, object] = {
-        "concurrency": 2,
-        "retry_base": 0.01,
-        "retry_max": 0.02,
-        "lease": 30,
-        "shutdown_grace": 5,
-    }
-    values.update(overrides)
     handler = Recording()
     runner = Runner(
-        settings=Settings(**values),  # type: ignore[arg-type]
+        settings=fast_settings(**overrides),
         database=database,
         handlers={Queue.TRIAGE: handler},
         worker_id="test",

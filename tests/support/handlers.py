@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from sokratos_worker.config import Settings
 from sokratos_worker.errors import BackendsUnavailable, InvalidPayload, ItemError
 from sokratos_worker.handlers import HandlerContext, Handlers
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
@@ -62,6 +63,19 @@ class ScriptedHandler:
 
     def probe(self) -> bool:
         return self.probe_ok
+
+
+def fast_settings(**overrides: object) -> Settings:
+    """Settings for in-process runner tests: retries back off 10-20 ms, a 30 s lease."""
+    values: dict[str, object] = {
+        "concurrency": 2,
+        "retry_base": 0.01,
+        "retry_max": 0.02,
+        "lease": 30,
+        "shutdown_grace": 5,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
 
 
 def scripted_handlers(_: HandlerContext) -> Handlers:
