@@ -189,7 +189,10 @@ class Worker:
         recent = self._safely("recent_failures", self._recent_failures) or []
         log.info(
             "tick_finished",
+            # What this tick did per queue; "handled" says which queues this worker drains
+            # (none without a backend: then the empty counts do not mean an empty queue).
             queues={q: dict(c) for q, c in stats.counts.items()},
+            handled=[q.value for q in self.runner.queues],
             backends=dict(stats.backends),
             spool_imported=imported,
             recent_failures=recent,

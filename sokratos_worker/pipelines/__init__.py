@@ -19,7 +19,7 @@ __all__ = ["DistillationHandler", "TriageHandler", "build_handlers"]
 def build_handlers(ctx: HandlerContext) -> dict[Queue, Handler]:
     """The handlers of both queues; none without a chat backend, so items wait for one."""
     if ctx.chat is None:
-        log.warning("pipelines_disabled", reason="no_llm_backend")
+        log.debug("pipelines_disabled", reason="no_llm_backend")  # the daemon says it at start
         return {}
     model = ctx.embedder.model if ctx.embedder is not None else None
     reader = MemoryReader(ctx.database, embedding_model=model)

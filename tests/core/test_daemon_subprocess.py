@@ -172,6 +172,7 @@ def test_run_once_drains_ready_items_and_exits_0(
     events = [json.loads(line) for line in lines if line.startswith("{")]
     final = [e for e in events if e["event"] == "tick_finished"][-1]
     assert final["queues"]["pending_triage"] == {"claimed": 32, "saved": 30, "retried": 2}
+    assert final["handled"] == ["pending_triage", "pending_distillation"]
     assert final["backends"] == {"scripted": 30}
     assert final["recent_failures"][0]["op_type"] == "memory_save"
     assert final["recent_failures"][0]["count"] == 1
