@@ -14,19 +14,11 @@ from sokratos_worker.runner import Runner
 from sokratos_worker.spool import import_spool, spool_enqueue
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
-from tests.support.handlers import ScriptedHandler
+from tests.support.handlers import ScriptedHandler, fast_settings
 
 
 def _settings(**overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "concurrency": 4,
-        "retry_base": 0.01,
-        "retry_max": 0.02,
-        "lease": 30,
-        "shutdown_grace": 5,
-    }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    return fast_settings(**{"concurrency": 4, **overrides})
 
 
 def _drain(database_url: str, handler: ScriptedHandler, settings: Settings | None = None) -> Runner:

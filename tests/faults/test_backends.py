@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -336,24 +337,21 @@ def test_an_embedding_model_that_is_not_there_pauses_without_using_attempts(
     def embed(request: Request) -> Reply:
         return embed_ok(request) if pulled.is_set() else Reply.error(404, "model not found")
 
-    log = tmp_path / "worker.log"
-    with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
-        embedder.on(EMBEDDINGS, embed)
-        env = pipeline_env(
-            database_url, tmp_path, [server], embedder, SOKRATOS_MAX_ATTEMPTS=str(MAX_ATTEMPTS)
-        )
-        proc = start_worker(env, log)
-        try:
-            assert wait_until(lambda: "claiming_paused" in log.read_text(), timeout=60), tail(log)
-            time.sleep(1.0)  # a paused worker claims nothing more
-            held = db.execute("SELECT max(attempts), count(*) FROM pending_triage").fetchone()
-            failures = scalar(db, "SELECT count(*) FROM failed_operations")
-            pulled.set()
-            started = time.monotonic()
-            finished = wait_until(lambda: outcome_count(db) >= len(keys), timeout=90)
-            recovered_s = time.monotonic() - started
-        finally:
-            assert stop(proc) == 0, tail(log)
+    seen: dict[str, Any] = {}
+
+    def while_paused(log: Path) -> None:
+        assert wait_until(lambda: "claiming_paused" in log.read_text(), timeout=60), tail(log)
+        time.sleep(1.0)  # a paused worker claims nothing more
+        seen["held"] = db.execute("SELECT max(attempts), count(*) FROM pending_triage").fetchone()
+        seen["failures"] = scalar(db, "SELECT count(*) FROM failed_operations")
+        pulled.set()
+        seen["pulled_at"] = time.monotonic()
+
+    finished, log = _drain_with_embedder(
+        db, database_url, tmp_path, embed, len(keys), meanwhile=while_paused, seen=seen
+    )
+    recovered_s = seen["done_at"] - seen["pulled_at"]
+    held, failures = seen["held"], seen["failures"]
     assert held == (0, len(keys)) and failures == 0, (held, failures)
     assert finished, tail(log, 1500)
     fig = assert_exactly_once(db, keys)
@@ -363,10 +361,18 @@ def test_an_embedding_model_that_is_not_there_pauses_without_using_attempts(
 
 
 def _drain_with_embedder(
-    db: psycopg.Connection, database_url: str, tmp_path: Path, embed: Responder, items: int
+    db: psycopg.Connection,
+    database_url: str,
+    tmp_path: Path,
+    embed: Responder,
+    items: int,
+    *,
+    meanwhile: Callable[[Path], None] | None = None,
+    seen: dict[str, Any] | None = None,
 ) -> tuple[bool, Path]:
     """Run a worker with the scripted model and ``embed`` as the embedding server until
-    ``items`` outcomes exist (or 90 s pass); whether they did, and the worker's log."""
+    ``items`` outcomes exist (or 90 s pass); whether they did, and the worker's log.
+    ``meanwhile(log)`` runs first, while the worker drains (to change the servers)."""
     log = tmp_path / "worker.log"
     with ScriptedLLM(chat=answer) as server, ScriptedLLM() as embedder:
         embedder.on(EMBEDDINGS, embed)
@@ -375,7 +381,11 @@ def _drain_with_embedder(
         )
         proc = start_worker(env, log)
         try:
+            if meanwhile is not None:
+                meanwhile(log)
             finished = wait_until(lambda: outcome_count(db) >= items, timeout=90)
+            if seen is not None:
+                seen["done_at"] = time.monotonic()
         finally:
             assert stop(proc) == 0, tail(log)
     return finished, log
