@@ -259,8 +259,9 @@ class Settings(BaseSettings):
 
     @field_validator("database_url", mode="before")
     @classmethod
-    def _empty_is_unset(cls, value: object) -> object:
-        # `SOKRATOS_DATABASE_URL=` in an env file means "not set" (embedded), not "libpq defaults".
+    def _database_url(cls, value: object) -> object:
+        # Empty (`SOKRATOS_DATABASE_URL=` in an env file) means unset (embedded), not libpq's
+        # defaults; anything else must parse, checked before any command connects.
         if isinstance(value, str) and not value.strip():
             return None
         if isinstance(value, str):
