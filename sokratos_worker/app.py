@@ -14,10 +14,13 @@ from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
+from sokratos_worker.store import queue as queue_store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations
 
 log = structlog.get_logger(__name__)
+
+POOL_READY_TIMEOUT_S = 10.0
 
 
 def default_handlers(context: HandlerContext) -> Handlers:
@@ -80,8 +83,22 @@ def run_worker(
         apply_migrations(conninfo)
     # What a full drain uses (slots, dispatcher, lease renewer) is opened at start: a pool
     # grows one connection at a time, so 20 slots settling at once waited for each other.
-    database = Database(conninfo, size=settings.concurrency + 4, keep_open=settings.concurrency + 2)
+    database = Database(
+        conninfo,
+        size=settings.concurrency + 4,
+        keep_open=settings.concurrency + 2,
+        configure=queue_store.warm_up,
+    )
     try:
+        # Claiming before they are open and warm made every slot's first settle wait.
+        if not database.wait_ready(POOL_READY_TIMEOUT_S):
+            log.warning(
+                "database_pool_not_full",
+                wanted=settings.concurrency + 2,
+                waited_s=POOL_READY_TIMEOUT_S,
+                hint="starting anyway; is the server's max_connections too low for "
+                "SOKRATOS_CONCURRENCY (each worker opens CONCURRENCY + 4)?",
+            )
         _check_schema(settings, database)
         with backends(settings) as (effective, chat, embedder):
             metrics = Metrics()

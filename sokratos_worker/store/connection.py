@@ -111,9 +111,16 @@ def _fatal_line(text: str) -> str:
 
 
 def make_pool(
-    conninfo: str, *, size: int, keep_open: int = 1, name: str = "sokratos-worker"
+    conninfo: str,
+    *,
+    size: int,
+    keep_open: int = 1,
+    name: str = "sokratos-worker",
+    configure: Callable[[psycopg.Connection], None] | None = None,
 ) -> ConnectionPool:
     """A pool whose connections are probed before use and replaced when broken.
+
+    ``configure`` runs on each new connection before the pool lends it out.
 
     ``keep_open`` connections are opened at start (in the background) and kept; the pool
     grows beyond them one connection at a time, on demand, up to ``size``.
@@ -124,6 +131,7 @@ def make_pool(
         max_size=max(1, size),
         kwargs={"autocommit": True, "connect_timeout": 10},
         check=ConnectionPool.check_connection,
+        configure=configure,
         name=name,
         timeout=5.0,  # past this a caller sees DatabaseUnavailable and says it is waiting
         open=True,
@@ -177,9 +185,24 @@ def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2
 class Database:
     """The process's connection pool; ``connection()`` lends one autocommit connection."""
 
-    def __init__(self, conninfo: str, *, size: int, keep_open: int = 1) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        size: int,
+        keep_open: int = 1,
+        configure: Callable[[psycopg.Connection], None] | None = None,
+    ) -> None:
         self.conninfo = conninfo
-        self.pool = make_pool(conninfo, size=size, keep_open=keep_open)
+        self.pool = make_pool(conninfo, size=size, keep_open=keep_open, configure=configure)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the connections kept open are open (and configured); False at timeout."""
+        try:
+            self.pool.wait(timeout=timeout)
+        except PoolTimeout:
+            return False
+        return True
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:

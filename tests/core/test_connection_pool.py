@@ -6,7 +6,9 @@ from contextlib import ExitStack
 
 import psycopg
 
+from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
+from tests.support.db import count, enqueue_many
 
 
 def _backends(database_url: str) -> int:
@@ -39,5 +41,36 @@ def test_the_pool_grows_beyond_keep_open_up_to_its_size(database_url: str) -> No
                 held.enter_context(database.connection())
             assert _backends(database_url) == 3
         assert _backends(database_url) == 3  # returned, they stay open (idle) until max_idle
+    finally:
+        database.close()
+
+
+def test_warm_up_plans_the_settle_without_running_it(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    enqueue_many(db, 3)
+    database = Database(database_url, size=2, keep_open=2, configure=store.warm_up)
+    try:
+        assert database.wait_ready(10)
+    finally:
+        database.close()
+    # EXPLAIN only: nothing claimed, settled or recorded by the two warmed connections.
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 3
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL") == 0
+    assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+
+
+def test_warm_up_leaves_a_connection_to_a_database_without_the_tables_usable(
+    empty_database_url: str,
+) -> None:
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        store.warm_up(conn)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_wait_ready_says_false_when_the_server_cannot_be_reached() -> None:
+    database = Database("postgresql://127.0.0.1:1/none?connect_timeout=1", size=1)
+    try:
+        assert database.wait_ready(0.5) is False
     finally:
         database.close()
