@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from sokratos_worker import __version__
-from sokratos_worker.config import ConfigError, Settings, load_settings
+from sokratos_worker.config import ConfigError, Settings, load_settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
 from sokratos_worker.handlers import HandlerFactory
 from sokratos_worker.logs import configure_logging
@@ -205,6 +205,7 @@ def main(
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(settings.log_level, settings.effective_log_format(), cache=True)
+    _warn_unknown_variables(args.command)
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:
         if args.command == "run":
@@ -222,6 +223,20 @@ def main(
     except WorkerError as exc:
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _warn_unknown_variables(command: str) -> None:
+    """A typo'd SOKRATOS_* name is ignored silently by pydantic; say so on stderr.
+
+    ``check`` reports it as a failed line and ``run`` logs it, so they are left out here.
+    """
+    unknown = unknown_variables()
+    if unknown and command not in ("check", "run"):
+        print(
+            f"sokratos-worker: warning: unknown variables ignored: {', '.join(unknown)}"
+            " (a typo? every variable is listed in deploy/sokratos-worker.env.example)",
+            file=sys.stderr,
+        )
 
 
 # -- database for a command ----------------------------------------------------------

@@ -301,3 +301,16 @@ def _subparser(parser: Any, *names: str) -> Any:
         action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
         parser = action.choices[name]
     return parser
+
+
+def test_every_command_names_unknown_variables_on_stderr(
+    database_url: str, tmp_path: Path
+) -> None:
+    env = env_for(database_url, tmp_path, SOKRATOS_CONCURENCY="4")  # the typo is the point
+    status = cli("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["database"] == "ok"  # stdout stays machine-readable
+    assert "unknown variables ignored: SOKRATOS_CONCURENCY" in status.stderr
+    enqueue = cli("enqueue", "triage", "--exchange", "user: hi", env=env)
+    assert enqueue.returncode == 0, enqueue.stderr
+    assert "SOKRATOS_CONCURENCY" in enqueue.stderr
