@@ -4,7 +4,8 @@ For each message, :func:`sokratos_worker.store.email.record_message` commits the
 mark, the triage item and the new checkpoint together, so mail is never marked processed
 before its triage is durably queued (Sokratos hazard 1) and the checkpoint never passes a
 message that was not fetched (hazard 2). Messages are handled one by one, in UID order
-(hazard 3). A message that cannot be turned into a triage item goes to failed_operations
+(hazard 3). A message that cannot be turned into a triage item (a parser failure, or a
+record the database refuses for its content) goes to failed_operations
 (:mod:`sokratos_worker.email.failed`) and the check carries on past it.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig, Settings
@@ -44,6 +46,17 @@ log = structlog.get_logger(__name__)
 
 # A silent server must not hold up the tick: every socket read gives up after this.
 IMAP_TIMEOUT_S = 30.0
+
+
+# SQLSTATE classes that one message's content causes: data exceptions (a value the column or
+# function refuses) and program limits (an index row too large). Any other refusal (a missing
+# privilege or table, a full disk) would refuse every message, so the check stops at it.
+_CONTENT_SQLSTATE_CLASSES = ("22", "54")
+
+
+def refused_for_its_content(exc: BaseException) -> bool:
+    """True when the database refused a message's record because of what the message holds."""
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in _CONTENT_SQLSTATE_CLASSES
 
 
 class MessageNotRecorded(WorkerError):
@@ -175,6 +188,11 @@ def _record(
     except DatabaseUnavailable:
         raise
     except Exception as exc:
+        if refused_for_its_content(exc):
+            record_failed_message(conn, account, state.uidvalidity, message, exc)
+            counts.fetched += 1
+            counts.failed += 1
+            return
         # Not skipped: a refusal such as a missing privilege would otherwise skip every message.
         raise MessageNotRecorded(
             f"UID {message.uid} (UIDVALIDITY {state.uidvalidity}) could not be recorded:"

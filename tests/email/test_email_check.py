@@ -384,6 +384,58 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after", "poison"]
 
 
+
+def _refuse_triage(db: Any, *, sqlstate: str, subject: str | None) -> None:
+    """A trigger that makes PostgreSQL refuse triage items (only ``subject``'s, if given)."""
+    when = "true" if subject is None else f"NEW.payload->>'subject' = '{subject}'"
+    db.execute(
+        f"""CREATE FUNCTION refuse_item() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF {when} THEN
+                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{sqlstate}';
+                END IF;
+                RETURN NEW;
+            END $$"""
+    )
+    db.execute(
+        "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
+        " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
+    )
+
+
+def test_a_message_the_database_refuses_for_its_content_is_recorded_and_passed(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    _refuse_triage(db, sqlstate="22P05", subject="poison")  # untranslatable character
+    for subject in ("before", "poison", "after"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert report.ok, report.error
+    assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
+    assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
+    assert [p[1] for p in processed(db)] == [1, 3]
+    assert checkpoint(db)[1] == 3  # type: ignore[index]
+    [(label, error)] = db.execute("SELECT label, error_message FROM failed_operations").fetchall()
+    assert label == "home UID 2"
+    assert "UntranslatableCharacter: refused by the test" in error
+
+
+def test_a_refusal_every_message_would_meet_stops_the_check_at_the_first(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    _refuse_triage(db, sqlstate="42501", subject=None)  # insufficient privilege
+    for subject in ("one", "two"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert not report.ok
+    assert report.error is not None and "UID 1 " in report.error
+    assert "InsufficientPrivilege" in report.error
+    assert items(db) == [] and processed(db) == []
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+    state = checkpoint(db)
+    assert state is not None and not state[1] and state[3] == report.error  # not passed
+
+
 def test_latin1_headers_and_unparsable_date_in_payload(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
