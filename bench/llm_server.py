@@ -1,21 +1,27 @@
 """The local OpenAI-compatible server for W2: ``python -m bench.llm_server LATENCY_S``.
 
-The project's :class:`~sokratos_worker.testing.scripted_llm.ScriptedLLM` (a thread per
-connection) tops out near 200 requests/s on a busy 2-core machine, below W2's ideal of 400/s;
-so this is a small asyncio HTTP/1.1 server (keep-alive, Content-Length bodies) answering with
-ScriptedLLM's replies ``latency`` seconds after each request arrived, in its own
-process (--threaded: ScriptedLLM itself). It prints its ``/v1`` URL, then serves until stdin
-closes. Chat replies are routed by prompt so the real triage pipeline gets valid answers;
-``GET /bench/stats`` returns request counts per purpose.
-"""
+It answers with ScriptedLLM's replies ``latency`` seconds after each request arrived, in its
+own process, printing its ``/v1`` URL and serving until stdin closes. Chat replies are routed
+by prompt so the real triage pipeline gets valid answers; ``GET /bench/stats`` returns
+request counts per purpose.
 
+Every system's W2 rate is bounded by how late the server answers, so it is a lean HTTP/1.1
+server (keep-alive, Content-Length bodies) with a thread per connection that sleeps until
+its reply is due (timer slack 1 us): one sequential client saw 50.8 ms per 50 ms call, where
+the earlier asyncio server (a timer thread resolving futures on the loop; ``--asyncio``)
+gave 51.3-51.5 ms and the project's ``ScriptedLLM`` (``--threaded``; http.server) tops out
+near 200 requests/s on a busy 2-core machine.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import heapq
 import itertools
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -83,8 +89,70 @@ def main() -> int:
             print(server.url, flush=True)
             sys.stdin.read()  # until the parent closes our stdin
         return 0
-    asyncio.run(_serve(routes, latency))
+    if "--asyncio" in sys.argv:
+        asyncio.run(_serve(routes, latency))
+        return 0
+    _serve_threads(routes, latency)
     return 0
+
+
+def _serve_threads(routes: dict[str, Any], latency: float) -> None:
+    _precise_sleeps()
+    listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+    print(f"http://127.0.0.1:{listener.getsockname()[1]}/v1", flush=True)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the server is stopping
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_connection, args=(conn, routes, latency), daemon=True).start()
+
+    threading.Thread(target=accept, name="accept", daemon=True).start()
+    sys.stdin.read()  # until the parent closes our stdin
+    listener.close()
+
+
+def _precise_sleeps() -> None:
+    """Timer slack 1 us for this thread and those it starts (Linux's default is 50 us)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK
+
+
+def _connection(conn: socket.socket, routes: dict[str, Any], latency: float) -> None:
+    """One keep-alive connection: read a request, answer it when due, until the peer closes."""
+    with conn, conn.makefile("rb") as reader:
+        while True:
+            line = reader.readline()
+            if not line:
+                return
+            arrived = time.monotonic()  # the reply is due ``latency`` after this
+            method, target, _ = line.decode("latin-1").split(" ", 2)
+            headers: dict[str, str] = {}
+            while (header := reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = header.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", "0"))
+            raw = reader.read(length) if length else b""
+            path = target.split("?", 1)[0]
+            request = Request(method=method, path=path, headers=headers,
+                              body=json.loads(raw) if raw else None, started=arrived)
+            responder = routes.get(path)
+            reply = responder(request) if responder else Reply.error(404, "unknown path")
+            payload = json.dumps(reply.json_body).encode()
+            if path in (CHAT, EMBEDDINGS):
+                due = arrived + latency - time.monotonic()
+                if due > 0:
+                    time.sleep(due)
+            try:
+                conn.sendall(
+                    f"HTTP/1.1 {reply.status} X\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+                )
+            except OSError:
+                return  # the client went away
 
 
 class _Timer:
