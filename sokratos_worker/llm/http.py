@@ -150,7 +150,8 @@ class CookielessClient(httpx.Client):
 
 def environment_proxies() -> bool:
     """Whether HTTP_PROXY, HTTPS_PROXY or ALL_PROXY (any case) is set for this process."""
-    return any(scheme in urllib.request.getproxies() for scheme in ("http", "https", "all"))
+    proxies = urllib.request.getproxies()  # reads the whole environment: once, not per scheme
+    return any(scheme in proxies for scheme in ("http", "https", "all"))
 
 
 class ClientPerThread:
