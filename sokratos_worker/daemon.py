@@ -224,6 +224,10 @@ class Worker:
             log.warning("worker_state", state=state, detail=detail)
         else:
             log.info("worker_state", state=state)
+        if state in (State.NO_BACKEND, State.RUNNING):
+            # At once, not at the next tick: `status` said "running" for up to a heartbeat.
+            # (Waiting for the database could not be written; stopping writes "stopped".)
+            self._record_heartbeat()
 
     def _progressed(self) -> None:
         """The dispatcher's loop came round (it does at least every second while it works)."""

@@ -86,9 +86,10 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append("workers: none running")
     for w in report["workers"]:
         backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
+        why = (w.get("detail") or {}).get("why")
+        state = f"{w['state']} ({why})" if why and w["state"] != "running" else w["state"]
         lines.append(
-            f"worker {w['worker_id']}: {w['state']}, last tick {w['last_tick_at']},"
-            f" backends: {backends}"
+            f"worker {w['worker_id']}: {state}, last tick {w['last_tick_at']}, backends: {backends}"
         )
     for a in report["email_accounts"]:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""

@@ -44,3 +44,12 @@ def test_an_open_circuit_shows_its_failures_next_probe_and_last_error() -> None:
 def test_a_heartbeat_from_an_older_version_without_detail_still_renders() -> None:
     text = render_status(_report([{"name": "brain", "circuit": "open"}]))
     assert "backends: brain open (0 failures in a row)" in text
+
+
+def test_a_worker_that_is_not_running_says_why() -> None:
+    report = _report([{"name": "openai", "circuit": "closed", "consecutive_failures": 0}])
+    why = "every LLM backend refused the request (openai: http_401)"
+    report["workers"][0]["detail"] = {"why": why}
+    assert f"worker w1: no backend ({why}), last tick now" in render_status(report)
+    report["workers"][0].update(state="running", detail={"why": ""})
+    assert "worker w1: running, last tick now" in render_status(report)

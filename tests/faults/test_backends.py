@@ -190,6 +190,29 @@ def _worker_states(env: dict[str, str]) -> list[str]:
     return [str(w.get("state")) for w in json.loads(result.stdout).get("workers", [])]
 
 
+
+@pytest.mark.timeout(120)
+def test_status_says_no_backend_at_once_not_at_the_next_heartbeat(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    with ScriptedLLM(chat=answer) as server, ScriptedLLM(embed_dim=EMBED_DIM) as embed:
+        env = pipeline_env(database_url, tmp_path, [server], embed)
+        env["SOKRATOS_HEARTBEAT_INTERVAL"] = "60s"  # the next tick is a minute away
+        proc = start_worker(env, log)
+        try:
+            assert wait_until(lambda: "running" in _worker_states(env), timeout=60), tail(log)
+            _every_path(server, lambda r: Reply.disconnect())
+            enqueue_triage(db, exchange("tokstale", save=True))  # NOTIFY: claimed at once
+            went_down = time.monotonic()
+            assert wait_until(lambda: "no backend" in _worker_states(env), timeout=40), tail(log)
+            assert time.monotonic() - went_down < 45  # well before the heartbeat at 60 s
+            [worker] = json.loads(cli(env, "status", "--json", timeout=30).stdout)["workers"]
+            assert "no LLM backend reachable" in worker["detail"]["why"], worker
+        finally:
+            stop(proc)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("scenario", "take_down"),
