@@ -223,6 +223,25 @@ def main(
     except WorkerError as exc:
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except Exception as exc:
+        missing = _missing_schema(exc)
+        if missing is None:
+            raise
+        print(
+            f"sokratos-worker: {missing}: this database lacks sokratos-worker's schema;"
+            " run 'sokratos-worker migrate' first",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+
+
+def _missing_schema(exc: Exception) -> str | None:
+    """The server's message when ``exc`` says a table, column or function does not exist."""
+    from psycopg import errors  # noqa: PLC0415 - psycopg is imported lazily by the CLI
+
+    if isinstance(exc, errors.UndefinedTable | errors.UndefinedColumn | errors.UndefinedFunction):
+        return (exc.diag.message_primary or str(exc)).splitlines()[0]
+    return None
 
 
 def _warn_unknown_variables(command: str) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.spool import pending_files
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import connect
+from sokratos_worker.store.migrations import pending_migrations
 
 
 def collect_status(settings: Settings) -> dict[str, Any]:
@@ -35,17 +38,31 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             report["database"] = "ok"
-            report["queues"] = status_store.queue_stats(conn)
-            report["failures_24h"] = status_store.failures_24h(conn)
-            report["outcomes"] = status_store.outcome_counts(conn)
-            report["workers"] = status_store.live_workers(
-                conn, stale_after_s=max(180.0, settings.heartbeat_interval * 3)
-            )
-            report["email_accounts"] = _accounts(settings, conn)
+            pending = pending_migrations(conn)
+            if pending:
+                report["migrations_pending"] = pending
+            try:
+                _read_state(settings, conn, report)
+            except psycopg.Error as exc:
+                # A database not (fully) migrated: say so in one line, not a traceback.
+                first = (exc.diag.message_primary or str(exc)).splitlines()[0]
+                report["unreadable"] = (
+                    f"{first}: run 'sokratos-worker migrate'" if pending else first
+                )
     except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
         # Reported, not raised: scripts read "database" (contract §1), and status exits 0.
         report["error"] = str(exc)
     return report
+
+
+def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, Any]) -> None:
+    report["queues"] = status_store.queue_stats(conn)
+    report["failures_24h"] = status_store.failures_24h(conn)
+    report["outcomes"] = status_store.outcome_counts(conn)
+    report["workers"] = status_store.live_workers(
+        conn, stale_after_s=max(180.0, settings.heartbeat_interval * 3)
+    )
+    report["email_accounts"] = _accounts(settings, conn)
 
 
 def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
@@ -61,6 +78,11 @@ def render_status(report: dict[str, Any]) -> str:
     lines = [
         f"database: {report['database']}" + (f" ({report['error']})" if "error" in report else "")
     ]
+    if report.get("migrations_pending"):
+        lines.append(
+            f"schema: lacks {', '.join(report['migrations_pending'])}:"
+            " run 'sokratos-worker migrate'"
+        )
     if "warning" in report:
         lines.append(f"warning: {report['warning']}")
     for name, q in report["queues"].items():
@@ -73,8 +95,9 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(f"    leased by {owner}: {count}")
     if report.get("spooled"):
         lines.append(f"spool: {report['spooled']} enqueues waiting for import")
-    if report["database"] != "ok":  # nothing below the database can be known
-        lines.append("queues, failures (24h), workers, email accounts: unknown (no database)")
+    if report["database"] != "ok" or "unreadable" in report:  # nothing below can be known
+        why = report.get("unreadable", "no database")
+        lines.append(f"queues, failures (24h), workers, email accounts: unknown ({why})")
         lines.append(f"embeddings: {report['embeddings']}")
         return "\n".join(lines)
     failures = report["failures_24h"]

@@ -314,3 +314,23 @@ def test_every_command_names_unknown_variables_on_stderr(
     enqueue = cli("enqueue", "triage", "--exchange", "user: hi", env=env)
     assert enqueue.returncode == 0, enqueue.stderr
     assert "SOKRATOS_CONCURENCY" in enqueue.stderr
+
+
+def test_status_and_failed_on_a_database_not_migrated_say_so_in_one_line(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    env = env_for(empty_database_url, tmp_path)
+    status = cli("status", "--json", env=env)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    report = json.loads(status.stdout)
+    assert report["database"] == "ok"
+    assert report["migrations_pending"][:2] == ["0001_pgvector", "0002_tables"]
+    assert "does not exist: run 'sokratos-worker migrate'" in report["unreadable"]
+    text = cli("status", env=env).stdout
+    assert "schema: lacks 0001_pgvector, 0002_tables" in text
+    assert "queues, failures (24h), workers, email accounts: unknown (relation" in text
+    for args in (("failed", "list"), ("failed", "show", "1"), ("failed", "retry", "--all")):
+        proc = cli(*args, env=env)
+        assert proc.returncode == 1, (args, proc.stdout)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert "run 'sokratos-worker migrate' first" in proc.stderr, proc.stderr
