@@ -30,6 +30,7 @@ from sokratos_worker.llm.http import (
     ClientPerThread,
     Verdict,
     classify,
+    describe_connection_error,
     excerpt,
     make_client,
     retry_after_seconds,
@@ -422,7 +423,7 @@ class FallbackChatClient:
             self._log_failed(backend, attempt, started, purpose, reason="timeout", status=None)
             raise _Transient("timeout") from exc
         except httpx.HTTPError as exc:
-            reason = f"connection_error: {type(exc).__name__}"
+            reason = f"connection_error: {describe_connection_error(exc)}"
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=None)
             raise _Transient(reason) from exc
         finally:

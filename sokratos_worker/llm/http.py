@@ -70,6 +70,27 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - current)
 
 
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out."""
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if not sep or "@" not in host:
+        return url
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+
+
+def describe_connection_error(exc: httpx.HTTPError) -> str:
+    """``ConnectError: [Errno 111] Connection refused``: the class and the first line of why.
+
+    The class alone read the same for a refused port, an unknown host and a TLS mismatch.
+    """
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in first:
+        first += " (a private CA? set the backend's ca_file)"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def excerpt(response: httpx.Response) -> str:
     """The first bytes of an error body: enough to classify, never a whole reply."""
     return response.content[:_BODY_EXCERPT].decode("utf-8", errors="replace")
@@ -196,9 +217,11 @@ __all__ = [
     "CookielessClient",
     "Verdict",
     "classify",
+    "describe_connection_error",
     "environment_proxies",
     "excerpt",
     "make_client",
     "retry_after_seconds",
     "tls_verification",
+    "without_credentials",
 ]

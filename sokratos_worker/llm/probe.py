@@ -17,7 +17,7 @@ from sokratos_worker.config import BackendConfig, Settings
 from sokratos_worker.errors import BackendsUnavailable
 from sokratos_worker.llm.chat import FallbackChatClient, RetryPolicy
 from sokratos_worker.llm.embeddings import HttpEmbedder
-from sokratos_worker.llm.http import make_client
+from sokratos_worker.llm.http import describe_connection_error, make_client, without_credentials
 from sokratos_worker.llm.local import LOCAL_BACKEND_NAME, LocalModelError, start_local_server
 from sokratos_worker.llm.types import ChatFailed, EmbeddingFailed, EmbeddingsUnavailable
 from sokratos_worker.model import CheckLine
@@ -96,7 +96,8 @@ def _check_models(config: BackendConfig) -> str | None:
     try:
         response = client.get(f"{config.url}/models")
     except httpx.HTTPError as exc:
-        return f"unreachable at {config.url}: {type(exc).__name__}"
+        shown = without_credentials(config.url)
+        return f"unreachable at {shown}: {describe_connection_error(exc)}"
     finally:
         client.close()
     if response.status_code in (401, 403):

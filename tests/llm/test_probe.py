@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from sokratos_worker.config import Settings
 from sokratos_worker.llm import FallbackChatClient, HttpEmbedder, build_chat_client, build_embedder
+from sokratos_worker.llm.http import without_credentials
 from sokratos_worker.llm.probe import probe_backends
 from sokratos_worker.testing import Reply, ScriptedLLM, json_responder
 
@@ -123,3 +124,28 @@ def test_logs_never_carry_prompts_replies_or_keys(servers: Servers, secret: str)
     for private in ("PRIVATE", secret):
         assert private not in text
     assert any(e["event"] == "llm_call_finished" for e in logs)
+
+
+def test_an_unreachable_backend_says_why_without_its_url_credentials() -> None:
+    [line] = probe_backends(
+        settings(
+            [
+                {
+                    "name": "proxy",
+                    "url": "http://bob:SECRETPW@127.0.0.1:9/v1",
+                    "model": "qwen",
+                    "timeout": 2,
+                }
+            ]
+        )
+    )[:1]
+    assert not line.ok
+    assert "SECRETPW" not in line.detail and "bob" not in line.detail
+    assert line.detail.startswith("unreachable at http://127.0.0.1:9/v1: ConnectError: ")
+    assert "refused" in line.detail.lower()  # the reason, not the class alone
+
+
+def test_without_credentials_keeps_everything_else() -> None:
+    assert without_credentials("https://u:p@h:8/v1/x") == "https://h:8/v1/x"
+    assert without_credentials("https://h/v1?a=b@c") == "https://h/v1?a=b@c"
+    assert without_credentials("http://h:8") == "http://h:8"
