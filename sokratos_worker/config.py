@@ -100,14 +100,21 @@ def credentials_directory() -> Path | None:
 def read_secret_file(name: str) -> str:
     """A secret from a file; a relative name is looked up in ``$CREDENTIALS_DIRECTORY``."""
     path = Path(name)
+    where = ""
     if not path.is_absolute():
         creds = credentials_directory()
         if creds is not None:
             path = creds / path
+        else:
+            # Relative names are meant for systemd's LoadCredential=; outside it, say so.
+            where = (
+                f" (looked in the current directory {Path.cwd()}: $CREDENTIALS_DIRECTORY is"
+                " not set; outside systemd give an absolute path or set it)"
+            )
     try:
         return path.read_text(encoding="utf-8").rstrip("\r\n")
     except OSError as exc:
-        raise ValueError(f"cannot read secret file {str(path)!r}: {exc.strerror}") from exc
+        raise ValueError(f"cannot read secret file {str(path)!r}: {exc.strerror}{where}") from exc
 
 
 class BackendConfig(BaseModel):
@@ -266,7 +273,12 @@ class Settings(BaseSettings):
             return None
         if isinstance(value, str):
             try:
-                conninfo_to_dict(value)
+                parts = conninfo_to_dict(value)
+                port = str(parts.get("port") or "5432")
+                if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
+                    # libpq would report it as a host it cannot resolve: an outage (exit 75)
+                    # that systemd restarts for ever, instead of this configuration error.
+                    raise ValueError("has a port that is not a number")
             except psycopg.ProgrammingError:
                 # Not the parser's text: it may quote the URL, password included.
                 raise ValueError(
@@ -306,6 +318,12 @@ class Settings(BaseSettings):
         if self.embedding_url and not (self.embedding_model and self.embedding_dim):
             raise ValueError(
                 "SOKRATOS_EMBEDDING_URL needs SOKRATOS_EMBEDDING_MODEL and SOKRATOS_EMBEDDING_DIM"
+            )
+        if (self.embedding_model or self.embedding_dim) and not self.embedding_url:
+            # Without the URL the others were ignored: memories saved with no embeddings.
+            raise ValueError(
+                "SOKRATOS_EMBEDDING_URL is required when SOKRATOS_EMBEDDING_MODEL or"
+                " SOKRATOS_EMBEDDING_DIM is set (set all three, or none for no embeddings)"
             )
         names = [b.name for b in self.llm_backends]
         if len(names) != len(set(names)):

@@ -111,6 +111,21 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
             "SOKRATOS_DATABASE_URL_FILE",
             "cannot read",
         ),
+        (
+            {"SOKRATOS_DATABASE_URL_FILE": "db-url"},  # a LoadCredential= name, outside systemd
+            "SOKRATOS_DATABASE_URL_FILE",
+            "$CREDENTIALS_DIRECTORY is not set",
+        ),
+        (
+            {"SOKRATOS_EMBEDDING_DIM": "2560"},
+            "SOKRATOS_EMBEDDING_URL",
+            "is required when SOKRATOS_EMBEDDING_MODEL or SOKRATOS_EMBEDDING_DIM is set",
+        ),
+        (
+            {"SOKRATOS_DATABASE_URL": "postgresql://x:s3cret@localhost:5432x/db"},
+            "SOKRATOS_DATABASE_URL",
+            "has a port that is not a number",
+        ),
     ],
 )
 def test_invalid_configuration_names_the_variable(
@@ -120,6 +135,7 @@ def test_invalid_configuration_names_the_variable(
         load_settings(env)
     assert info.value.variable == variable
     assert words in info.value.message
+    assert "s3cret" not in str(info.value)
 
 
 def test_invalid_configuration_exits_78_in_one_line_without_traceback() -> None:
