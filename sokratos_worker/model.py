@@ -109,6 +109,7 @@ class SettleResult:
 
     settled: bool
     memory_ids: tuple[int, ...] = field(default_factory=tuple)
+    failure_id: int | None = None  # the failed_operations row a dead letter wrote
 
 
 @dataclass(frozen=True)

@@ -567,13 +567,16 @@ class Runner:
                 kind = Outcome.ARCHIVED.value if result.memory_ids else Outcome.FAILED.value
                 with self._lock:
                     self._stats.add(item.queue, kind)
+                replay = result.failure_id if result.failure_id is not None else "ID"
                 bound.error(
                     "item_dead_lettered",
                     op_type=item.op_type,
                     error=decision.reason,
                     outcome=kind,
                     memory_ids=list(result.memory_ids),
-                    hint="see 'sokratos-worker failed list'; replay with 'failed retry ID'",
+                    failure_id=result.failure_id,
+                    hint=f"see 'sokratos-worker failed show {replay}'; once the cause is fixed"
+                    f" replay it with 'sokratos-worker failed retry {replay}'",
                 )
             elif result is not None:
                 kind = self._report_fenced(item, bound, released=LEASE_LOST)

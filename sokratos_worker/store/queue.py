@@ -464,7 +464,7 @@ def dead_letter(
                 "payload": payload,
                 "attempts": attempts,
             }
-            conn.execute(
+            failed = conn.execute(
                 _INSERT_FAILED,
                 {
                     "op_type": item.op_type,
@@ -476,7 +476,7 @@ def dead_letter(
                     "key": key,
                     "attempt": item.attempt,
                 },
-            )
+            ).fetchone()
             conn.execute(
                 _INSERT_OUTCOME,
                 {
@@ -493,7 +493,9 @@ def dead_letter(
             )
     except _Fenced:
         return SettleResult(settled=False)
-    return SettleResult(settled=True, memory_ids=memory_ids)
+    return SettleResult(
+        settled=True, memory_ids=memory_ids, failure_id=int(failed[0]) if failed else None
+    )
 
 
 def outcome_of(conn: psycopg.Connection, item: Item) -> str | None:

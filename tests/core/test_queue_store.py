@@ -94,12 +94,14 @@ def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payloa
         assert store.schedule_retry(db, item, owner="w", error=f"boom {attempt}", delay_s=0)
     (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     assert item.attempt == 3
-    assert store.dead_letter(db, item, owner="w", error="boom 3").settled
+    result = store.dead_letter(db, item, owner="w", error="boom 3")
+    assert result.settled
     rows = db.execute(
-        "SELECT op_type, context_data, attempts, item_id FROM failed_operations"
+        "SELECT op_type, context_data, attempts, item_id, id FROM failed_operations"
     ).fetchall()
     assert len(rows) == 1
-    op_type, context, attempts, failed_item = rows[0]
+    op_type, context, attempts, failed_item, failure_id = rows[0]
+    assert result.failure_id == failure_id  # what item_dead_lettered names for `failed retry`
     assert op_type == "conversation_triage" and attempts == 3 and failed_item == item_id
     assert context["payload"]["exchange"].startswith("user: item 0")
     assert [a["error"] for a in context["attempts"]] == ["boom 1", "boom 2", "boom 3"]
