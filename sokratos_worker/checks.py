@@ -6,7 +6,7 @@ from sokratos_worker.config import Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import CheckLine
 from sokratos_worker.schema_check import schema_problems
-from sokratos_worker.store.connection import connect
+from sokratos_worker.store.connection import Connection, connect
 
 
 def run_checks(settings: Settings) -> list[CheckLine]:
@@ -37,10 +37,7 @@ def run_checks(settings: Settings) -> list[CheckLine]:
                 CheckLine(
                     "pgvector",
                     vector is not None,
-                    f"version {vector[0]}"
-                    if vector
-                    else "extension not installed: a superuser runs 'CREATE EXTENSION vector;'"
-                    " in this database (docs/production.md), then 'sokratos-worker migrate'",
+                    f"version {vector[0]}" if vector else _pgvector_missing(settings, conn),
                 )
             )
             if vector is not None:
@@ -63,6 +60,10 @@ def run_checks(settings: Settings) -> list[CheckLine]:
                 "none configured (SOKRATOS_LLM_BACKENDS): items wait in their queues",
             )
         )
+        if settings.embeddings_enabled:  # probed with the backends otherwise
+            from sokratos_worker.llm.probe import probe_embeddings  # noqa: PLC0415
+
+            lines.append(probe_embeddings(settings))
     else:
         from sokratos_worker.llm.probe import probe_backends  # noqa: PLC0415
 
@@ -81,3 +82,16 @@ def run_checks(settings: Settings) -> list[CheckLine]:
 
         lines.extend(probe_accounts(settings))
     return lines
+
+
+def _pgvector_missing(settings: Settings, conn: Connection) -> str:
+    """What to do when the database has no ``vector`` extension, by who can create it."""
+    offered = conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone()
+    if offered is None:
+        return "not installed on this server: install pgvector (docs/production.md)"
+    if settings.uses_embedded_postgres:
+        return "not created yet: 'sokratos-worker migrate' (or 'run') creates it"
+    return (
+        "not created in this database: 'sokratos-worker migrate' creates it as a role allowed"
+        " to; otherwise a superuser runs 'CREATE EXTENSION vector;' first (docs/production.md)"
+    )

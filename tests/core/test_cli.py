@@ -334,3 +334,23 @@ def test_status_and_failed_on_a_database_not_migrated_say_so_in_one_line(
         assert proc.returncode == 1, (args, proc.stdout)
         assert "Traceback" not in proc.stderr, proc.stderr
         assert "run 'sokratos-worker migrate' first" in proc.stderr, proc.stderr
+
+
+def test_check_on_a_fresh_database_without_backends_still_probes_the_embeddings(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    env = env_for(
+        empty_database_url,
+        tmp_path,
+        SOKRATOS_EMBEDDING_URL="http://127.0.0.1:1/v1",
+        SOKRATOS_EMBEDDING_MODEL="m",
+        SOKRATOS_EMBEDDING_DIM="8",
+    )
+    proc = cli("check", env=env)
+    assert proc.returncode == 1
+    lines = {line.split()[1].rstrip(":"): line for line in proc.stdout.splitlines() if line}
+    # The server offers pgvector: migrate creates it; no superuser detour to suggest.
+    assert lines["pgvector"].startswith("FAIL")
+    assert "not created in this database: 'sokratos-worker migrate' creates it" in lines["pgvector"]
+    assert lines["llm_backends"].startswith("FAIL")
+    assert lines["embeddings"].startswith("FAIL"), proc.stdout  # probed, not skipped
