@@ -108,7 +108,18 @@ def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     if text.startswith(("b'", 'b"')):
         text = text[2:-1]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    # imaplib's own exception classes are all called "error": name them by what they are.
+    name = "IMAP error" if isinstance(exc, imaplib.IMAP4.error) else type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def _next_step(exc: BaseException) -> str:
+    """What an operator does about the common causes, appended to the error."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return " (a self-signed or private CA? set the account's ca_file, docs/email.md)"
+    if isinstance(exc, imaplib.IMAP4.error) and "AUTHENTICATIONFAILED" in str(exc).upper():
+        return " (check username and password; Gmail, Fastmail and iCloud need an app password)"
+    return ""
 
 
 class ImapSession:
@@ -120,12 +131,16 @@ class ImapSession:
         self._conn: imaplib.IMAP4 | None = None
 
     def __enter__(self) -> ImapSession:
+        step = "connecting to"
         try:
             self._conn = self._connect()
+            step = "login to"
             self._login(self._conn)
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError) as exc:
             self.close()
-            raise ImapError(f"login to {self._where()} failed: {_describe(exc)}") from None
+            raise ImapError(
+                f"{step} {self._where()} failed: {_describe(exc)}{_next_step(exc)}"
+            ) from None
         return self
 
     def __exit__(

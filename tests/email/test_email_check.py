@@ -476,6 +476,7 @@ def test_untrusted_certificate_is_an_account_error(
     [report] = check_due_accounts(make_settings(imaps), database_url, now=later(0))
     assert report.error is not None
     assert "CERTIFICATE_VERIFY_FAILED" in report.error
+    assert "set the account's ca_file" in report.error
     insecure = account(security="tls", port=dovecot.imaps_port, tls_verify=False)
     [report] = check_due_accounts(make_settings(insecure), database_url, now=later(10))
     assert report.ok, report.error
@@ -498,8 +499,11 @@ def test_a_broken_account_does_not_stop_a_good_one(
     assert reports[2].ok
     assert reports[2].enqueued == 1
     assert [i["payload"]["account"] for i in items(db)] == ["home"]
-    assert "AUTHENTICATIONFAILED" in (checkpoint(db, "broken")[3] or "")  # type: ignore[index]
-    assert "Connection refused" in (checkpoint(db, "gone")[3] or "")  # type: ignore[index]
+    broken_error = checkpoint(db, "broken")[3] or ""  # type: ignore[index]
+    assert broken_error.startswith("login to ") and "AUTHENTICATIONFAILED" in broken_error
+    assert "IMAP error:" in broken_error and "app password" in broken_error
+    gone_error = checkpoint(db, "gone")[3] or ""  # type: ignore[index]
+    assert gone_error.startswith("connecting to 127.0.0.1:1 ") and "Connection refused" in gone_error
     failures = [e for e in logs if e["event"] == "email_check_failed"]
     assert {e["account"] for e in failures} == {"broken", "gone"}
     assert secret not in repr(logs)
