@@ -157,16 +157,18 @@ def wait_for_database(
             # A refused login is waited out too (a directory server behind the database's
             # authentication may be restarting), but ends as the configuration error it is.
             waited = time.monotonic() - started
-            if waited + delay > deadline_s:
+            left = deadline_s - waited
+            if left <= 0:  # (the last try is at the deadline, not a backoff step before it)
                 if isinstance(exc, DatabaseLoginRefused):
                     raise
+                reason = str(exc).removeprefix("database unavailable: ")
                 raise DatabaseUnavailable(
                     f"database still unreachable after {waited:.0f}s"
-                    f" (SOKRATOS_STARTUP_TIMEOUT {deadline_s:g}s): {exc}"
+                    f" (SOKRATOS_STARTUP_TIMEOUT {deadline_s:g}s): {reason}"
                 ) from exc
             if on_wait is not None:
                 on_wait(waited, str(exc))
-            sleep(delay)
+            sleep(min(delay, left))
             delay = min(delay * 2, 5.0)
 
 

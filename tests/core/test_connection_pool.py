@@ -1,13 +1,16 @@
-"""The pool opens what a drain needs at start and grows on demand, up to its size."""
+"""The pool: what it opens at start, how it grows, warms and waits; waiting for a database."""
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 
 import psycopg
+import pytest
 
+from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database
+from sokratos_worker.store.connection import Database, wait_for_database
 from tests.support.db import count, enqueue_many
 
 
@@ -74,3 +77,13 @@ def test_wait_ready_says_false_when_the_server_cannot_be_reached() -> None:
         assert database.wait_ready(0.5) is False
     finally:
         database.close()
+
+
+def test_wait_for_database_tries_until_its_deadline_and_says_why_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(DatabaseUnavailable) as info:
+        wait_for_database("postgresql://127.0.0.1:1/none?connect_timeout=1", deadline_s=2.0)
+    assert time.monotonic() - started >= 2.0  # not given up a backoff step early
+    text = str(info.value)
+    assert "still unreachable after 2s (SOKRATOS_STARTUP_TIMEOUT 2s)" in text
+    assert text.count("database unavailable") <= 1
