@@ -200,3 +200,19 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
 def pending_files(spool_dir: Path) -> int:
     """How many enqueues wait in the spool."""
     return len(list(spool_dir.glob("*.json"))) if spool_dir.is_dir() else 0
+
+
+def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
+    """Spooled enqueues meant for another database than ``identity``, counted by database.
+
+    No worker here imports them; ``status`` names them so a mistyped URL is not waited on.
+    """
+    counts: dict[str, int] = {}
+    for path in sorted(spool_dir.glob("*.json")) if spool_dir.is_dir() else []:
+        try:
+            meant_for = json.loads(path.read_text(encoding="utf-8")).get("database")
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable: the next import reports it as a failure
+        if isinstance(meant_for, str) and meant_for != identity:
+            counts[meant_for] = counts.get(meant_for, 0) + 1
+    return counts

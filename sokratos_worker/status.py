@@ -8,7 +8,7 @@ import psycopg
 
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.spool import pending_files
+from sokratos_worker.spool import pending_elsewhere, pending_files
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import connect
 from sokratos_worker.store.migrations import pending_migrations
@@ -28,6 +28,10 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "workers": [],
         "email_accounts": [],
         "spooled": pending_files(settings.spool_dir),
+        "spooled_for_other_databases": pending_elsewhere(
+            settings.spool_dir, settings.database_identity
+        ),
+        "database_identity": settings.database_identity,
         "embeddings": "configured"
         if settings.embeddings_enabled
         else "not configured: memories are saved without embeddings; no contradiction check",
@@ -95,6 +99,12 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(f"    leased by {owner}: {count}")
     if report.get("spooled"):
         lines.append(f"spool: {report['spooled']} enqueues waiting for import")
+    for meant_for, count in (report.get("spooled_for_other_databases") or {}).items():
+        lines.append(
+            f"    {count} of them for {meant_for}, not this database"
+            f" ({report.get('database_identity')}): only a worker on that one imports them"
+            " (a mistyped URL? docs/production.md, 'The enqueue spool')"
+        )
     if report["database"] != "ok" or "unreadable" in report:  # nothing below can be known
         why = report.get("unreadable", "no database")
         lines.append(f"queues, failures (24h), workers, email accounts: unknown ({why})")

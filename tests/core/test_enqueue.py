@@ -11,7 +11,8 @@ import pytest
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Queue
-from sokratos_worker.spool import import_spool, spool_enqueue
+from sokratos_worker.spool import import_spool, pending_elsewhere, spool_enqueue
+from sokratos_worker.status import render_status
 from sokratos_worker.store.connection import Database
 from tests.support.db import count
 
@@ -161,3 +162,24 @@ def test_a_spool_file_is_imported_only_into_the_database_it_was_meant_for(
     assert keys == {"here", "older-file"}
     left = [json.loads(p.read_text())["database"] for p in spool.glob("*.json")]
     assert left == [other]
+    # status names it, with this database's identity, and the documented fix imports it.
+    assert pending_elsewhere(spool, ours) == {other: 1}
+    text = render_status(
+        {
+            "database": "ok", "queues": {}, "failures_24h": {}, "workers": [],
+            "email_accounts": [], "embeddings": "off", "spooled": 1,
+            "spooled_for_other_databases": pending_elsewhere(spool, ours),
+            "database_identity": ours,
+        }
+    )  # fmt: skip
+    assert f"1 of them for {other}, not this database ({ours})" in text
+    [path] = spool.glob("*.json")
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "database": ours}))
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database, ours) == 1
+    finally:
+        database.close()
+    assert pending_elsewhere(spool, ours) == {}
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE idempotency_key = 'elsewhere'") == 1
