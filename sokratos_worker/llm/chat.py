@@ -447,6 +447,8 @@ class FallbackChatClient:
             raise _Transient(reason, status, wait)
         if verdict is not Verdict.OK:
             reason = f"http_{status}" + (f" {verdict.value}" if verdict is Verdict.CONTEXT else "")
+            if verdict is Verdict.REFUSED:  # a wrong key or model: the server says which
+                reason += _server_says(response)
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Permanent(verdict, reason, status)
         try:
@@ -501,7 +503,9 @@ class FallbackChatClient:
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
         if all(k == "refused" for k in kinds):
             return LLMBackendsMisconfigured(
-                f"every LLM backend refused the request ({summary})", tried=tried
+                f"every LLM backend refused the request ({summary}): check each backend's"
+                " api_key and model ('sokratos-worker check')",
+                tried=tried,
             )
         if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
             sent = any(k == "unreachable" for k in kinds)
@@ -556,6 +560,18 @@ class FallbackChatClient:
             reason=reason,
             status=status,
         )
+
+
+def _server_says(response: httpx.Response) -> str:
+    """``: <the error message>`` of an OpenAI-style error body (bounded), or nothing."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str) or not message.strip():
+        return ""
+    return ": " + " ".join(message.split())[:160]
 
 
 def _answer_from(payload: Any) -> _Answer:

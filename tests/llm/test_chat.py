@@ -101,7 +101,7 @@ def test_fallback_order_and_why_skipped(servers: Servers, make_client: MakeClien
         ("c", "answered"),
     ]
     assert result.tried[0].reason == "http_500"
-    assert result.tried[1].reason == "http_401"
+    assert result.tried[1].reason == "http_401: bad key"  # what the server said was wrong
     # 5xx is retried up to the policy's three attempts; 401 never; c once.
     assert (a.count(), b.count(), c.count()) == (3, 1, 1)
     assert len(sleeps) == 2
