@@ -92,6 +92,6 @@ def _pgvector_missing(settings: Settings, conn: Connection) -> str:
     if settings.uses_embedded_postgres:
         return "not created yet: 'sokratos-worker migrate' (or 'run') creates it"
     return (
-        "not created in this database: 'sokratos-worker migrate' creates it as a role allowed"
-        " to; otherwise a superuser runs 'CREATE EXTENSION vector;' first (docs/production.md)"
+        "not created in this database: 'sokratos-worker migrate' creates it when its role is"
+        " allowed to, else a superuser runs 'CREATE EXTENSION vector;' first (docs/production.md)"
     )
