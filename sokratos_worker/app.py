@@ -9,9 +9,10 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import Settings, unknown_variables
-from sokratos_worker.daemon import EXIT_OK, Worker, build_worker
+from sokratos_worker.daemon import EXIT_OK, EXIT_TEMPFAIL, Worker, build_worker
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
+from sokratos_worker.runner import State
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.store import queue as queue_store
@@ -117,11 +118,25 @@ def run_worker(
 
 
 def run_once(worker: Worker) -> int:
-    """One heartbeat tick: spool, due email checks, then drain what is ready now."""
+    """One heartbeat tick: spool, due email checks, then drain what is ready now.
+
+    Exits 75 when the drain stopped because no LLM backend could be reached: items were left
+    waiting, which a timer-driven unit would otherwise never see.
+    """
     worker.tick(email=True)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
+    paused = worker.runner.state == State.NO_BACKEND
+    reason = worker.runner.state_detail
     worker.runner.shutdown(worker.settings.shutdown_grace)
     worker._report(0)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
+    if paused:
+        log.warning(
+            "run_once_incomplete",
+            reason=reason,
+            hint="items are left waiting; the next run takes them once a backend answers"
+            " ('sokratos-worker check' names what is wrong)",
+        )
+        return EXIT_TEMPFAIL
     return EXIT_OK

@@ -1,7 +1,8 @@
 """The ``sokratos-worker`` command: argument parsing and wiring; the work lives elsewhere.
 
 Logs go to stderr; stdout carries only a command's own output. Exit codes: 0 success,
-1 anything else, 75 database unreachable past SOKRATOS_STARTUP_TIMEOUT, 78 bad configuration.
+1 anything else, 75 database unreachable past SOKRATOS_STARTUP_TIMEOUT (or, for ``run --once``,
+no backend reachable), 78 bad configuration.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ any variable X may be given as X_FILE or as a file X in $CREDENTIALS_DIRECTORY.
 With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DATA_DIR.
 
 exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable
-(SOKRATOS_STARTUP_TIMEOUT), 78 bad config.
+(SOKRATOS_STARTUP_TIMEOUT; run --once: no backend reachable, items left), 78 bad config.
 """
 
 

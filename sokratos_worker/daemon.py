@@ -46,6 +46,7 @@ DISPATCHER_STALL_S = 120.0
 
 EXIT_OK = 0
 EXIT_SOFTWARE = 1
+EXIT_TEMPFAIL = 75  # a dependency stayed unreachable (contract §1; cli.py's too)
 
 
 def new_worker_id(instance: str | None = None) -> str:

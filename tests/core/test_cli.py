@@ -354,3 +354,17 @@ def test_check_on_a_fresh_database_without_backends_still_probes_the_embeddings(
     assert "not created in this database: 'sokratos-worker migrate' creates it" in lines["pgvector"]
     assert lines["llm_backends"].startswith("FAIL")
     assert lines["embeddings"].startswith("FAIL"), proc.stdout  # probed, not skipped
+
+
+def test_run_once_exits_75_when_no_backend_could_take_the_items(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    enqueue_many(db, 2)
+    backends = json.dumps([{"name": "gone", "url": "http://127.0.0.1:1/v1", "model": "m"}])
+    env = env_for(database_url, tmp_path, SOKRATOS_LLM_BACKENDS=backends)
+    proc = cli("run", "--once", env=env)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    assert "run_once_incomplete" in proc.stderr
+    # Not the items' fault: both wait, their attempts given back.
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 2
+    assert count(db, "SELECT count(*) FROM work_outcomes") == 0
