@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import psycopg
+from structlog.testing import capture_logs
 
 from sokratos_worker.client import enqueue_triage
 from sokratos_worker.config import Settings
@@ -93,13 +94,18 @@ def test_item_whose_last_attempt_died_is_dead_lettered_without_running(
         "UPDATE pending_triage SET attempts = 3, lease_owner = 'dead', lease_expires_at = now() - interval '1s'"
     )
     handler = ScriptedHandler()
-    _drain(database_url, handler)
+    with capture_logs() as logs:
+        _drain(database_url, handler)
     assert handler.calls == 0
     row = db.execute(
-        "SELECT error_message, context_data->'payload'->>'exchange' FROM failed_operations"
+        "SELECT error_message, context_data->'payload'->>'exchange', id FROM failed_operations"
     ).fetchone()
     assert row is not None and row[0].endswith("worker died during the last attempt")
     assert row[1].startswith("user: item 0")
+    # The log line names the row, and the exact command that replays it.
+    [event] = [e for e in logs if e["event"] == "item_dead_lettered"]
+    assert event["failure_id"] == row[2]
+    assert f"'sokratos-worker failed retry {row[2]}'" in event["hint"]
 
 
 def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(
