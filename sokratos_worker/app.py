@@ -97,8 +97,9 @@ def run_worker(
                 "database_pool_not_full",
                 wanted=settings.concurrency + 2,
                 waited_s=POOL_READY_TIMEOUT_S,
-                hint="starting anyway; is the server's max_connections too low for "
-                "SOKRATOS_CONCURRENCY (each worker opens CONCURRENCY + 4)?",
+                hint="starting anyway, with fewer connections; is the server's max_connections or"
+                " the role's CONNECTION LIMIT too low for SOKRATOS_CONCURRENCY (each worker"
+                " opens up to CONCURRENCY + 4)?",
             )
         _check_schema(settings, database)
         with backends(settings) as (effective, chat, embedder):

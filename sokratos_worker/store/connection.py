@@ -199,11 +199,16 @@ class Database:
         self.pool = make_pool(conninfo, size=size, keep_open=keep_open, configure=configure)
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until the connections kept open are open (and configured); False at timeout."""
-        try:
-            self.pool.wait(timeout=timeout)
-        except PoolTimeout:
-            return False
+        """Wait until the connections kept open are open (and configured); False at timeout.
+
+        Polls the pool's idle count: ``ConnectionPool.wait`` would close the pool at its
+        timeout, and a worker whose role may open fewer connections should still run.
+        """
+        deadline = time.monotonic() + timeout
+        while self.pool.get_stats()["pool_available"] < self.pool.min_size:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
         return True
 
     @contextmanager

@@ -63,13 +63,10 @@ def apply_migrations(conninfo: str) -> list[str]:
     with connect(conninfo, autocommit=True) as conn, translated():
         conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
         try:
-            conn.execute(
-                """CREATE TABLE IF NOT EXISTS sokratos_worker_migrations (
-                       version int PRIMARY KEY,
-                       name text NOT NULL,
-                       checksum text NOT NULL,
-                       applied_at timestamptz NOT NULL DEFAULT now())"""
-            )
+            # Up to date: read only, so a worker role that may not create tables starts too.
+            if not pending_migrations(conn):
+                return []
+            _create_history_table(conn)
             done = {
                 row[0]: row[1]
                 for row in conn.execute("SELECT version, checksum FROM sokratos_worker_migrations")
@@ -99,6 +96,26 @@ def pending_migrations(conn: psycopg.Connection) -> list[str]:
     if table is not None and table[0] is not None:
         done = {row[0] for row in conn.execute("SELECT version FROM sokratos_worker_migrations")}
     return [m.name for m in load_migrations() if m.version not in done]
+
+
+def _create_history_table(conn: psycopg.Connection) -> None:
+    try:
+        conn.execute(
+            """CREATE TABLE IF NOT EXISTS sokratos_worker_migrations (
+                   version int PRIMARY KEY,
+                   name text NOT NULL,
+                   checksum text NOT NULL,
+                   applied_at timestamptz NOT NULL DEFAULT now())"""
+        )
+    except psycopg.errors.InsufficientPrivilege as exc:
+        row = conn.execute("SELECT current_user").fetchone()
+        user = row[0] if row else conn.info.user
+        raise MigrationError(
+            f"migrations are pending and the role {user!r} may not apply them:"
+            f" {str(exc).splitlines()[0]}. Run 'sokratos-worker migrate' as the role that owns"
+            " the tables, or let this role start without migrating"
+            " (SOKRATOS_MIGRATE_ON_START=false or 'run --no-migrate'); see README, Upgrading."
+        ) from exc
 
 
 def _apply_one(conn: psycopg.Connection, migration: Migration) -> None:

@@ -75,6 +75,7 @@ def test_wait_ready_says_false_when_the_server_cannot_be_reached() -> None:
     database = Database("postgresql://127.0.0.1:1/none?connect_timeout=1", size=1)
     try:
         assert database.wait_ready(0.5) is False
+        assert not database.pool.closed  # (psycopg_pool's own wait() closes it at its timeout)
     finally:
         database.close()
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -225,3 +226,34 @@ def test_daemon_speaks_sd_notify_and_serves_metrics(
         sock.close()
     assert any(s.startswith("STATUS=running") for s in seen)
     assert "STOPPING=1" in seen
+
+
+def test_a_role_below_the_pools_size_logs_pool_not_full_and_still_drains(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    # A role allowed 6 connections, for a worker whose pool wants CONCURRENCY + 2 = 10 at start.
+    roles_sql = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
+    db.execute(roles_sql)
+    role = f"limited_{uuid.uuid4().hex[:8]}"
+    db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 6 IN ROLE sokratos_worker")
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(database_url)
+        info["user"] = role
+        info.pop("password", None)
+        limited_url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+        n = 40
+        enqueue_many(db, n)
+        log = tmp_path / "daemon.log"
+        proc = start_daemon(daemon_env(limited_url, tmp_path), log, "--once")
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+        _assert_each_item_one_outcome(db, n)
+        events = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+        warned = [e for e in events if e["event"] == "database_pool_not_full"]
+        assert len(warned) == 1 and warned[0]["wanted"] == 10, warned
+        assert "max_connections" in warned[0]["hint"]
+    finally:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+        )
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -10,7 +12,9 @@ import pytest
 from sokratos_worker.app import _check_schema
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store.connection import Database
-from sokratos_worker.store.migrations import apply_migrations, load_migrations
+from sokratos_worker.store.migrations import MigrationError, apply_migrations, load_migrations
+
+ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
 
 SOKRATOS_SCHEMA = """
 CREATE EXTENSION IF NOT EXISTS vector;
@@ -112,3 +116,41 @@ def test_an_existing_sokratos_database_is_adopted(empty_database_url: str) -> No
         )
     finally:
         database.close()
+
+
+def _as_role(url: str, role: str) -> str:
+    """The same database, the session running as ``role`` (set at connection start)."""
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["options"] = f"-c role={role}"
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+def test_an_up_to_date_database_needs_no_privilege_to_migrate(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(ROLES_SQL)
+        before = conn.execute("SELECT count(*) FROM sokratos_worker_migrations").fetchone()
+    # The worker role may not create tables; with nothing pending, `run` starts anyway.
+    assert apply_migrations(_as_role(database_url, "sokratos_worker")) == []
+    with psycopg.connect(database_url) as conn:
+        after = conn.execute("SELECT count(*) FROM sokratos_worker_migrations").fetchone()
+    assert after == before
+
+
+def test_pending_migrations_under_a_role_that_may_not_apply_them_say_what_to_do(
+    empty_database_url: str,
+) -> None:
+    role = f"no_ddl_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role}")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        try:
+            with pytest.raises(MigrationError) as raised:
+                apply_migrations(_as_role(empty_database_url, role))
+            table = conn.execute("SELECT to_regclass('sokratos_worker_migrations')").fetchone()
+        finally:
+            conn.execute(f"DROP ROLE {role}")
+    message = str(raised.value)
+    assert f"the role '{role}' may not apply them" in message
+    assert "permission denied for schema public" in message
+    assert "sokratos-worker migrate" in message and "SOKRATOS_MIGRATE_ON_START=false" in message
+    assert table == (None,)
