@@ -6,6 +6,7 @@ import re
 import socket
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import mails
@@ -26,6 +27,7 @@ from sokratos_worker.email.parse import message_key, parse_email
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
 NOW = datetime.now(UTC)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def later(minutes: int) -> datetime:
@@ -642,3 +644,25 @@ def test_a_silent_server_times_out_as_an_account_error(
     assert report.error is not None
     assert "timed out" in report.error
     assert checkpoint(db, "silent")[3] == report.error  # type: ignore[index]
+
+
+def test_the_least_privilege_worker_role_checks_mail_and_prunes(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """The statements a check really issues, as sokratos_worker (sql/roles.sql)."""
+    db.execute((ROOT / "sql" / "roles.sql").read_text("utf-8"))
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    info["options"] = "-c role=sokratos_worker"
+    as_worker = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+    for n in range(2):
+        dovecot.append(mailbox, mails.plain(subject=f"role {n}"))
+    settings = make_settings(account())
+    [report] = check_due_accounts(settings, as_worker, now=later(0))
+    assert (report.fetched, report.enqueued, report.error) == (2, 2, None)
+    dovecot.append(mailbox, mails.plain(subject="role 2"))
+    [report] = check_due_accounts(settings, as_worker, now=later(10))
+    assert (report.fetched, report.enqueued, report.error) == (1, 1, None)
+    assert [i["payload"]["subject"] for i in items(db)] == ["role 0", "role 1", "role 2"]
+    assert checkpoint(db)[1:4:2] == (3, None)  # type: ignore[index]
+    with psycopg.connect(as_worker, autocommit=True) as conn:
+        assert prune_processed_emails(conn, 0) == 0
