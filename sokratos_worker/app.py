@@ -121,13 +121,13 @@ def run_worker(
 def run_once(worker: Worker) -> int:
     """One heartbeat tick: spool, due email checks, then drain what is ready now.
 
-    Exits 75 when the drain stopped because no LLM backend could be reached: items were left
-    waiting, which a timer-driven unit would otherwise never see.
+    Exits 75 when the drain stopped because no LLM backend or the database could be reached:
+    items were left waiting, which a timer-driven unit would otherwise never see.
     """
     worker.tick(email=True)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
-    paused = worker.runner.state == State.NO_BACKEND
+    paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
     worker.runner.shutdown(worker.settings.shutdown_grace)
     worker._report(0)
@@ -136,8 +136,8 @@ def run_once(worker: Worker) -> int:
         log.warning(
             "run_once_incomplete",
             reason=reason,
-            hint="items are left waiting; the next run takes them once a backend answers"
-            " ('sokratos-worker check' names what is wrong)",
+            hint="items are left waiting; the next run takes them once what the reason names"
+            " is back ('sokratos-worker check' says what is wrong)",
         )
         return EXIT_TEMPFAIL
     return EXIT_OK

@@ -18,7 +18,15 @@ from sokratos_worker.errors import DatabaseUnavailable
 T = TypeVar("T")
 
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
-_TRANSIENT_PREFIXES = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01")
+# 25006: a server that takes no writes (a standby before or after a failover) is waited out.
+_READ_ONLY = "25006"
+_TRANSIENT_PREFIXES = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01", _READ_ONLY)
+
+READ_ONLY_SERVER = (
+    "the server is read-only (a standby, or default_transaction_read_only is on); the worker"
+    " needs the primary: point SOKRATOS_DATABASE_URL at it (with several hosts, add"
+    " target_session_attrs=read-write)"
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -44,8 +52,13 @@ def translated() -> Iterator[None]:
         yield
     except (psycopg.Error, PoolTimeout) as exc:
         if is_transient(exc):
-            raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+            reason = READ_ONLY_SERVER if _sqlstate(exc) == _READ_ONLY else _first_line(exc)
+            raise DatabaseUnavailable(f"database unavailable: {reason}") from exc
         raise
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return exc.sqlstate if isinstance(exc, psycopg.Error) else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -150,8 +163,10 @@ def wait_for_database(
     delay = 0.25
     while True:
         try:
-            with connect(conninfo, timeout=min(10.0, max(1.0, deadline_s))) as conn:
-                conn.execute("SELECT 1")
+            with connect(conninfo, timeout=min(10.0, max(1.0, deadline_s))) as conn, translated():
+                read_only = conn.execute("SHOW transaction_read_only").fetchone()
+            if read_only is not None and read_only[0] == "on":
+                raise DatabaseUnavailable(f"database unavailable: {READ_ONLY_SERVER}")
             return
         except (DatabaseUnavailable, DatabaseLoginRefused) as exc:
             # A refused login is waited out too (a directory server behind the database's
