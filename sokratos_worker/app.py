@@ -124,14 +124,21 @@ def run_once(worker: Worker) -> int:
     Exits 75 when the drain stopped because no LLM backend or the database could be reached:
     items were left waiting, which a timer-driven unit would otherwise never see.
     """
+    worker.install_signals()  # a stopped timer unit must not leave its items leased
     worker.tick(email=True)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
     paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
-    worker.runner.shutdown(worker.settings.shutdown_grace)
+    # After a stop signal the drain has already given its items the grace.
+    released = worker.runner.shutdown(
+        0 if worker.stop_requested else worker.settings.shutdown_grace
+    )
     worker._report(0)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
+    if worker.stop_requested:
+        log.info("run_once_stopped", released=released)
+        return EXIT_OK
     if paused:
         log.warning(
             "run_once_incomplete",

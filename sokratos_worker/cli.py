@@ -80,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="run the daemon in the foreground until SIGTERM/SIGINT",
+        help="run the daemon in the foreground until SIGTERM/SIGINT/SIGHUP",
         description="Apply pending migrations, then drain the queues: heartbeat ticks every"
         " SOKRATOS_HEARTBEAT_INTERVAL, instant wake-ups on new work (LISTEN/NOTIFY), email"
-        " checks. SIGTERM/SIGINT finishes items in flight within SOKRATOS_SHUTDOWN_GRACE and"
-        " exits 0; a second signal exits at once.",
+        " checks. SIGTERM, SIGINT or SIGHUP (also during --once) stops claiming, lets items"
+        " in flight finish within SOKRATOS_SHUTDOWN_GRACE, gives the rest back and exits 0;"
+        " a second signal exits at once. Configuration is read at start: restart to change it.",
     )
     run.add_argument(
         "--once",

@@ -282,7 +282,7 @@ class Worker:
     def serve(self) -> int:
         """Run until SIGTERM/SIGINT; then drain within the grace and exit 0."""
         faulthandler.enable()
-        self._install_signals()
+        self.install_signals()
         metrics_server = self._start_metrics()
         scheduler = self._start_scheduler()
         listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
@@ -317,18 +317,30 @@ class Worker:
         log.info("worker_stopped", released=released)
         return EXIT_OK
 
-    def _install_signals(self) -> None:
+    @property
+    def stop_requested(self) -> bool:
+        """A stop signal arrived."""
+        return self._stop.is_set()
+
+    def install_signals(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP stop claiming and let items in flight finish (a hangup,
+        such as a closed terminal, would otherwise kill the process with items leased)."""
+
         def handle(signum: int, _frame: FrameType | None) -> None:
             self._signals += 1
             if self._signals > 1:
                 log.warning("second_signal_exiting_now", signal=signal.Signals(signum).name)
                 os._exit(EXIT_SOFTWARE)
-            log.info("signal_received", signal=signal.Signals(signum).name)
+            log.info(
+                "signal_received",
+                signal=signal.Signals(signum).name,
+                hint="finishing items in flight; a second signal exits at once",
+            )
             self._stop.set()
             self.runner.request_stop()
 
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, handle)
 
     def _start_scheduler(self) -> BackgroundScheduler:
         scheduler = BackgroundScheduler(

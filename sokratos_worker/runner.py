@@ -216,7 +216,10 @@ class Runner:
                 self._wait(self._idle_timeout(next_in, drain_only))
         finally:
             if drain_only:
-                deadline = time.monotonic() + self.settings.shutdown_grace + 5
+                # Asked to stop (a signal), in-flight items get the grace; at the end of a
+                # drain or its budget, a little more.
+                extra = 0.0 if self._stop_claiming.is_set() else 5.0
+                deadline = time.monotonic() + self.settings.shutdown_grace + extra
                 while self.inflight_count() and time.monotonic() < deadline:
                     time.sleep(0.02)
                 self._stopped.set()

@@ -64,17 +64,33 @@ def test_kill_9_mid_drain_repeatedly_loses_and_doubles_nothing(
     )
 
 
-def test_sigterm_mid_drain_exits_0_within_the_grace_and_loses_nothing(
-    db: psycopg.Connection, database_url: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("signum", "args"),
+    [
+        (signal.SIGTERM, ()),
+        (signal.SIGHUP, ()),  # a closed terminal: not an abrupt kill with items leased
+        (signal.SIGTERM, ("--once",)),  # a timer unit stopped mid-run
+        (signal.SIGINT, ("--once",)),  # Ctrl-C
+    ],
+    ids=["sigterm", "sighup", "once-sigterm", "once-sigint"],
+)
+def test_a_stop_signal_mid_drain_exits_0_within_the_grace_and_loses_nothing(
+    db: psycopg.Connection,
+    database_url: str,
+    tmp_path: Path,
+    signum: signal.Signals,
+    args: tuple[str, ...],
 ) -> None:
     n = 200
     enqueue_many(db, n, behaviour="sleep:0.3")
-    env = daemon_env(database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="5s")
-    proc = start_daemon(env, tmp_path / "daemon.log")
+    env = daemon_env(database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="5s", SOKRATOS_LEASE="60s")
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log, *args)
     assert wait_until(lambda: _done(db) >= 20, timeout=60)
     started = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    proc.send_signal(signum)
+    assert proc.wait(30) == 0, log.read_text()[-3000:]
+    assert f'"signal": "{signum.name}"' in log.read_text()
     assert time.monotonic() - started < 5 + 5
     # Nothing is leased any more: each item is settled or released with its attempt given back.
     assert count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL") == 0
