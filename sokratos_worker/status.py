@@ -10,7 +10,7 @@ from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.spool import pending_elsewhere, pending_files
 from sokratos_worker.store import status as status_store
-from sokratos_worker.store.connection import connect
+from sokratos_worker.store.connection import READ_ONLY_SERVER, connect
 from sokratos_worker.store.migrations import pending_migrations
 
 
@@ -42,6 +42,9 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             report["database"] = "ok"
+            read_only = conn.execute("SHOW transaction_read_only").fetchone()
+            if read_only is not None and read_only[0] == "on":
+                report["read_only"] = READ_ONLY_SERVER  # readable, but no worker can work here
             pending = pending_migrations(conn)
             if pending:
                 report["migrations_pending"] = pending
@@ -82,6 +85,8 @@ def render_status(report: dict[str, Any]) -> str:
     lines = [
         f"database: {report['database']}" + (f" ({report['error']})" if "error" in report else "")
     ]
+    if "read_only" in report:
+        lines.append(f"read-only: {report['read_only']}")
     if report.get("migrations_pending"):
         lines.append(
             f"schema: lacks {', '.join(report['migrations_pending'])}:"

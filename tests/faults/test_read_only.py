@@ -82,7 +82,7 @@ def test_a_database_that_turns_read_only_and_back_is_waited_out(
     report("database_read_only_then_writable", fig, recover, done_before=stalled)
 
 
-def test_a_worker_started_against_a_read_only_server_says_so_and_exits_75(
+def test_a_read_only_server_at_start_exits_75_and_check_and_status_say_why(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
     _set_read_only(db, True)
@@ -92,6 +92,9 @@ def test_a_worker_started_against_a_read_only_server_says_so_and_exits_75(
         assert start_worker(env, log).wait(60) == 75
         assert "read-only" in log.read_text() and "primary" in log.read_text(), tail(log)
         checked = cli(env, "check")
+        status = cli(env, "status")
+    assert status.returncode == 0, status.stderr
+    assert "read-only: the server is read-only" in status.stdout, status.stdout
     assert checked.returncode == 1
     [line] = [x for x in checked.stdout.splitlines() if x.split()[:1] == ["database"]] or [
         checked.stdout
