@@ -20,6 +20,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 
 import httpx
 
@@ -43,10 +44,30 @@ def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
         return True
 
 
-class StdlibTransport(httpx.BaseTransport):
-    """HTTP/1.1 with keep-alive over ``http.client``; thread-safe."""
+# Far above any chat reply or embedding batch (32 vectors of 4,096 numbers are ~3 MB of
+# JSON); a server past it is broken, and reading on would hold that much per slot.
+MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
-    def __init__(self, *, verify: ssl.SSLContext | bool = True, max_idle: int = 2) -> None:
+
+class ResponseTooLarge(httpx.RemoteProtocolError):
+    """The server sent more than ``MAX_RESPONSE_BYTES``."""
+
+
+class StdlibTransport(httpx.BaseTransport):
+    """HTTP/1.1 with keep-alive over ``http.client``; thread-safe.
+
+    The read timeout bounds each wait for data and also the whole response: a server that
+    dribbles its answer a byte at a time cannot hold a slot for longer than that.
+    """
+
+    def __init__(
+        self,
+        *,
+        verify: ssl.SSLContext | bool = True,
+        max_idle: int = 2,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+    ) -> None:
+        self._max_response_bytes = max_response_bytes
         self._max_idle = max_idle  # kept per host; more in use at once are closed after use
         self._ssl: ssl.SSLContext | None = None
         self._verify = verify
@@ -154,6 +175,58 @@ class StdlibTransport(httpx.BaseTransport):
             return answer
         return self._receive(conn, request, timeouts.get("read"))
 
+    def _receive(
+        self, conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
+    ) -> _Received:
+        assert conn.sock is not None  # noqa: S101 - still connected after the send
+        _set_timeout(conn.sock, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            response = conn.getresponse()
+            return _Received(response, self._read_body(response, conn.sock, timeout, deadline))
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout("waiting for the response timed out") from exc
+        except http.client.HTTPException as exc:
+            # RemoteDisconnected, IncompleteRead, BadStatusLine, LineTooLong, ...
+            raise httpx.RemoteProtocolError(
+                f"{type(exc).__name__}: {exc}", request=request
+            ) from exc
+        except OSError as exc:
+            raise httpx.ReadError(f"reading the response failed: {exc}") from exc
+
+    def _read_body(
+        self,
+        response: http.client.HTTPResponse,
+        sock: socket.socket,
+        timeout: float | None,
+        deadline: float | None,
+    ) -> bytes:
+        """The body, read as it arrives, within the deadline and the size limit."""
+        limit = self._max_response_bytes
+        if response.length is not None and response.length > limit:
+            raise ResponseTooLarge(f"the response is {response.length} bytes, over {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            if deadline is not None and timeout is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise httpx.ReadTimeout(f"the response took longer than {timeout:g}s")
+                if left < timeout / 2:  # (late only: each change is a system call)
+                    _set_timeout(sock, left)
+            chunk = response.read1(65536)
+            if not chunk:
+                if response.length:  # the connection ended before the announced length
+                    raise http.client.IncompleteRead(b"".join(chunks), response.length)
+                break
+            size += len(chunk)
+            if size > limit:
+                raise ResponseTooLarge(f"the response is over {limit} bytes")
+            chunks.append(chunk)
+        if not response.isclosed():
+            response.read()  # a body of known length, read to its end: release the connection
+        return b"".join(chunks)
+
     @staticmethod
     def _send(
         conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
@@ -174,25 +247,6 @@ class StdlibTransport(httpx.BaseTransport):
             raise httpx.LocalProtocolError(f"cannot send the request: {exc}") from exc
         except OSError as exc:
             raise httpx.WriteError(f"sending the request failed: {exc}") from exc
-
-    @staticmethod
-    def _receive(
-        conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
-    ) -> _Received:
-        assert conn.sock is not None  # noqa: S101 - still connected after the send
-        _set_timeout(conn.sock, timeout)
-        try:
-            response = conn.getresponse()
-            return _Received(response, response.read())
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout("waiting for the response timed out") from exc
-        except http.client.HTTPException as exc:
-            # RemoteDisconnected, IncompleteRead, BadStatusLine, LineTooLong, ...
-            raise httpx.RemoteProtocolError(
-                f"{type(exc).__name__}: {exc}", request=request
-            ) from exc
-        except OSError as exc:
-            raise httpx.ReadError(f"reading the response failed: {exc}") from exc
 
 
 class _Received:

@@ -11,6 +11,7 @@ import json
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from sokratos_worker.llm.http import environment_proxies, make_client
-from sokratos_worker.llm.transport import StdlibTransport
+from sokratos_worker.llm.transport import ResponseTooLarge, StdlibTransport
 
 TRANSPORTS: dict[str, Callable[[], httpx.BaseTransport]] = {
     "stdlib": StdlibTransport,
@@ -80,6 +81,32 @@ class _Handler(socketserver.BaseRequestHandler):
                 b'6\r\n{"ok":\r\n6\r\n true}\r\n0\r\n\r\n'
             )
             return True
+        if path == "/trickle":  # a byte every 0.1 s, each wait far below the read timeout
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(100):
+                threading.Event().wait(0.1)
+                try:
+                    sock.sendall(b"x")
+                except OSError:
+                    return False
+            return True
+        if path.startswith("/big/"):  # /big/{length|chunked}/MEGABYTES
+            _, _, framing, megabytes = path.split("/")
+            block = b"x" * 1024 * 1024
+            if framing == "length":
+                head = f"Content-Length: {int(megabytes) * len(block)}\r\n"
+                sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode())
+            else:
+                sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                for _ in range(int(megabytes)):
+                    chunk = block if framing == "length" else b"100000\r\n" + block + b"\r\n"
+                    sock.sendall(chunk)
+                if framing == "chunked":
+                    sock.sendall(b"0\r\n\r\n")
+            except OSError:
+                return False  # the client stopped reading
+            return False
         if path == "/status/503":
             sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
             return True
@@ -282,3 +309,25 @@ def test_the_worker_client_keeps_no_cookies(server: _Server) -> None:
         assert client.get(f"{server.url}/set-cookie").status_code == 200
         assert client.get(f"{server.url}/echo").json()["cookie"] is None
         assert len(client.cookies) == 0
+
+
+def test_a_body_dribbled_a_byte_at_a_time_is_bounded_by_the_read_timeout(
+    server: _Server,
+) -> None:
+    """Each byte arrives well within the timeout; the whole answer may not take longer."""
+    with httpx.Client(transport=StdlibTransport(), timeout=1.0) as http:
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            http.get(f"{server.url}/trickle")
+        assert time.monotonic() - started < 3.0  # not the 10 s the server would take
+        assert http.get(f"{server.url}/after").status_code == 200
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_response_over_the_size_limit_is_refused(server: _Server, framing: str) -> None:
+    transport = StdlibTransport(max_response_bytes=2 * 1024 * 1024)
+    with httpx.Client(transport=transport, timeout=5.0) as http:
+        with pytest.raises(ResponseTooLarge):
+            http.get(f"{server.url}/big/{framing}/8")
+        assert http.get(f"{server.url}/big/{framing}/1").status_code == 200
+        assert http.get(f"{server.url}/after").status_code == 200
