@@ -451,14 +451,12 @@ class FallbackChatClient:
                 reason += _server_says(response)
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Permanent(verdict, reason, status)
-        try:
-            payload = response.json()
-        except ValueError as exc:
-            self._log_failed(
-                backend, attempt, started, purpose, reason="malformed_response", status=status
-            )
-            raise _Transient("malformed_response", status) from exc
-        answer = _answer_from(payload)
+        problem = _not_a_completion(response)
+        if problem is not None:  # a login page, a wrong path: the server's fault, not the item's
+            reason = f"malformed_response: {problem}"
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
+            raise _Transient(reason, status)
+        answer = _answer_from(response.json())
         log.info(
             "llm_call_finished",
             backend=backend.name,
@@ -528,7 +526,8 @@ class FallbackChatClient:
             )
         except httpx.HTTPError:
             return False
-        return 200 <= response.status_code < 300
+        # A proxy's login page answers 200 too: only a chat completion counts as up.
+        return 200 <= response.status_code < 300 and _not_a_completion(response) is None
 
     def _backend(self, name: str) -> _Backend:
         for backend in self._backends:
@@ -572,6 +571,18 @@ def _server_says(response: httpx.Response) -> str:
     if not isinstance(message, str) or not message.strip():
         return ""
     return ": " + " ".join(message.split())[:160]
+
+
+def _not_a_completion(response: httpx.Response) -> str | None:
+    """Why a 2xx body is not an OpenAI chat completion (None when it is one)."""
+    try:
+        payload = response.json()
+    except ValueError:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        return f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
+    if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
+        return f"JSON without 'choices' ({' '.join(excerpt(response).split())[:80]!r})"
+    return None
 
 
 def _answer_from(payload: Any) -> _Answer:

@@ -402,7 +402,8 @@ def _make_handler(owner: ScriptedLLM) -> type[BaseHTTPRequestHandler]:
                 payload = json.dumps(reply.json_body).encode()
                 content_type = "application/json"
             self.send_response(reply.status)
-            self.send_header("Content-Type", content_type)
+            if not any(name.lower() == "content-type" for name in reply.headers):
+                self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(payload)))
             for name, value in reply.headers.items():
                 self.send_header(name, value)

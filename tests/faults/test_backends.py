@@ -72,6 +72,12 @@ def _outcome_rows(db: psycopg.Connection) -> dict[Key, tuple[str, int]]:
     return {(str(q), int(i)): (str(o), int(a)) for q, i, o, a in rows}
 
 
+LOGIN_PAGE = Reply(
+    raw=b"<html><head><title>Sign in</title></head><body>proxy login</body></html>",
+    headers={"Content-Type": "text/html; charset=utf-8"},
+)
+
+
 def _every_path(server: ScriptedLLM, responder: Responder) -> None:
     for path in (CHAT, PROBE, MODELS, HEALTH):
         server.on(path, responder)
@@ -219,8 +225,10 @@ def test_status_says_no_backend_at_once_not_at_the_next_heartbeat(
     [
         ("backends_total_outage", lambda s: _every_path(s, lambda r: Reply.disconnect())),
         ("backends_completions_500", lambda s: _completions(s, lambda r: Reply.error(500, "OOM"))),
+        # A proxy in front of the model showing its login page: 200, text/html, everywhere.
+        ("backends_html_login_page", lambda s: _every_path(s, lambda r: LOGIN_PAGE)),
     ],
-    ids=["disconnected", "completions-500"],
+    ids=["disconnected", "completions-500", "html-200"],
 )
 def test_total_outage_gives_attempts_back_and_pauses_until_the_servers_return(
     db: psycopg.Connection,

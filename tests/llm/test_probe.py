@@ -149,3 +149,13 @@ def test_without_credentials_keeps_everything_else() -> None:
     assert without_credentials("https://u:p@h:8/v1/x") == "https://h:8/v1/x"
     assert without_credentials("https://h/v1?a=b@c") == "https://h/v1?a=b@c"
     assert without_credentials("http://h:8") == "http://h:8"
+
+
+def test_a_login_page_instead_of_a_completion_says_what_came_back(servers: Servers):
+    srv = servers(models=["m"])
+    page = Reply(raw=b"<html><title>Sign in</title></html>", headers={"Content-Type": "text/html"})
+    for path in ("/v1/chat/completions", "probe"):
+        srv.on(path, lambda r: page)
+    (line,) = probe_backends(settings([{"name": "x", "url": srv.url, "model": "m"}]))
+    assert not line.ok
+    assert "not JSON (text/html: '<html><title>Sign in</title></html>')" in line.detail, line

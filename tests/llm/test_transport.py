@@ -81,32 +81,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 b'6\r\n{"ok":\r\n6\r\n true}\r\n0\r\n\r\n'
             )
             return True
-        if path == "/trickle":  # a byte every 0.1 s, each wait far below the read timeout
-            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
-            for _ in range(100):
-                threading.Event().wait(0.1)
-                try:
-                    sock.sendall(b"x")
-                except OSError:
-                    return False
-            return True
-        if path.startswith("/big/"):  # /big/{length|chunked}/MEGABYTES
-            _, _, framing, megabytes = path.split("/")
-            block = b"x" * 1024 * 1024
-            if framing == "length":
-                head = f"Content-Length: {int(megabytes) * len(block)}\r\n"
-                sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode())
-            else:
-                sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-            try:
-                for _ in range(int(megabytes)):
-                    chunk = block if framing == "length" else b"100000\r\n" + block + b"\r\n"
-                    sock.sendall(chunk)
-                if framing == "chunked":
-                    sock.sendall(b"0\r\n\r\n")
-            except OSError:
-                return False  # the client stopped reading
-            return False
+        if path == "/trickle":
+            return _trickle(sock)
+        if path.startswith("/big/"):
+            return _big(sock, path)
         if path == "/status/503":
             sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
             return True
@@ -117,6 +95,37 @@ class _Handler(socketserver.BaseRequestHandler):
             head += "Set-Cookie: session=abc; Path=/\r\n"
         sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode() + data)
         return not closing
+
+
+def _trickle(sock: socket.socket) -> bool:
+    """A byte every 0.1 s, each wait far below the read timeout."""
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+    for _ in range(100):
+        threading.Event().wait(0.1)
+        try:
+            sock.sendall(b"x")
+        except OSError:
+            return False
+    return True
+
+
+def _big(sock: socket.socket, path: str) -> bool:
+    """/big/{length|chunked}/MEGABYTES, then close."""
+    _, _, framing, megabytes = path.split("/")
+    block = b"x" * 1024 * 1024
+    if framing == "length":
+        head = f"Content-Length: {int(megabytes) * len(block)}\r\n"
+        sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode())
+    else:
+        sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+        for _ in range(int(megabytes)):
+            sock.sendall(block if framing == "length" else b"100000\r\n" + block + b"\r\n")
+        if framing == "chunked":
+            sock.sendall(b"0\r\n\r\n")
+    except OSError:
+        pass  # the client stopped reading
+    return False
 
 
 def _read_chunks(reader: Any) -> bytes:
