@@ -170,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fretry.add_argument("ids", type=int, nargs="*", metavar="ID", help="failures to retry")
     fretry.add_argument(
-        "--all", action="store_true", help="every failure not yet retried (instead of IDs)"
+        "--all",
+        action="store_true",
+        help="every failure not yet retried (instead of IDs), except payloads the worker"
+        " found invalid, which a replay would fail the same way",
     )
     fretry.add_argument("--op-type", help="with --all only: just this op_type")
     fpurge = actions.add_parser("purge", help="delete failures older than DAYS")
@@ -340,9 +343,11 @@ def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
         raise WorkerError(_refused_enqueue(exc)) from exc
     except OSError as exc:
         # Only the spool is written here: the database was out of reach and so is the spool.
-        raise WorkerError(
-            f"database unreachable and the spool cannot be written ({exc.filename}:"
-            f" {exc.strerror or exc}): nothing was enqueued"
+        # Exit 75, not 1: nothing is wrong with the input, and a later try may succeed.
+        where = exc.filename or settings.spool_dir
+        raise DatabaseUnavailable(
+            f"database unreachable and the spool cannot be written ({where}:"
+            f" {exc.strerror or exc}): nothing was enqueued, try again later"
         ) from exc
     print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
     return EXIT_OK
@@ -450,28 +455,44 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
             print(json.dumps(found, default=str, indent=2, ensure_ascii=False))
             return EXIT_OK
         if args.action == "retry":
-            ids = failures.retryable_ids(conn, op_type=args.op_type) if args.all else args.ids
-            if not ids:
-                print("nothing to retry")
-                return EXIT_OK
-            code = EXIT_OK
-            for failure_id in ids:
-                result = failures.retry_failure(conn, failure_id)
-                print(f"{failure_id}: {result.message}")
-                if result.item_id is None:
-                    code = EXIT_FAILURE
-            return code
+            return _retry_failures(args, conn)
         deleted = failures.purge_failures(conn, older_than_days=args.older_than)
         print(f"deleted {deleted} failures older than {args.older_than} days")
         return EXIT_OK
+
+
+def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
+    from sokratos_worker.store import failures  # noqa: PLC0415
+
+    ids = failures.retryable_ids(conn, op_type=args.op_type) if args.all else args.ids
+    if args.all:
+        invalid = failures.invalid_payload_count(conn, op_type=args.op_type)
+        if invalid:
+            print(
+                f"skipped {invalid} failures whose payload itself was invalid (a replay fails"
+                " the same way): fix the producer, or retry one by ID after an upgrade that"
+                " accepts it"
+            )
+    if not ids:
+        print("nothing to retry")
+        return EXIT_OK
+    code = EXIT_OK
+    for failure_id in ids:
+        result = failures.retry_failure(conn, failure_id)
+        print(f"{failure_id}: {result.message}")
+        if result.item_id is None:
+            code = EXIT_FAILURE
+    return code
 
 
 def _retry_usage_problem(args: argparse.Namespace) -> str | None:
     """IDs and --all are alternatives; --op-type only narrows --all."""
     if args.op_type is not None and not args.all:
         return "--op-type only with --all"
-    if bool(args.ids) == args.all:
-        return "name failure IDs or --all (not both)"
+    if args.ids and args.all:
+        return "name failure IDs or --all, not both"
+    if not args.ids and not args.all:
+        return "name the failure IDs to retry (see 'sokratos-worker failed list'), or --all"
     return None
 
 

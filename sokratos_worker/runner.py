@@ -571,15 +571,22 @@ class Runner:
                 with self._lock:
                     self._stats.add(item.queue, kind)
                 replay = result.failure_id if result.failure_id is not None else "ID"
+                hint = (
+                    f"see 'sokratos-worker failed show {replay}'; the payload itself is invalid,"
+                    " so a replay fails the same way: fix what produced it"
+                    if decision.reason.startswith("invalid payload")
+                    else f"see 'sokratos-worker failed show {replay}'; once the cause is fixed"
+                    f" replay it with 'sokratos-worker failed retry {replay}'"
+                )
                 bound.error(
                     "item_dead_lettered",
                     op_type=item.op_type,
                     error=decision.reason,
                     outcome=kind,
-                    memory_ids=list(result.memory_ids),
+                    memory_count=len(result.memory_ids),  # (an archive can be thousands)
+                    first_memory_ids=list(result.memory_ids[:10]),
                     failure_id=result.failure_id,
-                    hint=f"see 'sokratos-worker failed show {replay}'; once the cause is fixed"
-                    f" replay it with 'sokratos-worker failed retry {replay}'",
+                    hint=hint,
                 )
             elif result is not None:
                 kind = self._report_fenced(item, bound, released=LEASE_LOST)

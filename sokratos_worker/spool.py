@@ -73,11 +73,15 @@ def spool_enqueue(
     name = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}.json"
     final = spool_dir / name
     temp = spool_dir / f".{name}.tmp"
-    with temp.open("w", encoding="utf-8") as handle:
-        json.dump(record, handle, ensure_ascii=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    temp.rename(final)
+    try:
+        with temp.open("w", encoding="utf-8") as handle:
+            json.dump(record, handle, ensure_ascii=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+        temp.rename(final)
+    except OSError:
+        temp.unlink(missing_ok=True)  # (a full disk left an empty temporary file behind)
+        raise
     _fsync_dir(spool_dir)
     log.warning("enqueue_spooled", queue=queue.value, path=str(final), meant_for=database)
     return final
@@ -102,8 +106,19 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
     """
     if not spool_dir.is_dir():
         return 0
+    try:
+        files = _spooled(spool_dir)
+    except OSError as exc:
+        log.error(
+            "spool_unreadable",
+            path=str(spool_dir),
+            error=exc.strerror or str(exc),
+            hint="enqueues spooled there are never imported until the worker's user can"
+            " read the directory (chown it to that user)",
+        )
+        return 0
     imported = 0
-    for path in sorted(spool_dir.glob("*.json")):
+    for path in files:
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
             queue, payload, key, source = _parse(record)
@@ -197,9 +212,41 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
     log.error("spool_file_rejected", path=path.name, error=error)
 
 
+def _spooled(spool_dir: Path) -> list[Path]:
+    """The spool's files, oldest first; OSError when the directory cannot be read
+    (``Path.glob`` would say nothing and find nothing)."""
+    with os.scandir(spool_dir) as entries:
+        names = [e.name for e in entries if e.name.endswith(".json") and e.name[0] != "."]
+    return [spool_dir / name for name in sorted(names)]
+
+
 def pending_files(spool_dir: Path) -> int:
-    """How many enqueues wait in the spool."""
-    return len(list(spool_dir.glob("*.json"))) if spool_dir.is_dir() else 0
+    """How many enqueues wait in the spool (0 when it cannot be read: see spool_problems)."""
+    try:
+        return len(_spooled(spool_dir)) if spool_dir.is_dir() else 0
+    except OSError:
+        return 0
+
+
+def spool_problems(spool_dir: Path) -> list[str]:
+    """What keeps spooled enqueues from being imported, for ``status``."""
+    if not spool_dir.is_dir():
+        return []
+    try:
+        with os.scandir(spool_dir) as entries:
+            aside = sorted(e.name for e in entries if e.name.endswith(".json.unreadable"))
+    except OSError as exc:
+        return [
+            f"cannot read {spool_dir} ({exc.strerror or exc}): what is spooled there is never"
+            " imported; chown it to the worker's user"
+        ]
+    if not aside:
+        return []
+    return [
+        f"{len(aside)} spool files set aside as unreadable ({aside[0]}"
+        + (", …" if len(aside) > 1 else "")
+        + "): make them readable by the worker's user and rename them to end in .json"
+    ]
 
 
 def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
@@ -208,7 +255,11 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
     No worker here imports them; ``status`` names them so a mistyped URL is not waited on.
     """
     counts: dict[str, int] = {}
-    for path in sorted(spool_dir.glob("*.json")) if spool_dir.is_dir() else []:
+    try:
+        files = _spooled(spool_dir) if spool_dir.is_dir() else []
+    except OSError:
+        files = []  # said by spool_problems
+    for path in files:
         try:
             meant_for = json.loads(path.read_text(encoding="utf-8")).get("database")
         except (OSError, ValueError, AttributeError):

@@ -8,7 +8,7 @@ import psycopg
 
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.spool import pending_elsewhere, pending_files
+from sokratos_worker.spool import pending_elsewhere, pending_files, spool_problems
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import READ_ONLY_SERVER, connect
 from sokratos_worker.store.migrations import pending_migrations
@@ -28,6 +28,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "workers": [],
         "email_accounts": [],
         "spooled": pending_files(settings.spool_dir),
+        "spool_problems": spool_problems(settings.spool_dir),
         "spooled_for_other_databases": pending_elsewhere(
             settings.spool_dir, settings.database_identity
         ),
@@ -104,6 +105,8 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(f"    leased by {owner}: {count}")
     if report.get("spooled"):
         lines.append(f"spool: {report['spooled']} enqueues waiting for import")
+    for problem in report.get("spool_problems") or []:
+        lines.append(f"spool: {problem}")
     for meant_for, count in (report.get("spooled_for_other_databases") or {}).items():
         lines.append(
             f"    {count} of them for {meant_for}, not this database"

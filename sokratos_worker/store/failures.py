@@ -88,17 +88,19 @@ def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
 
 def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     row = conn.execute(
-        """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue
+        """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue, op_type
            FROM failed_operations WHERE id = %s FOR UPDATE""",
         (failure_id,),
     ).fetchone()
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
-    context, key, retried_at, retried_as, source_queue = row
+    context, key, retried_at, retried_as, source_queue, op_type = row
     if retried_at is not None:
         return RetryResult(
             failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
         )
+    if op_type == "spool_import":
+        return RetryResult(failure_id, None, _spool_file_hint(failure_id, context))
     if not isinstance(context, dict) or "payload" not in context or not source_queue:
         return RetryResult(
             failure_id,
@@ -120,16 +122,49 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
 
 
+def _spool_file_hint(failure_id: int, context: Any) -> str:
+    """What to do with a spool file the import refused: it is not replayed as it stands."""
+    kept_as = context.get("kept_as") if isinstance(context, dict) else None
+    if kept_as:
+        return (
+            f"refused: the spool file could not be read and is kept as {kept_as}; make it"
+            " readable by the worker's user and rename it to end in .json: the next import"
+            " takes it"
+        )
+    return (
+        "refused: a spool file the import refused is not replayed as it stands; its content"
+        f" is in 'sokratos-worker failed show {failure_id}': repair it and enqueue it with"
+        " 'sokratos-worker enqueue'"
+    )
+
+
+# Replaying a payload the worker found invalid fails the same way: `--all` leaves them out.
+_INVALID_PAYLOAD = "invalid payload%"
+
+
 def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
-    """Failures with a stored payload that were not retried yet."""
+    """Failures with a stored, valid payload that were not retried yet."""
     rows = conn.execute(
         """SELECT id FROM failed_operations
            WHERE retried_at IS NULL AND source_queue IS NOT NULL
+             AND error_message NOT LIKE %(invalid)s
              AND (%(op)s::text IS NULL OR op_type = %(op)s)
            ORDER BY id""",
-        {"op": op_type},
+        {"op": op_type, "invalid": _INVALID_PAYLOAD},
     ).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def invalid_payload_count(conn: psycopg.Connection, *, op_type: str | None) -> int:
+    """Failures not retried yet whose payload itself was invalid (left out of ``--all``)."""
+    row = conn.execute(
+        """SELECT count(*) FROM failed_operations
+           WHERE retried_at IS NULL AND source_queue IS NOT NULL
+             AND error_message LIKE %(invalid)s
+             AND (%(op)s::text IS NULL OR op_type = %(op)s)""",
+        {"op": op_type, "invalid": _INVALID_PAYLOAD},
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def purge_failures(conn: psycopg.Connection, *, older_than_days: int) -> int:

@@ -254,8 +254,10 @@ def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
     (data / "spool").write_text("a file where the spool directory should be")
     env = env_for("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_DATA_DIR=str(data))
     proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    # 75, not 1: nothing is wrong with the input, a producer should try again later.
+    assert proc.returncode == 75 and "Traceback" not in proc.stderr
     assert "spool cannot be written" in proc.stderr and "nothing was enqueued" in proc.stderr
+    assert "None" not in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -265,7 +267,7 @@ def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
         (["failed", "purge", "--older-than", "-3"], "--older-than: must be 1 or more"),
         (["failed", "purge"], "--older-than"),
         (["failed", "list", "--limit", "-1"], "--limit: must be 1 or more"),
-        (["failed", "retry"], "name failure IDs or --all"),
+        (["failed", "retry"], "name the failure IDs to retry"),
         (["failed", "retry", "3", "--all"], "not both"),
         (["failed", "retry", "3", "--op-type", "distillation"], "--op-type only with --all"),
         (["failed", "show", "seven"], "invalid int value"),

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -11,9 +16,11 @@ import pytest
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Queue
-from sokratos_worker.spool import import_spool, pending_elsewhere, spool_enqueue
+from sokratos_worker.spool import import_spool, pending_elsewhere, spool_enqueue, spool_problems
 from sokratos_worker.status import render_status
 from sokratos_worker.store.connection import Database
+from sokratos_worker.store.failures import retry_failure
+from tests.support.daemon import ROOT
 from tests.support.db import count
 
 ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
@@ -109,6 +116,65 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
     assert "NaN" in nan["raw"] and "not json" in raw["raw"]
     # Every file is accounted for: one enqueued, four recorded (with what they held).
     assert count(db, "SELECT count(*) FROM pending_triage") + len(rows) == 5
+    # `status` names the file set aside; `failed retry` says what to do with each, not
+    # "not written by sokratos-worker".
+    assert spool_problems(spool) == [
+        "1 spool files set aside as unreadable (0-unreadable.json.unreadable): make them"
+        " readable by the worker's user and rename them to end in .json"
+    ]
+    ids = dict(db.execute("SELECT label, id FROM failed_operations").fetchall())
+    aside = retry_failure(db, ids["0-unreadable.json"])
+    assert aside.item_id is None and "kept as" in aside.message and ".json" in aside.message
+    refused = retry_failure(db, ids["1-nul.json"])
+    assert refused.item_id is None
+    assert f"failed show {ids['1-nul.json']}" in refused.message
+    assert "sokratos-worker enqueue" in refused.message
+
+
+def test_a_spool_directory_the_worker_cannot_read_is_said_not_passed_over() -> None:
+    """A root `enqueue` made the spool (0700); the worker runs as another user (nobody)."""
+    base = Path(tempfile.mkdtemp(prefix="sokratos-spool-"))  # (pytest's tmp_path is 0700)
+    base.chmod(0o755)
+    spool = base / "spool"
+    _write(spool, "1.json", '{"queue": "pending_triage", "payload": {}}')
+    spool.chmod(0o700)
+    try:
+        _read_spool_as_nobody(spool)
+    finally:
+        shutil.rmtree(base)
+
+
+def _read_spool_as_nobody(spool: Path) -> None:
+    script = (
+        "import json, sys; from pathlib import Path\n"
+        "from structlog.testing import capture_logs\n"
+        "from sokratos_worker.spool import import_spool, pending_files, spool_problems\n"
+        "with capture_logs() as logs:\n"
+        "    n = import_spool(Path(sys.argv[1]), None)\n"
+        "print(json.dumps({'imported': n, 'logs': logs, 'pending': pending_files(Path(sys.argv[1])),"
+        " 'problems': spool_problems(Path(sys.argv[1]))}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(spool)],
+        user=65534,
+        group=65534,
+        env={"PYTHONPATH": str(ROOT), "HOME": "/tmp", "PATH": os.environ["PATH"]},
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["imported"] == 0 and seen["pending"] == 0
+    [event] = seen["logs"]
+    assert event["event"] == "spool_unreadable" and event["error"] == "Permission denied"
+    assert "chown" in event["hint"]
+    assert seen["problems"] == [
+        f"cannot read {spool} (Permission denied): what is spooled there is never imported;"
+        " chown it to the worker's user"
+    ]
 
 
 def test_a_commit_whose_answer_was_lost_is_spooled_and_imported_as_one_item(

@@ -158,6 +158,19 @@ def test_retry_refuses_a_payload_that_cannot_be_enqueued_and_goes_on(
     assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NULL") == 2
 
 
+def test_retry_all_leaves_out_payloads_the_worker_found_invalid(db: psycopg.Connection) -> None:
+    enqueue_many(db, 2, behaviour="fail", prefix="f")
+    items = store.claim(db, Queue.TRIAGE, owner="w", limit=2, lease_s=60)
+    store.dead_letter(db, items[0], owner="w", error="invalid payload: tools_used must be a bool")
+    store.dead_letter(db, items[1], owner="w", error="ChatFailed: no LLM backend gave a reply")
+    invalid, other = (r[0] for r in db.execute("SELECT id FROM failed_operations ORDER BY id"))
+    assert failures.retryable_ids(db, op_type=None) == [other]
+    assert failures.invalid_payload_count(db, op_type=None) == 1
+    # By ID it is still replayed (an upgrade may accept it): the operator asked for it.
+    assert failures.retry_failure(db, invalid).item_id is not None
+    assert failures.invalid_payload_count(db, op_type=None) == 0
+
+
 def test_same_idempotency_key_is_one_item_even_after_it_finished(db: psycopg.Connection) -> None:
     payload = {"exchange": "user: hello there\nassistant: hi"}
     first = store.enqueue(db, Queue.TRIAGE, payload, idempotency_key="same")
