@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from sokratos_worker.errors import ItemError
+from sokratos_worker.errors import InvalidPayload, ItemError
 from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
@@ -17,6 +17,10 @@ from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
 log = structlog.get_logger(__name__)
 
 DISTILL_MAX_BYTES = 16000
+# 32 windows: a long conversation with tool results fits; a 10 MB archive would be 700 calls
+# (hours with a local model, restarted from zero on every deploy) and, on failure, thousands
+# of archive memories. Past this the item is refused whole into failed_operations.
+MAX_ARCHIVE_BYTES = 32 * DISTILL_MAX_BYTES
 DISTILL_MAX_TOKENS = 2048
 ARCHIVE_SALIENCE = 3.0
 ARCHIVE_TAG = "conversation_archive"
@@ -32,7 +36,7 @@ class DistillationHandler:
 
     def handle(self, item: Item) -> Effects:
         """Skip an empty archive, else plan the new facts it yields."""
-        archive = archive_from_payload(item.payload, item.created_at)
+        archive = _bounded(item, archive_from_payload(item.payload, item.created_at))
         pipeline_id = fields.optional_int(item.payload, "pipeline_id")
         fields.optional_str(item.payload, "conversation_id")
         if archive.empty:
@@ -44,7 +48,7 @@ class DistillationHandler:
     def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
         """The raw archive as ``conversation_archive`` memories, so the conversation survives."""
         try:
-            archive = archive_from_payload(item.payload, item.created_at)
+            archive = _bounded(item, archive_from_payload(item.payload, item.created_at))
         except ItemError:
             return ()  # an invalid payload is kept whole in failed_operations instead
         if archive.empty:
@@ -185,3 +189,16 @@ class DistillationHandler:
             log.warning("archive_embedding_failed", item_id=item.id, error=type(exc).__name__)
             return []
         return vectors if len(vectors) == len(chunks) else []
+
+
+def _bounded(item: Item, archive: Archive) -> Archive:
+    """The archive, or InvalidPayload when it is longer than is distilled."""
+    size = byte_len(archive.text)
+    if size > MAX_ARCHIVE_BYTES:
+        name = "archive_text" if "archive_text" in item.payload else "messages"
+        raise InvalidPayload(
+            name,
+            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled"
+            " (a conversation of that size is not one archive: split it into several items)",
+        )
+    return archive

@@ -271,6 +271,8 @@ def test_final_failure_archive_survives_an_embedding_outage(
         ),
         ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
         ({"archive_text": "x", "pipeline_id": "7"}, "pipeline_id"),
+        ({"archive_text": "user: word\n" * 60_000}, "archive_text"),  # 660 kB: 41 windows
+        ({"messages": [{"role": "user", "content": "word " * 1_000}] * 200}, "messages"),
     ],
 )
 def test_invalid_payload_names_the_field(
@@ -308,3 +310,19 @@ def test_without_an_embedder_facts_are_saved_bare(
 def _archived(memories: tuple[NewMemory, ...]) -> Effects:
     """The effects the runner commits with a failed_operations row."""
     return Effects(Outcome.ARCHIVED, memories=memories)
+
+
+def test_an_archive_too_long_to_distil_is_refused_whole_without_archive_memories(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    handler = distill_handler(database, chat, embedder)
+    item = distill_item({"archive_text": "user: I like tea and biscuits\n" * 30_000})
+    with pytest.raises(InvalidPayload, match=r"at most 512,000 are distilled"):
+        handler.handle(item)
+    assert handler.final_failure_memories(item) == ()  # the payload is kept in the dead letter
+    assert chat.calls == []
+    # Just below the bound it is read, window by window.
+    chat.script("distillation", *[{"facts": []}] * 40)
+    fits = distill_item({"archive_text": "user: I like tea and biscuits\n" * 16_000})
+    assert handler.handle(fits).outcome is Outcome.SKIPPED
+    assert 30 <= len(chat.calls) <= 32
