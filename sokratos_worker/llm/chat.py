@@ -364,7 +364,7 @@ class FallbackChatClient:
                 feedback = REPAIR_PROMPT.format(error=exc.feedback)
             repair = [
                 *messages,
-                {"role": "assistant", "content": answer.content},
+                {"role": "assistant", "content": _echoed(answer.content, max_tokens)},
                 {"role": "user", "content": feedback},
             ]
             body = request_body(backend.config, response_model, repair, max_tokens)
@@ -571,6 +571,13 @@ def _server_says(response: httpx.Response) -> str:
     if not isinstance(message, str) or not message.strip():
         return ""
     return ": " + " ".join(message.split())[:160]
+
+
+def _echoed(content: str, max_tokens: int) -> str:
+    """The invalid reply as sent back for repair: no longer than a reply can be (a server
+    answering megabytes of junk must not get them back)."""
+    limit = max(2000, max_tokens * 8)
+    return content if len(content) <= limit else content[:limit] + " …"
 
 
 def _not_a_completion(response: httpx.Response) -> str | None:

@@ -202,6 +202,17 @@ def test_validation_repair_retry_feeds_the_error_back(servers: Servers, make_cli
     assert (result.prompt_tokens, result.completion_tokens) == (22, 14)
 
 
+def test_a_huge_invalid_reply_is_not_sent_back_whole_for_repair(
+    servers: Servers, make_client: MakeClient
+):
+    a = servers()
+    a.script(Reply.chat("junk " * 400_000), Reply.chat(GOOD))  # 2 MB of it
+    ask(make_client(backend(a, "a")))
+    echoed = a.bodies()[1]["messages"][2]["content"]
+    assert echoed.startswith("junk junk") and echoed.endswith(" …")
+    assert len(echoed) < 20_000
+
+
 def test_reply_cut_off_at_max_tokens_asks_for_a_shorter_one(
     servers: Servers, make_client: MakeClient
 ):
