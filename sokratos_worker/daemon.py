@@ -154,6 +154,7 @@ class Worker:
                 {**s.detail, "name": s.name, "circuit": s.circuit} for s in self._backend_states()
             ],
             "concurrency": self.settings.concurrency,
+            "heartbeat_s": self.settings.heartbeat_interval,  # (status: overdue past 3x this)
             "in_flight": self.runner.inflight_count(),
             "queues": [q.value for q in self.runner.queues],
             "why": self.runner.state_detail,

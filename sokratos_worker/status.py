@@ -127,16 +127,27 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append("workers: none running")
     for w in report["workers"]:
         backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
-        why = (w.get("detail") or {}).get("why")
-        state = f"{w['state']} ({why})" if why and w["state"] != "running" else w["state"]
         lines.append(
-            f"worker {w['worker_id']}: {state}, last tick {w['last_tick_at']}, backends: {backends}"
+            f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
+            f" backends: {backends}"
         )
     for a in report["email_accounts"]:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(f"embeddings: {report['embeddings']}")
     return "\n".join(lines)
+
+
+def _worker_state(worker: dict[str, Any]) -> str:
+    """``running``, or the state and why (also: silent far past its heartbeat)."""
+    state = str(worker["state"])
+    if worker.get("overdue"):
+        return (
+            f"{state}? no heartbeat for {worker['silent_s']:.0f}s (expected every"
+            f" {worker['detail']['heartbeat_s']:g}s): killed without a word, or hung"
+        )
+    why = (worker.get("detail") or {}).get("why")
+    return f"{state} ({why})" if why and state != "running" else state
 
 
 def _backend_text(backend: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from sokratos_worker.llm.http import ClientPerThread, excerpt, make_client, tls_
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
+    EmbeddingReplyInvalid,
     EmbeddingsMisconfigured,
     EmbeddingsUnavailable,
 )
@@ -86,6 +87,19 @@ class HttpEmbedder:
         """One L2-normalised vector per text, in order, in batches of ``batch_size``."""
         try:
             return self._embed_all(texts)
+        except EmbeddingReplyInvalid as exc:
+            # Junk for this input only is the item's problem; junk for the probe too (NaN,
+            # no vectors, the wrong model's dimensions) is the server's, and every item
+            # would fail the same way: pause instead of dead-lettering the queue.
+            if self._healthy():
+                raise
+            if isinstance(exc, EmbeddingDimensionMismatch):
+                raise EmbeddingsMisconfigured(
+                    f"{exc}: check SOKRATOS_EMBEDDING_MODEL and SOKRATOS_EMBEDDING_DIM"
+                ) from exc
+            raise EmbeddingsUnavailable(
+                f"{exc} (for a probe too: the server is at fault, not this input)"
+            ) from exc
         except EmbeddingsUnavailable as exc:
             # A healthy server that fails only this input is the item's problem, not an outage
             # (durability.md): giving the attempt back would loop the item and pause claiming.
@@ -172,15 +186,17 @@ class HttpEmbedder:
             data = sorted(payload["data"], key=lambda d: d.get("index", 0))
             raw = [d["embedding"] for d in data]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise EmbeddingFailed("embedding response is not in the OpenAI format") from exc
+            raise EmbeddingReplyInvalid("embedding response is not in the OpenAI format") from exc
         if len(raw) != expected:
-            raise EmbeddingFailed(f"embedding server returned {len(raw)} vectors for {expected}")
+            raise EmbeddingReplyInvalid(
+                f"embedding server returned {len(raw)} vectors for {expected}"
+            )
         return [self._checked(vector) for vector in raw]
 
     def _checked(self, vector: Any) -> list[float]:
         if not isinstance(vector, list) or not all(isinstance(x, int | float) for x in vector):
             # llama-cpp-python's server returns per-token vectors for a chat model.
-            raise EmbeddingFailed("embedding is not a flat list of numbers (no pooling?)")
+            raise EmbeddingReplyInvalid("embedding is not a flat list of numbers (no pooling?)")
         if len(vector) != self.dim:
             raise EmbeddingDimensionMismatch(
                 f"embedding model {self.model!r} returned {len(vector)} dimensions, "
@@ -193,7 +209,7 @@ def l2_normalise(vector: Sequence[float]) -> list[float]:
     """The unit vector in ``vector``'s direction; a zero vector is an error."""
     norm = math.sqrt(sum(x * x for x in vector))
     if norm == 0.0 or not math.isfinite(norm):
-        raise EmbeddingFailed("embedding server returned a zero or non-finite vector")
+        raise EmbeddingReplyInvalid("embedding server returned a zero or non-finite vector")
     return [x / norm for x in vector]
 
 

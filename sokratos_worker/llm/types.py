@@ -134,7 +134,11 @@ class EmbeddingFailed(ItemError):
     """The embedding server rejected this input (not an outage)."""
 
 
-class EmbeddingDimensionMismatch(EmbeddingFailed):
+class EmbeddingReplyInvalid(EmbeddingFailed):
+    """The server answered 200 with something that is not the vectors asked for."""
+
+
+class EmbeddingDimensionMismatch(EmbeddingReplyInvalid):
     """The server's vectors do not have ``SOKRATOS_EMBEDDING_DIM`` dimensions."""
 
 

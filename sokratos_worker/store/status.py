@@ -68,7 +68,8 @@ def outcome_counts(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
 def live_workers(conn: psycopg.Connection, *, stale_after_s: float) -> list[dict[str, Any]]:
     """Workers that ticked recently, with the state and backends they reported."""
     rows = conn.execute(
-        """SELECT worker_id, hostname, pid, version, started_at, last_tick_at, state, detail
+        """SELECT worker_id, hostname, pid, version, started_at, last_tick_at, state, detail,
+                  extract(epoch FROM now() - last_tick_at)::float8
            FROM worker_heartbeats
            WHERE last_tick_at > now() - make_interval(secs => %s) AND state <> 'stopped'
            ORDER BY worker_id""",
@@ -85,9 +86,18 @@ def live_workers(conn: psycopg.Connection, *, stale_after_s: float) -> list[dict
             "state": r[6],
             "backends": (r[7] or {}).get("backends", []),
             "detail": r[7] or {},
+            "silent_s": round(r[8], 1) if r[8] is not None else None,
+            "overdue": _overdue(r[8], (r[7] or {}).get("heartbeat_s")),
         }
         for r in rows
     ]
+
+
+def _overdue(silent_s: float | None, heartbeat_s: Any) -> bool:
+    """Silent for well over its own heartbeat interval: killed without a word, or hung."""
+    if silent_s is None or not isinstance(heartbeat_s, int | float):
+        return False
+    return silent_s > 3 * heartbeat_s + 30
 
 
 def record_heartbeat(

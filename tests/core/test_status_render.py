@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+
 from sokratos_worker.status import render_status
+from sokratos_worker.store.status import live_workers
 
 
 def _report(backends: list[dict[str, Any]]) -> dict[str, Any]:
@@ -53,3 +56,23 @@ def test_a_worker_that_is_not_running_says_why() -> None:
     assert f"worker w1: no backend ({why}), last tick now" in render_status(report)
     report["workers"][0].update(state="running", detail={"why": ""})
     assert "worker w1: running, last tick now" in render_status(report)
+
+
+def test_a_worker_silent_far_past_its_heartbeat_is_shown_as_overdue(
+    db: psycopg.Connection,
+) -> None:
+    """Killed with -9 (no last heartbeat): `status` must not call it plainly running."""
+    for worker_id, silent_s, heartbeat_s in (("quiet", 100, 2), ("fine", 100, 60)):
+        db.execute(
+            "INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,"
+            " state, detail) VALUES (%s, 'h', 1, '0', now() - make_interval(secs => %s),"
+            " 'running', jsonb_build_object('heartbeat_s', %s::float8))",
+            (worker_id, silent_s, heartbeat_s),
+        )
+    workers = {w["worker_id"]: w for w in live_workers(db, stale_after_s=180)}
+    assert workers["quiet"]["overdue"] and not workers["fine"]["overdue"]
+    report = _report([])
+    report["workers"] = [workers["fine"], workers["quiet"]]
+    text = render_status(report)
+    assert "worker fine: running, last tick" in text
+    assert "worker quiet: running? no heartbeat for 100s (expected every 2s)" in text

@@ -355,18 +355,29 @@ def test_an_embedding_server_that_refuses_each_first_request_costs_no_attempt(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("scenario", "broken"),
+    [
+        ("embedding_404_model_missing", Reply.error(404, "model not found")),
+        # 200 with junk for every input, the probe's too: the server's fault, not the items'.
+        ("embedding_nan_vectors", Reply.embeddings([[float("nan")] * EMBED_DIM])),
+        ("embedding_wrong_dimension", Reply.embeddings([[0.5] * (EMBED_DIM + 3)])),
+    ],
+    ids=["404", "nan", "wrong-dimension"],
+)
 def test_an_embedding_model_that_is_not_there_pauses_without_using_attempts(
-    db: psycopg.Connection, database_url: str, tmp_path: Path
+    db: psycopg.Connection, database_url: str, tmp_path: Path, scenario: str, broken: Reply
 ) -> None:
     """durability.md, rule 7: an embedding server answering 404 (a model never pulled, a
-    rotated key) is not the items' fault: their attempts are given back and claiming pauses
-    until a probe succeeds; then every item is saved on its first counted attempt."""
+    rotated key), or vectors no input could use, is not the items' fault: their attempts are
+    given back and claiming pauses until a probe succeeds; then every item is saved on its
+    first counted attempt."""
     keys = [enqueue_triage(db, exchange(f"tokmissingembed{i}", save=True)) for i in range(4)]
     embed_ok = hash_embedding_responder(EMBED_DIM, model="scripted-embed")
     pulled = threading.Event()
 
     def embed(request: Request) -> Reply:
-        return embed_ok(request) if pulled.is_set() else Reply.error(404, "model not found")
+        return embed_ok(request) if pulled.is_set() else broken
 
     seen: dict[str, Any] = {}
 
@@ -388,7 +399,7 @@ def test_an_embedding_model_that_is_not_there_pauses_without_using_attempts(
     fig = assert_exactly_once(db, keys)
     assert fig.by_outcome == {"saved": len(keys)}, fig
     assert {attempts for _, attempts in _outcome_rows(db).values()} == {1}
-    report("embedding_404_model_missing", fig, recovered_s)
+    report(scenario, fig, recovered_s)
 
 
 def _drain_with_embedder(

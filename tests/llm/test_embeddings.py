@@ -11,6 +11,7 @@ from sokratos_worker.llm.embeddings import HttpEmbedder, split_text
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
+    EmbeddingsMisconfigured,
     EmbeddingsUnavailable,
 )
 from sokratos_worker.testing import Reply, Request, ScriptedLLM, hash_embedding
@@ -61,10 +62,33 @@ def test_batched_normalised_with_suffix_and_pinned_model(servers: Servers, embed
 
 def test_dimension_is_checked(servers: Servers, embedders):
     srv = servers(embed_dim=8)
-    with pytest.raises(EmbeddingDimensionMismatch, match="8 dimensions"):
+    # Every vector (the probe's too) has the wrong size: a configuration to fix, not the item.
+    with pytest.raises(EmbeddingsMisconfigured, match=r"8 dimensions.*SOKRATOS_EMBEDDING_DIM"):
         embedders(srv.url, dim=4).embed(["x"])
     assert embedders(srv.url, dim=8).probe() is True
     assert embedders(srv.url, dim=4).probe() is False
+    # Only this input's vector: the item's problem.
+    srv.script(Reply.embeddings([[1.0] * 5]), path="/v1/embeddings")
+    with pytest.raises(EmbeddingDimensionMismatch, match="5 dimensions"):
+        embedders(srv.url, dim=8).embed(["x"])
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        Reply.embeddings([[float("nan")] * 4]),
+        Reply(json_body={"object": "list", "data": []}),
+        Reply(json_body={"detail": "not the OpenAI format"}),
+    ],
+    ids=["nan", "no-vectors", "not-openai"],
+)
+def test_junk_for_every_input_is_the_servers_fault_not_the_items(
+    servers: Servers, embedders, junk: Reply
+):
+    srv = servers()
+    srv.on("/v1/embeddings", lambda r: junk)
+    with pytest.raises(EmbeddingsUnavailable, match="the server is at fault"):
+        embedders(srv.url).embed(["x"])
 
 
 def test_connection_errors_and_5xx_are_unavailable(servers: Servers, embedders):
@@ -101,23 +125,18 @@ def test_a_permanent_error_is_not_retried(servers: Servers, embedders):
 
 
 def test_4xx_and_bad_payloads_are_failures(servers: Servers, embedders):
-    srv = servers()
-    srv.script(
-        Reply.error(400, "bad input"),
-        Reply.embeddings([[0, 0, 0, 0]]),
-        Reply.embeddings([[[1, 2, 3, 4], [1, 2, 3, 4]]]),
-        Reply.embeddings([[1, 0, 0, 0], [0, 1, 0, 0]]),
-        path="/v1/embeddings",
-    )
+    srv = servers(embed_dim=4)  # (the health probe is answered well: the items' problem)
     embedder = embedders(srv.url)
-    with pytest.raises(EmbeddingFailed, match="400"):
-        embedder.embed(["x"])
-    with pytest.raises(EmbeddingFailed, match="zero"):
-        embedder.embed(["x"])
-    with pytest.raises(EmbeddingFailed, match="pooling"):
-        embedder.embed(["x"])
-    with pytest.raises(EmbeddingFailed, match="2 vectors for 1"):
-        embedder.embed(["x"])
+    cases = [
+        (Reply.error(400, "bad input"), "400"),
+        (Reply.embeddings([[0, 0, 0, 0]]), "zero"),
+        (Reply.embeddings([[[1, 2, 3, 4], [1, 2, 3, 4]]]), "pooling"),
+        (Reply.embeddings([[1, 0, 0, 0], [0, 1, 0, 0]]), "2 vectors for 1"),
+    ]
+    for reply, message in cases:
+        srv.script(reply, path="/v1/embeddings")  # this input only; the probe after it is fine
+        with pytest.raises(EmbeddingFailed, match=message):
+            embedder.embed(["x"])
 
 
 def test_too_large_input_is_split_and_each_part_embedded(servers: Servers, embedders):
