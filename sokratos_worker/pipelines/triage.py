@@ -156,7 +156,7 @@ class TriageHandler:
                 backend=backend,
             )
         log.info(
-            "triage_saved",
+            "triage_planned",  # (saved only when the settle commits: see item_settled)
             item_id=item.id,
             salience=verdict.salience_score,
             chunks=len(plan.memories),
