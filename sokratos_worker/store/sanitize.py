@@ -8,17 +8,19 @@ from typing import Any
 from sokratos_worker.errors import InvalidPayload
 
 MAX_DEPTH = 64
-REPLACEMENT = "\ufffd"
+ESCAPED_NOTE = "NUL bytes or invalid UTF-8 escaped as \\uXXXX"
 
 
 def clean_text(text: str) -> str:
-    """``text`` with NUL bytes and unpaired surrogates replaced by U+FFFD."""
+    """``text`` with NUL and unpaired surrogates (invalid UTF-8 read with surrogateescape)
+    written as the six characters ``\\u0000`` / ``\\udcff``: storable, and still saying what
+    was there."""
     if "\x00" in text:
-        text = text.replace("\x00", REPLACEMENT)
+        text = text.replace("\x00", "\\u0000")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = "".join(REPLACEMENT if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+        text = "".join(f"\\u{ord(c):04x}" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
     return text
 
 
@@ -59,5 +61,5 @@ def _walk(value: Any, path: str, depth: int, notes: set[str]) -> Any:
 def _clean_noted(text: str, notes: set[str]) -> str:
     cleaned = clean_text(text)
     if cleaned != text:
-        notes.add("NUL bytes or invalid UTF-8 replaced by U+FFFD")
+        notes.add(ESCAPED_NOTE)
     return cleaned

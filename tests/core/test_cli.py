@@ -238,7 +238,7 @@ def test_enqueue_when_the_embedded_postgres_cannot_start_spools_a_checked_payloa
     proc = cli("enqueue", "triage", "--exchange", "-", env=env, stdin="user: a\x00b\nassistant: ok")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(Path(proc.stdout.removeprefix("spooled ").strip()).read_text("utf-8"))
-    assert record["payload"]["exchange"].startswith("user: a\ufffdb")
+    assert record["payload"]["exchange"].startswith("user: a\\u0000b")  # escaped, noted
     assert record["payload"]["_sanitized"]
     # status reports it as the contract's "unreachable" (scripts read that field), exit 0.
     status = cli("status", "--json", env=env)

@@ -61,7 +61,7 @@ def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None
         spool, Queue.TRIAGE, {"exchange": "user: a\x00b"}, idempotency_key="nul", source=None
     )
     payload = json.loads(path.read_text("utf-8"))["payload"]
-    assert payload["exchange"] == "user: a\ufffdb" and payload["_sanitized"]
+    assert payload["exchange"] == "user: a\\u0000b" and payload["_sanitized"]
     with pytest.raises(InvalidPayload, match="finite"):
         spool_enqueue(
             spool,
@@ -111,7 +111,7 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
     ]
     unreadable, nul, nan, raw = (r[2] for r in rows)
     assert unreadable["raw"] is None and (spool / "0-unreadable.json.unreadable").is_dir()
-    assert nul["payload"]["exchange"] == "user: a\ufffdb" and nul["idempotency_key"] == "nul"
+    assert nul["payload"]["exchange"] == "user: a\\u0000b" and nul["idempotency_key"] == "nul"
     assert nul["_sanitized"]
     assert "NaN" in nan["raw"] and "not json" in raw["raw"]
     # Every file is accounted for: one enqueued, four recorded (with what they held).
