@@ -34,6 +34,14 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_TEMPFAIL = 75
+
+ENQUEUE_OUTPUT = (
+    "Prints the new item id (or the existing id for a known --key), or 'spooled PATH' when"
+    " the database is unreachable (a worker imports it later). Exit 1 on invalid input, and"
+    " when the database refuses the item (migrations not applied, a role without"
+    " sokratos_producer): nothing is spooled then. Exit 75 when the database is unreachable"
+    " and the spool cannot be written: nothing was enqueued, try again later."
+)
 EXIT_CONFIG = 78
 
 _EPILOG = """\
@@ -109,13 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue = commands.add_parser(
         "enqueue",
         help="add an item to a queue",
-        description="Prints the new item id (or the existing id for a known --key), or"
-        " 'spooled PATH' when the database is unreachable. Exit 1 on invalid input, and when"
-        " the database refuses the item (migrations not applied, a role without"
-        " sokratos_producer): nothing is spooled then.",
+        description=ENQUEUE_OUTPUT,
     )
     kinds = enqueue.add_subparsers(dest="kind", metavar="KIND", required=True)
-    triage = kinds.add_parser("triage", help="a conversation exchange to score and save")
+    triage = kinds.add_parser(
+        "triage", help="a conversation exchange to score and save", description=ENQUEUE_OUTPUT
+    )
     triage.add_argument(
         "--exchange",
         required=True,
@@ -128,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the reply was grounded in tool results (lower threshold)",
     )
     triage.add_argument("--key", help="idempotency key: the same key is enqueued once")
-    distill = kinds.add_parser("distillation", help="an archived conversation to distil")
+    distill = kinds.add_parser(
+        "distillation",
+        help="an archived conversation to distil",
+        description=ENQUEUE_OUTPUT + " An archive over 512 kB is not distilled (split it).",
+    )
     distill.add_argument(
         "--file",
         required=True,

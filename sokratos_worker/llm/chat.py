@@ -508,7 +508,11 @@ class FallbackChatClient:
         if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
             sent = any(k == "unreachable" for k in kinds)
             if not self.probe() or not sent:
-                return NoBackendReachable(f"no LLM backend reachable ({summary})", tried=tried)
+                limited = all(a.reason.startswith("http_429") for a in tried)
+                what = (
+                    "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
+                )
+                return NoBackendReachable(f"{what} ({summary})", tried=tried)
             # The servers are up again or were all along: this request itself broke them.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 

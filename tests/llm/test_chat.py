@@ -179,6 +179,17 @@ def test_long_retry_after_moves_on_without_sleeping(
     assert sleeps == []
 
 
+def test_every_backend_rate_limiting_for_long_says_so(
+    servers: Servers, make_client: MakeClient, sleeps
+):
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.error(429, "slow", retry_after=3600))
+    a.on("probe", lambda r: Reply.error(429, "slow", retry_after=3600))
+    with pytest.raises(NoBackendReachable, match=r"every LLM backend is rate-limiting \(a: http_429"):
+        ask(make_client(backend(a, "a")))
+    assert sleeps == []
+
+
 def test_read_timeout_is_transient_and_real(servers: Servers, make_client: MakeClient, sleeps):
     a, b = servers(), servers(chat=json_responder(GOOD))
     a.on("/v1/chat/completions", lambda r: Reply.hang(10))
