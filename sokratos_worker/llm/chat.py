@@ -451,12 +451,12 @@ class FallbackChatClient:
                 reason += _server_says(response)
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Permanent(verdict, reason, status)
-        problem = _not_a_completion(response)
+        payload, problem = _completion(response)
         if problem is not None:  # a login page, a wrong path: the server's fault, not the item's
             reason = f"malformed_response: {problem}"
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Transient(reason, status)
-        answer = _answer_from(response.json())
+        answer = _answer_from(payload)
         log.info(
             "llm_call_finished",
             backend=backend.name,
@@ -531,7 +531,7 @@ class FallbackChatClient:
         except httpx.HTTPError:
             return False
         # A proxy's login page answers 200 too: only a chat completion counts as up.
-        return 200 <= response.status_code < 300 and _not_a_completion(response) is None
+        return 200 <= response.status_code < 300 and _completion(response)[1] is None
 
     def _backend(self, name: str) -> _Backend:
         for backend in self._backends:
@@ -584,16 +584,16 @@ def _echoed(content: str, max_tokens: int) -> str:
     return content if len(content) <= limit else content[:limit] + " …"
 
 
-def _not_a_completion(response: httpx.Response) -> str | None:
-    """Why a 2xx body is not an OpenAI chat completion (None when it is one)."""
+def _completion(response: httpx.Response) -> tuple[Any, str | None]:
+    """The parsed body, and why it is not an OpenAI chat completion (None when it is one)."""
     try:
         payload = response.json()
     except ValueError:
         kind = response.headers.get("content-type", "no content type").split(";")[0]
-        return f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
+        return None, f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
-        return f"JSON without 'choices' ({' '.join(excerpt(response).split())[:80]!r})"
-    return None
+        return payload, f"JSON without 'choices' ({' '.join(excerpt(response).split())[:80]!r})"
+    return payload, None
 
 
 def _answer_from(payload: Any) -> _Answer:
