@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import Settings, unknown_variables
-from sokratos_worker.daemon import EXIT_OK, EXIT_TEMPFAIL, Worker, build_worker
+from sokratos_worker.daemon import EXIT_OK, EXIT_TEMPFAIL, SIGNAL_POLL_S, Worker, build_worker
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
 from sokratos_worker.runner import State
@@ -126,8 +127,11 @@ def run_once(worker: Worker) -> int:
     """
     worker.install_signals()  # a stopped timer unit must not leave its items leased
     worker.tick(email=True)
+    worker.notice_signal()  # (a signal during the email checks: claim nothing)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
-    worker.runner.wait_drained(worker.settings.tick_budget + worker.settings.shutdown_grace + 10)
+    deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10
+    while not worker.runner.wait_drained(SIGNAL_POLL_S) and time.monotonic() < deadline:
+        worker.notice_signal()
     paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
     # After a stop signal the drain has already given its items the grace.

@@ -43,6 +43,12 @@ log = structlog.get_logger(__name__)
 # or for the database; one claim statement or pool checkout blocking it longer than this
 # (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
 DISPATCHER_STALL_S = 120.0
+# How soon the main thread acts on a stop signal the handler recorded.
+SIGNAL_POLL_S = 0.25
+SECOND_SIGNAL_LINE = (
+    '{{"event": "second_signal_exiting_now", "signal": "{signal}", "level": "warning",'
+    ' "hint": "the leases of the items in flight expire and they run again"}}\n'
+)
 
 EXIT_OK = 0
 EXIT_SOFTWARE = 1
@@ -71,7 +77,7 @@ class Worker:
     _last_progress: float = field(default_factory=time.monotonic)
     _stall_reported: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
-    _signals: int = 0
+    _signal_name: str | None = None  # set by the handler, acted on by the main thread
 
     def __post_init__(self) -> None:
         self.runner = Runner(
@@ -302,7 +308,8 @@ class Worker:
             queues=[q.value for q in self.runner.queues],
             heartbeat_s=self.settings.heartbeat_interval,
         )
-        while not self._stop.wait(1.0):
+        while not self.notice_signal():
+            self._stop.wait(SIGNAL_POLL_S)
             self._watchdog()
         self.notifier.stopping(f"{State.STOPPING}: finishing items in flight")
         log.info(
@@ -321,27 +328,41 @@ class Worker:
     @property
     def stop_requested(self) -> bool:
         """A stop signal arrived."""
-        return self._stop.is_set()
+        return self._signal_name is not None
 
     def install_signals(self) -> None:
         """SIGTERM, SIGINT and SIGHUP stop claiming and let items in flight finish (a hangup,
-        such as a closed terminal, would otherwise kill the process with items leased)."""
+        such as a closed terminal, would otherwise kill the process with items leased).
+
+        The handler only records the signal: it runs between two bytecodes of the main
+        thread, which may hold the log's lock at that moment, and a handler that logged there
+        deadlocked on a second signal. The main thread acts on it (:meth:`notice_signal`).
+        """
 
         def handle(signum: int, _frame: FrameType | None) -> None:
-            self._signals += 1
-            if self._signals > 1:
-                log.warning("second_signal_exiting_now", signal=signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if self._signal_name is not None:
+                # No logger here (its lock may be held): one line straight to stderr.
+                os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
                 os._exit(EXIT_SOFTWARE)
+            self._signal_name = name
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, handle)
+
+    def notice_signal(self) -> bool:
+        """In the main thread: act on a recorded stop signal (stop claiming); True once stopping."""
+        if self._signal_name is None:
+            return False
+        if not self._stop.is_set():
             log.info(
                 "signal_received",
-                signal=signal.Signals(signum).name,
+                signal=self._signal_name,
                 hint="finishing items in flight; a second signal exits at once",
             )
             self._stop.set()
             self.runner.request_stop()
-
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, handle)
+        return True
 
     def _start_scheduler(self) -> BackgroundScheduler:
         scheduler = BackgroundScheduler(

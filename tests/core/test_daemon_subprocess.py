@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -273,3 +274,31 @@ def test_a_role_below_the_pools_size_logs_pool_not_full_and_still_drains(
         )
         db.execute(f"DROP OWNED BY {role}")
         db.execute(f"DROP ROLE {role}")
+
+
+def test_two_signals_back_to_back_exit_at_once_every_time(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """`timeout` or a double Ctrl-C: the second signal exits at once. The first handler used
+    to log; a second signal landing inside that write waited forever on the log's lock."""
+    enqueue_many(db, 200, behaviour="sleep:20")  # in flight past the 15 s we wait below
+    env = daemon_env(database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="30s")
+    for attempt in range(5):
+        log = tmp_path / f"daemon{attempt}.log"
+        proc = start_daemon(env, log)
+        assert wait_until(lambda p=log: "worker_started" in p.read_text(), timeout=30)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(attempt * 0.002)  # (0-8 ms apart: the first is being handled)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(15)  # the grace is 30 s: only the second signal ends it this soon
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError(f"attempt {attempt}: alive 15 s after two signals") from None
+        assert code == 1, log.read_text()[-2000:]
+        assert "second_signal_exiting_now" in log.read_text()
+    assert count(db, "SELECT count(DISTINCT item_id) FROM work_outcomes") == count(
+        db, "SELECT count(*) FROM work_outcomes"
+    )
