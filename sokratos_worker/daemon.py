@@ -24,7 +24,7 @@ from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEv
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from sokratos_worker import __version__
-from sokratos_worker.config import Settings
+from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
@@ -399,7 +399,13 @@ class Worker:
             return None
         self.metrics.on_scrape(self._refresh_metrics)
         server = MetricsServer(self.settings.metrics_addr, self.metrics, readiness=self._ready)
-        server.start()
+        try:
+            server.start()
+        except OSError as exc:  # in use (two instances, one port), or no such address
+            raise ConfigError(
+                "SOKRATOS_METRICS_ADDR",
+                f"{self.settings.metrics_addr} cannot be served: {exc.strerror or exc}",
+            ) from exc
         log.info("metrics_listening", addr=self.settings.metrics_addr)
         return server
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -302,3 +303,20 @@ def test_two_signals_back_to_back_exit_at_once_every_time(
     assert count(db, "SELECT count(DISTINCT item_id) FROM work_outcomes") == count(
         db, "SELECT count(*) FROM work_outcomes"
     )
+
+
+def test_a_metrics_address_in_use_is_a_configuration_error(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Two instances given one port: exit 78 naming the variable, not a traceback and a
+    restart every 5 s."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = daemon_env(database_url, tmp_path, SOKRATOS_METRICS_ADDR=f"127.0.0.1:{port}")
+        log = tmp_path / "daemon.log"
+        assert start_daemon(env, log).wait(60) == 78, log.read_text()[-2000:]
+    text = log.read_text()
+    assert f"SOKRATOS_METRICS_ADDR: 127.0.0.1:{port} cannot be served" in text
+    assert "Traceback" not in text

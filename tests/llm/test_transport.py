@@ -113,11 +113,14 @@ def _big(sock: socket.socket, path: str) -> bool:
     """/big/{length|chunked}/MEGABYTES, then close."""
     _, _, framing, megabytes = path.split("/")
     block = b"x" * 1024 * 1024
+    # "Connection: close": the server closes after it (a keep-alive reuse would race the FIN).
     if framing == "length":
-        head = f"Content-Length: {int(megabytes) * len(block)}\r\n"
+        head = f"Content-Length: {int(megabytes) * len(block)}\r\nConnection: close\r\n"
         sock.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n".encode())
     else:
-        sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
     try:
         for _ in range(int(megabytes)):
             sock.sendall(block if framing == "length" else b"100000\r\n" + block + b"\r\n")
