@@ -6,7 +6,12 @@ from sokratos_worker.config import Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import CheckLine
 from sokratos_worker.schema_check import schema_problems
-from sokratos_worker.store.connection import READ_ONLY_SERVER, Connection, connect
+from sokratos_worker.store.connection import (
+    READ_ONLY_SERVER,
+    Connection,
+    connect,
+    is_read_only,
+)
 
 
 def run_checks(settings: Settings) -> list[CheckLine]:
@@ -27,8 +32,7 @@ def run_checks(settings: Settings) -> list[CheckLine]:
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             version = conn.execute("SHOW server_version").fetchone()
-            read_only = conn.execute("SHOW transaction_read_only").fetchone()
-            if read_only is not None and read_only[0] == "on":
+            if is_read_only(conn):
                 raise DatabaseUnavailable(READ_ONLY_SERVER)
             vector = conn.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'vector'"

@@ -287,7 +287,7 @@ class Worker:
     # -- the whole life -----------------------------------------------------------------
 
     def serve(self) -> int:
-        """Run until SIGTERM/SIGINT; then drain within the grace and exit 0."""
+        """Run until SIGTERM/SIGINT/SIGHUP; then drain within the grace and exit 0."""
         faulthandler.enable()
         self.install_signals()
         metrics_server = self._start_metrics()

@@ -10,7 +10,7 @@ from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.spool import pending_elsewhere, pending_files, spool_problems
 from sokratos_worker.store import status as status_store
-from sokratos_worker.store.connection import READ_ONLY_SERVER, connect
+from sokratos_worker.store.connection import READ_ONLY_SERVER, connect, is_read_only
 from sokratos_worker.store.migrations import pending_migrations
 
 
@@ -43,8 +43,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             report["database"] = "ok"
-            read_only = conn.execute("SHOW transaction_read_only").fetchone()
-            if read_only is not None and read_only[0] == "on":
+            if is_read_only(conn):
                 report["read_only"] = READ_ONLY_SERVER  # readable, but no worker can work here
             pending = pending_migrations(conn)
             if pending:

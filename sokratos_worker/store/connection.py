@@ -57,6 +57,12 @@ def translated() -> Iterator[None]:
         raise
 
 
+def is_read_only(conn: psycopg.Connection) -> bool:
+    """True when this session takes no writes (a standby, default_transaction_read_only)."""
+    row = conn.execute("SHOW transaction_read_only").fetchone()
+    return row is not None and row[0] == "on"
+
+
 def _sqlstate(exc: BaseException) -> str | None:
     return exc.sqlstate if isinstance(exc, psycopg.Error) else None
 
@@ -164,8 +170,8 @@ def wait_for_database(
     while True:
         try:
             with connect(conninfo, timeout=min(10.0, max(1.0, deadline_s))) as conn, translated():
-                read_only = conn.execute("SHOW transaction_read_only").fetchone()
-            if read_only is not None and read_only[0] == "on":
+                read_only = is_read_only(conn)
+            if read_only:
                 raise DatabaseUnavailable(f"database unavailable: {READ_ONLY_SERVER}")
             return
         except (DatabaseUnavailable, DatabaseLoginRefused) as exc:
