@@ -87,7 +87,7 @@ def run_worker(
     # grows one connection at a time, so 20 slots settling at once waited for each other.
     database = Database(
         conninfo,
-        size=settings.concurrency + 4,
+        size=settings.pool_size,
         keep_open=settings.concurrency + 2,
         configure=queue_store.warm_up,
     )
@@ -100,7 +100,7 @@ def run_worker(
                 waited_s=POOL_READY_TIMEOUT_S,
                 hint="starting anyway, with fewer connections; is the server's max_connections or"
                 " the role's CONNECTION LIMIT too low for SOKRATOS_CONCURRENCY (each worker"
-                " opens up to CONCURRENCY + 4)?",
+                " opens up to CONCURRENCY + 4; 'sokratos-worker check' compares them)?",
             )
         _check_schema(settings, database)
         with backends(settings) as (effective, chat, embedder):

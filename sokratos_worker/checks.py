@@ -47,6 +47,7 @@ def run_checks(settings: Settings) -> list[CheckLine]:
                     f"version {vector[0]}" if vector else _pgvector_missing(settings, conn),
                 )
             )
+            lines.append(connections_line(settings, conn))
             if vector is not None:
                 problems = schema_problems(settings, conn)
                 lines.append(
@@ -89,6 +90,40 @@ def run_checks(settings: Settings) -> list[CheckLine]:
 
         lines.extend(probe_accounts(settings))
     return lines
+
+
+def connections_line(settings: Settings, conn: Connection) -> CheckLine:
+    """Whether the server, the role and the database allow a worker's whole pool."""
+    row = conn.execute(
+        """SELECT current_setting('max_connections')::int
+                  - current_setting('superuser_reserved_connections')::int
+                  - coalesce(current_setting('reserved_connections', true)::int, 0),
+                  (SELECT CASE WHEN rolsuper THEN -1 ELSE rolconnlimit END  -- (not for superusers)
+                   FROM pg_roles WHERE rolname = current_user),
+                  (SELECT datconnlimit FROM pg_database WHERE datname = current_database()),
+                  (SELECT count(*) - 1 FROM pg_stat_activity WHERE backend_type = 'client backend'),
+                  current_user, current_database()"""
+    ).fetchone()
+    assert row is not None  # noqa: S101 - a SELECT without FROM returns one row
+    server, role_limit, database_limit, in_use, role, database = row
+    need = settings.connections_needed
+    limits = [(f"max_connections (less reserved) is {server}", int(server))]
+    if role_limit >= 0:
+        limits.append((f"role {role} has CONNECTION LIMIT {role_limit}", int(role_limit)))
+    if database_limit >= 0:
+        limits.append(
+            (f"database {database} has CONNECTION LIMIT {database_limit}", database_limit)
+        )
+    wants = f"a worker opens up to {need} (SOKRATOS_CONCURRENCY {settings.concurrency} + 4)"
+    short = [text for text, limit in limits if limit < need]
+    if short:
+        return CheckLine(
+            "connections",
+            False,
+            f"{wants} but {'; '.join(short)}: lower SOKRATOS_CONCURRENCY or raise the limit"
+            " (a worker short of connections runs, but far slower)",
+        )
+    return CheckLine("connections", True, f"{wants}; {limits[0][0]}, {in_use} in use now")
 
 
 def _pgvector_missing(settings: Settings, conn: Connection) -> str:

@@ -241,6 +241,15 @@ def main(
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as exc:
+        refused = _missing_privilege(exc)
+        if refused is not None:
+            print(
+                f"sokratos-worker: {refused}: the role in SOKRATOS_DATABASE_URL lacks a grant;"
+                " give it sokratos_worker (sokratos_producer to enqueue only), see sql/roles.sql"
+                " and docs/production.md",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG
         missing = _missing_schema(exc)
         if missing is None:
             raise
@@ -250,6 +259,15 @@ def main(
             file=sys.stderr,
         )
         return EXIT_FAILURE
+
+
+def _missing_privilege(exc: Exception) -> str | None:
+    """The server's message when ``exc`` says the role may not do what it asked."""
+    from psycopg import errors  # noqa: PLC0415 - psycopg is imported lazily by the CLI
+
+    if isinstance(exc, errors.InsufficientPrivilege):
+        return (exc.diag.message_primary or str(exc)).splitlines()[0]
+    return None
 
 
 def _missing_schema(exc: Exception) -> str | None:

@@ -356,6 +356,17 @@ class Settings(BaseSettings):
         return self.database_url is None
 
     @property
+    def pool_size(self) -> int:
+        """The most connections a worker opens: one per slot, the dispatcher, the lease
+        renewer and two to spare (``check`` compares it with the server's limits)."""
+        return self.concurrency + 4
+
+    @property
+    def connections_needed(self) -> int:
+        """The pool, the ``LISTEN`` connection, and the email checks' own when mail is set."""
+        return self.pool_size + 1 + (1 if self.email_accounts else 0)
+
+    @property
     def embeddings_enabled(self) -> bool:
         """True when an embedding model is configured."""
         return self.embedding_url is not None

@@ -12,8 +12,7 @@ import queue as queue_mod
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +24,7 @@ from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database, translated
+from sokratos_worker.store.connection import Connection, Database
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +37,6 @@ RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
-
-# A busy slot keeps its pooled connection from one settle to the next (the pool's check
-# costs a round trip per checkout); one idle longer than this is checked out afresh.
-STICKY_IDLE_S = 2.0
 
 
 class State:
@@ -105,7 +100,6 @@ class Runner:
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
         self._rotation = 0
-        self._slot = threading.local()  # .conn, .used: the slot's connection between items
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -391,48 +385,17 @@ class Runner:
             item = self._handoff.get()
             if item is None:
                 return
-            try:
+            # The item's reads and settle, and the next items claimed with it, share one
+            # connection: a slot never needs two.
+            with self.database.holding():
                 while item is not None:
                     item = self._process(item)
-            finally:
-                self._drop_slot_connection()
             if self._notified:
                 self._wake.set()
-
-    @contextmanager
-    def _connection(self) -> Iterator[Connection]:
-        """In a slot: its kept connection (checked out once per run of items); else pooled."""
-        if not isinstance(getattr(self._slot, "used", None), float):
-            with self.database.connection() as conn:
-                yield conn
-            return
-        now = time.monotonic()
-        if self._slot.conn is not None and now - self._slot.used > STICKY_IDLE_S:
-            self._drop_slot_connection()
-            self._slot.used = now
-        if self._slot.conn is None:
-            with translated():
-                self._slot.conn = self.database.pool.getconn()
-        try:
-            with translated():
-                yield self._slot.conn
-        except BaseException:
-            self._drop_slot_connection()
-            raise
-        self._slot.used = time.monotonic()
-
-    def _drop_slot_connection(self) -> None:
-        conn = getattr(self._slot, "conn", None)
-        self._slot.conn = None
-        self._slot.used = None
-        if conn is not None:
-            self.database.pool.putconn(conn)  # the pool discards a broken one
 
     def _process(self, item: Item) -> Item | None:
         """Handle and settle one item; returns the next item claimed with the settle."""
         started = time.monotonic()
-        if getattr(self._slot, "used", None) is None:
-            self._slot.conn, self._slot.used = None, started
         bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=item.attempt)
         handler = self.handlers[item.queue]
         try:
@@ -648,7 +611,7 @@ class Runner:
         ``released`` when the item waits unleased (our retry or give-back landed), or
         ``lease_lost``."""
         try:
-            with self._connection() as conn:
+            with self.database.connection() as conn:
                 outcome = store.outcome_of(conn, item)
                 exists, owner = store.lease_owner(conn, item)
         except DatabaseUnavailable:
@@ -683,7 +646,7 @@ class Runner:
         delay = 0.2
         while True:
             try:
-                with self._connection() as conn:
+                with self.database.connection() as conn:
                     return fn(conn)
             except DatabaseUnavailable as exc:
                 if time.monotonic() + delay > deadline:

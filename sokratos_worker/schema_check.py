@@ -11,7 +11,18 @@ from sokratos_worker.store.status import database_has_fixed_embedding
 
 def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[ConfigError]:
     """What would make the worker fail later, each naming the variable or command to fix it."""
-    pending = pending_migrations(conn)
+    try:
+        pending = pending_migrations(conn)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        # Nothing can be judged by a role that may not read the tables (nor can it work).
+        return [
+            ConfigError(
+                "schema",
+                f"role {conn.info.user} may not read the worker's tables"
+                f" ({str(exc).splitlines()[0]}): grant it sokratos_worker"
+                " (sql/roles.sql, docs/production.md) or connect as a role that has it",
+            )
+        ]
     if pending:
         # Nothing else can be judged on a schema that is not there yet.
         return [

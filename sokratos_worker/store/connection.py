@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -205,6 +206,11 @@ def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# A thread holding its connection (a busy slot) keeps it from one use to the next, since the
+# pool's check costs a round trip per checkout; one idle longer than this is checked out afresh.
+HELD_IDLE_S = 2.0
+
+
 class Database:
     """The process's connection pool; ``connection()`` lends one autocommit connection."""
 
@@ -218,6 +224,7 @@ class Database:
     ) -> None:
         self.conninfo = conninfo
         self.pool = make_pool(conninfo, size=size, keep_open=keep_open, configure=configure)
+        self._held = threading.local()  # .conn, .used, .depth of a thread inside holding()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the connections kept open are open (and configured); False at timeout.
@@ -233,10 +240,51 @@ class Database:
         return True
 
     @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Inside, every ``connection()`` of this thread lends the same pooled connection.
+
+        A worker slot handles its run of items inside: the pipelines' reads and the settles
+        share one connection, so N busy slots need N connections, never 2N.
+        """
+        held = self._held
+        held.conn, held.used, held.depth = None, time.monotonic(), 0
+        try:
+            yield
+        finally:
+            self._return_held()
+            del held.depth
+
+    @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
-        """A pooled connection; transient failures surface as DatabaseUnavailable."""
-        with translated(), self.pool.connection() as conn:
-            yield conn
+        """A pooled connection (the held one inside ``holding``); transient failures surface
+        as DatabaseUnavailable."""
+        if getattr(self._held, "depth", None) is None:
+            with translated(), self.pool.connection() as conn:
+                yield conn
+            return
+        held = self._held
+        idle = time.monotonic() - held.used
+        if held.depth == 0 and held.conn is not None and idle > HELD_IDLE_S:
+            self._return_held()
+        if held.conn is None:
+            with translated():
+                held.conn = self.pool.getconn()
+        held.depth += 1
+        try:
+            with translated():
+                yield held.conn
+        except BaseException:
+            if held.depth == 1:
+                self._return_held()  # the pool discards it if the failure broke it
+            raise
+        finally:
+            held.depth -= 1
+        held.used = time.monotonic()
+
+    def _return_held(self) -> None:
+        conn, self._held.conn = self._held.conn, None
+        if conn is not None:
+            self.pool.putconn(conn)
 
     def close(self) -> None:
         """Close every pooled connection."""

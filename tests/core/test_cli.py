@@ -187,7 +187,35 @@ def test_check_probes_everything_and_names_what_failed(database_url: str, tmp_pa
     lines = proc.stdout.splitlines()
     assert any(line.startswith("ok") and "database" in line for line in lines)
     assert any(line.startswith("FAIL") and "gone" in line for line in lines)
+    assert any(line.startswith("ok") and "a worker opens up to 9" in line for line in lines)
     assert "gone" in proc.stderr
+
+
+def test_check_fails_when_a_connection_limit_is_below_the_workers_pool(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    # A worker with 8 slots would hold 8 connections and wait for the rest (measured 17x slower).
+    role = "check_test_limited"
+    db.execute(f"DROP ROLE IF EXISTS {role}")
+    db.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'test-only-password' CONNECTION LIMIT 10")
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(database_url)
+        info.update(user=role, password="test-only-password")
+        url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+        proc = cli("check", env=env_for(url, tmp_path, SOKRATOS_CONCURRENCY="8"))
+        ran = cli("run", "--once", env=env_for(url, tmp_path, SOKRATOS_CONCURRENCY="2"))
+    finally:
+        db.execute(f"DROP ROLE IF EXISTS {role}")
+    assert ran.returncode == 78 and "give it sokratos_worker" in ran.stderr, ran.stderr[-2000:]
+    assert "permission denied for table sokratos_worker_migrations" in ran.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "connections" in x)
+    assert line.startswith("FAIL"), proc.stdout
+    assert "opens up to 13" in line and f"role {role} has CONNECTION LIMIT 10" in line
+    assert "lower SOKRATOS_CONCURRENCY" in line
+    # (The role was granted nothing: check says so rather than a traceback.)
+    line = next(x for x in proc.stdout.splitlines() if "schema" in x)
+    assert line.startswith("FAIL") and "grant it sokratos_worker" in line, proc.stdout
 
 
 def test_enqueue_without_migrations_exits_1_naming_migrate(

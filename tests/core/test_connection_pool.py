@@ -88,3 +88,37 @@ def test_wait_for_database_tries_until_its_deadline_and_says_why_once() -> None:
     text = str(info.value)
     assert "still unreachable after 2s (SOKRATOS_STARTUP_TIMEOUT 2s)" in text
     assert text.count("database unavailable") <= 1
+
+
+def test_holding_lends_one_connection_for_every_use_on_the_thread(database_url: str) -> None:
+    database = Database(database_url, size=1, keep_open=1)  # a second checkout would time out
+    try:
+        with database.holding():
+            with database.connection() as first:
+                pid = first.execute("SELECT pg_backend_pid()").fetchone()
+                with database.connection() as nested:  # (a read inside a settle)
+                    assert nested is first
+            with database.connection() as later:
+                assert later is first and later.execute("SELECT pg_backend_pid()").fetchone() == pid
+        with database.connection() as after:  # given back when the slot's run ended
+            assert after.execute("SELECT pg_backend_pid()").fetchone() == pid
+    finally:
+        database.close()
+
+
+def test_a_held_connection_a_failure_broke_is_replaced(
+    database_url: str, db: psycopg.Connection
+) -> None:
+    database = Database(database_url, size=2, keep_open=1)
+    try:
+        with database.holding():
+            with database.connection() as conn:
+                pid = conn.execute("SELECT pg_backend_pid()").fetchone()
+            assert pid is not None
+            db.execute("SELECT pg_terminate_backend(%s)", pid)
+            with pytest.raises(DatabaseUnavailable), database.connection() as conn:
+                conn.execute("SELECT 1")
+            with database.connection() as conn:  # a fresh one, not the dead one
+                assert conn.execute("SELECT pg_backend_pid()").fetchone() != pid
+    finally:
+        database.close()

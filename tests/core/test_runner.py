@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import psycopg
@@ -10,7 +11,7 @@ from structlog.testing import capture_logs
 
 from sokratos_worker.client import enqueue_triage
 from sokratos_worker.config import Settings
-from sokratos_worker.model import Queue
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.spool import import_spool, spool_enqueue
 from sokratos_worker.store.connection import Database
@@ -142,3 +143,51 @@ def test_bad_spool_file_becomes_a_failed_operation(
     assert row is not None and row[0] == "spool_import" and "payload.exchange" in row[1]
     assert row[2] == {"exchange": 5}
     assert not list(spool.glob("*.json"))
+
+
+class _ReadingHandler:
+    """Reads through the database while every other slot reads too (as the pipelines do)."""
+
+    def __init__(self, database: Database, slots: int) -> None:
+        self.database = database
+        self.together = threading.Barrier(slots, timeout=3)
+        self.seen: list[bool] = []  # per item: were all slots reading at once?
+
+    def handle(self, item: Item) -> Effects:
+        with self.database.connection() as conn:
+            conn.execute("SELECT 1")
+            try:
+                self.together.wait()
+                self.seen.append(True)
+            except threading.BrokenBarrierError:
+                self.seen.append(False)
+        return Effects(Outcome.SKIPPED)
+
+    def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
+        return ()
+
+    def probe(self) -> bool:
+        return True
+
+
+def test_a_slot_reads_through_its_own_connection(db: psycopg.Connection, database_url: str) -> None:
+    """A pool with one connection per slot and one for the dispatcher is enough: the
+    pipelines' reads used to take a second connection, so slots queued for the spare one."""
+    slots = 4
+    enqueue_many(db, slots * 3)
+    database = Database(database_url, size=slots + 1, keep_open=slots + 1)
+    handler = _ReadingHandler(database, slots)
+    runner = Runner(
+        settings=_settings(concurrency=slots),
+        database=database,
+        handlers={Queue.TRIAGE: handler},
+        worker_id="test",
+    )
+    try:
+        runner.start(drain_only=True)
+        assert runner.wait_drained(60)
+        runner.shutdown(1)
+    finally:
+        database.close()
+    assert set(outcomes(db).values()) == {"skipped"} and len(outcomes(db)) == slots * 3
+    assert handler.seen == [True] * (slots * 3), handler.seen
