@@ -77,6 +77,9 @@ class NewMemory:
     source_date: datetime | None = None
     pipeline_id: int | None = None
     entities: tuple[str, ...] | None = None
+    # The first chunk of a draft: the settle skips it, and the chunks after it that carry no
+    # flag, when another item committed a near-duplicate since the handler looked.
+    duplicate_check: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class SettleResult:
     settled: bool
     memory_ids: tuple[int, ...] = field(default_factory=tuple)
     failure_id: int | None = None  # the failed_operations row a dead letter wrote
+    outcome: Outcome | None = None  # what was recorded, when the settle changed the handler's
 
 
 @dataclass(frozen=True)

@@ -444,18 +444,23 @@ class Runner:
             return None, ABANDONED
         result, next_items = done
         if result.settled:
+            outcome = (result.outcome or effects.outcome).value
+            if outcome != effects.outcome.value:
+                bound.info(
+                    "settled_as_near_duplicate", planned=effects.outcome.value, outcome=outcome
+                )
             with self._lock:
-                self._stats.add(item.queue, effects.outcome.value, effects.backend)
+                self._stats.add(item.queue, outcome, effects.backend)
             # Debug: one line per item is the cost of a JSON render and a write per item
             # (the pipelines log what they saved; the tick reports the counts at info).
             bound.debug(
                 "item_settled",
-                outcome=effects.outcome.value,
+                outcome=outcome,
                 memory_ids=list(result.memory_ids),
                 backend=effects.backend,
                 duration_ms=round((time.monotonic() - started) * 1000, 1),
             )
-            kind = effects.outcome.value
+            kind = outcome
         else:
             kind = self._report_fenced(item, bound, released=LEASE_LOST)
         # Tracked first, so in-flight never reads 0 in between.

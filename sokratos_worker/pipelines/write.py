@@ -19,11 +19,10 @@ from sokratos_worker.model import Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts
 from sokratos_worker.pipelines.text import chunk_text
-from sokratos_worker.store.memories import MemoryReader
+from sokratos_worker.store.memories import NEAR_DUPLICATE_DISTANCE, MemoryReader
 
 log = structlog.get_logger(__name__)
 
-NEAR_DUPLICATE_DISTANCE = 0.05
 CONTRADICTION_DISTANCE = 0.4
 CONTRADICTION_CANDIDATES = 3
 FACT_DUPLICATE_DISTANCE = 0.15
@@ -149,6 +148,7 @@ class MemoryWriter:
                 embedding_model=model if vec is not None else None,
                 source_date=draft.source_date,
                 pipeline_id=draft.pipeline_id,
+                duplicate_check=i == 0 and vec is not None,  # (the chunk the check compared)
             )
             for i, (text, vec) in enumerate(chunks)
         )

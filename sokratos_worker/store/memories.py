@@ -14,7 +14,7 @@ import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import Effects
+from sokratos_worker.model import Effects, NewMemory
 from sokratos_worker.store.connection import Database
 
 log = structlog.get_logger(__name__)
@@ -23,47 +23,96 @@ log = structlog.get_logger(__name__)
 _COVERAGE_EXCLUDED = ("identity", "reflection")
 
 
-def write_effects(conn: psycopg.Connection, effects: Effects) -> tuple[int, ...]:
+# Settles that may write a near-duplicate take turns until they commit: the handlers' own
+# check runs outside any transaction, so two slots with the same fact would both pass it.
+_DUPLICATE_WRITE_LOCK = 0x50C_D0_0B
+NEAR_DUPLICATE_DISTANCE = 0.05
+NEAR_DUPLICATE_WINDOW_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Written:
+    """What ``write_effects`` did: the item's memory ids, and the drafts it dropped."""
+
+    memory_ids: tuple[int, ...]
+    new: int  # memories written (or found written by an earlier attempt of the item)
+    duplicate_of: tuple[int, ...] = ()  # live memories that made drafts redundant meanwhile
+
+
+def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
     """Insert ``effects.memories`` (idempotent by origin) and apply the supersessions.
 
-    Returns the ids of every memory the item wrote (existing rows for origins already
-    present), followed by ``effects.existing_memory_ids``. Runs in the caller's transaction.
+    A draft whose first chunk asks for it (``duplicate_check``) is dropped, with its other
+    chunks, when a near-duplicate was committed since the handler checked. The memory ids
+    are those written (existing rows for origins already present), then
+    ``effects.existing_memory_ids``, then the near-duplicates. Runs in the caller's
+    transaction.
     """
-    ids: list[int] = []
+    if any(m.duplicate_check and m.embedding is not None for m in effects.memories):
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_DUPLICATE_WRITE_LOCK,))
+    by_origin: dict[str, int] = {}
+    duplicates: list[int] = []
+    dropping = False
     for memory in effects.memories:
-        row = conn.execute(
-            """INSERT INTO memories (summary, embedding, salience, tags, memory_type, entities,
-                                     source, source_date, pipeline_id, origin, embedding_model)
-               VALUES (%s, %s::vector, %s, %s, %s, %s, %s, %s, %s, %s, %s)
-               ON CONFLICT (origin) WHERE origin IS NOT NULL DO NOTHING
-               RETURNING id""",
-            (
-                memory.summary,
-                _vector(memory.embedding),
-                memory.salience,
-                list(memory.tags),
-                memory.memory_type,
-                list(memory.entities) if memory.entities is not None else None,
-                memory.source,
-                memory.source_date,
-                memory.pipeline_id,
-                memory.origin,
-                memory.embedding_model,
-            ),
-        ).fetchone()
-        if row is None:
-            row = conn.execute(
-                "SELECT id FROM memories WHERE origin = %s", (memory.origin,)
-            ).fetchone()
-        assert row is not None  # noqa: S101 - inserted or already present
-        ids.append(int(row[0]))
-    by_origin = {m.origin: i for m, i in zip(effects.memories, ids, strict=True)}
+        if memory.duplicate_check:
+            duplicate = _duplicate_at_settle(conn, memory)
+            dropping = duplicate is not None
+            if duplicate is not None:
+                duplicates.append(duplicate)
+        if not dropping:
+            by_origin[memory.origin] = _insert(conn, memory)
     for supersession in effects.supersessions:
-        conn.execute(
-            "UPDATE memories SET superseded_by = %s WHERE id = %s AND superseded_by IS NULL",
-            (by_origin[supersession.new_origin], supersession.old_memory_id),
-        )
-    return (*ids, *effects.existing_memory_ids)
+        if supersession.new_origin in by_origin:
+            conn.execute(
+                "UPDATE memories SET superseded_by = %s WHERE id = %s AND superseded_by IS NULL",
+                (by_origin[supersession.new_origin], supersession.old_memory_id),
+            )
+    ids = (*by_origin.values(), *effects.existing_memory_ids, *duplicates)
+    return Written(memory_ids=ids, new=len(by_origin), duplicate_of=tuple(duplicates))
+
+
+def _insert(conn: psycopg.Connection, memory: NewMemory) -> int:
+    """The memory's id: inserted, or the row an earlier attempt wrote under its origin."""
+    row = conn.execute(
+        """INSERT INTO memories (summary, embedding, salience, tags, memory_type, entities,
+                                 source, source_date, pipeline_id, origin, embedding_model)
+           VALUES (%s, %s::vector, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+           ON CONFLICT (origin) WHERE origin IS NOT NULL DO NOTHING
+           RETURNING id""",
+        (
+            memory.summary,
+            _vector(memory.embedding),
+            memory.salience,
+            list(memory.tags),
+            memory.memory_type,
+            list(memory.entities) if memory.entities is not None else None,
+            memory.source,
+            memory.source_date,
+            memory.pipeline_id,
+            memory.origin,
+            memory.embedding_model,
+        ),
+    ).fetchone()
+    if row is None:
+        row = conn.execute("SELECT id FROM memories WHERE origin = %s", (memory.origin,)).fetchone()
+    assert row is not None  # noqa: S101 - inserted or already present
+    return int(row[0])
+
+
+def _duplicate_at_settle(conn: psycopg.Connection, memory: NewMemory) -> int | None:
+    """A near-duplicate of ``memory`` committed by another item (its own origin is not one)."""
+    if memory.embedding is None:
+        return None
+    row = conn.execute(
+        _NEAR_DUPLICATE + " AND (m.origin IS NULL OR m.origin <> %(origin)s)" + _NEAREST,
+        {
+            **_vector_params(memory.embedding, memory.embedding_model),
+            "max": NEAR_DUPLICATE_DISTANCE,
+            "window": NEAR_DUPLICATE_WINDOW_S,
+            "origin": memory.origin,
+        },
+    ).fetchone()
+    return int(row[0]) if row is not None else None
 
 
 def _vector(embedding: tuple[float, ...] | None) -> str | None:
@@ -86,6 +135,18 @@ _DISTANCE = """(CASE WHEN m.embedding IS NOT NULL
                       AND vector_dims(m.embedding) = %(dim)s
                       AND (m.embedding_model IS NULL OR m.embedding_model = %(model)s)
                  THEN m.embedding <=> %(vec)s::vector END)"""
+
+
+# A live, non-identity memory within %(max)s written in the last %(window)s seconds.
+_NEAR_DUPLICATE = f"""SELECT m.id FROM memories m
+    WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
+      AND m.created_at > now() - make_interval(secs => %(window)s)
+      AND {_DISTANCE} < %(max)s"""
+_NEAREST = f" ORDER BY {_DISTANCE} LIMIT 1"
+
+
+def _vector_params(vec: Sequence[float], model: str | None) -> dict[str, Any]:
+    return {"vec": _vector(tuple(vec)), "dim": len(vec), "model": model}
 
 
 class MemoryReader:
@@ -118,16 +179,15 @@ class MemoryReader:
         return int(rows[0][0])
 
     def near_duplicate(
-        self, vec: Sequence[float], max_distance: float = 0.05, window_s: float = 3600.0
+        self,
+        vec: Sequence[float],
+        max_distance: float = NEAR_DUPLICATE_DISTANCE,
+        window_s: float = NEAR_DUPLICATE_WINDOW_S,
     ) -> int | None:
         """A live, non-identity memory within ``max_distance`` written in the last hour."""
         rows = self._read(
             "near_duplicate",
-            f"""SELECT m.id FROM memories m
-                WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
-                  AND m.created_at > now() - make_interval(secs => %(window)s)
-                  AND {_DISTANCE} < %(max)s
-                ORDER BY {_DISTANCE} LIMIT 1""",
+            _NEAR_DUPLICATE + _NEAREST,
             {**self._vec(vec), "max": max_distance, "window": window_s},
             fallback=[],
         )
@@ -178,7 +238,7 @@ class MemoryReader:
         return [(str(r[0]), str(r[1])) for r in rows]
 
     def _vec(self, vec: Sequence[float]) -> dict[str, Any]:
-        return {"vec": _vector(tuple(vec)), "dim": len(vec), "model": self.embedding_model}
+        return _vector_params(vec, self.embedding_model)
 
     def _read(
         self, query: str, sql: str, params: dict[str, Any], *, fallback: list[Any]

@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
-from sokratos_worker.store.memories import write_effects
+from sokratos_worker.store.memories import Written, write_effects
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
@@ -333,12 +333,12 @@ def settle_success(
         )
     try:
         with conn.transaction():
-            memory_ids = _settle_with_effects(conn, item, effects, owner)
+            result = _settle_with_effects(conn, item, effects, owner)
             if claim_next:
                 next_items = claim(conn, item.queue, owner=owner, limit=1, lease_s=lease_s)
     except _Fenced:
         return SettleResult(settled=False), []
-    return SettleResult(settled=True, memory_ids=memory_ids), next_items
+    return result, next_items
 
 
 def _settle_plain(
@@ -381,10 +381,11 @@ def _settle_plain(
 
 def _settle_with_effects(
     conn: psycopg.Connection, item: Item, effects: Effects, owner: str
-) -> tuple[int, ...]:
+) -> SettleResult:
     if conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone() is None:
         raise _Fenced
-    memory_ids = write_effects(conn, effects)
+    written = write_effects(conn, effects)
+    outcome, detail = _after_duplicates(effects, written)
     conn.execute(
         _INSERT_OUTCOME,
         {
@@ -392,14 +393,28 @@ def _settle_with_effects(
             "item_id": item.id,
             "key": item.idempotency_key,
             "source": item.outcome_source,
-            "outcome": effects.outcome.value,
-            "memory_ids": list(memory_ids),
-            "detail": clean_text(effects.detail),
+            "outcome": outcome.value,
+            "memory_ids": list(written.memory_ids),
+            "detail": clean_text(detail),
             "attempt": item.attempt,
             "backend": effects.backend,
         },
     )
-    return memory_ids
+    return SettleResult(settled=True, memory_ids=written.memory_ids, outcome=outcome)
+
+
+def _after_duplicates(effects: Effects, written: Written) -> tuple[Outcome, str]:
+    """The outcome and detail to record once drafts that became duplicates were dropped."""
+    if not written.duplicate_of:
+        return effects.outcome, effects.detail
+    ids = ", ".join(str(i) for i in written.duplicate_of)
+    if written.new == 0 and effects.outcome is Outcome.SAVED:
+        return Outcome.SKIPPED, f"near-duplicate of memory {ids} (saved by another item meanwhile)"
+    dropped = len(written.duplicate_of)
+    return effects.outcome, (
+        f"{effects.detail}; {dropped} near-duplicate(s) of memory {ids} saved by another item"
+        " meanwhile: not written"
+    )
 
 
 class _Fenced(Exception):
@@ -456,7 +471,7 @@ def dead_letter(
             if backend:
                 attempts[-1]["backend"] = backend
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
-            memory_ids = write_effects(conn, Effects(outcome=outcome, memories=memories))
+            memory_ids = write_effects(conn, Effects(outcome, memories=memories)).memory_ids
             context = {
                 "queue": item.queue.value,
                 "item_id": item.id,

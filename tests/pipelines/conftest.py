@@ -55,7 +55,7 @@ def make_item(
 def apply(db: psycopg.Connection, effects: Effects) -> tuple[int, ...]:
     """Commit the effects as the settle would: one transaction."""
     with db.transaction():
-        return write_effects(db, effects)
+        return write_effects(db, effects).memory_ids
 
 
 def vector_literal(vec: list[float]) -> str:

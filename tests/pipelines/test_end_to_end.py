@@ -82,7 +82,7 @@ def _drain(database_url: str, server: ScriptedLLM, **env: str) -> None:
         }
     )
     chat = FallbackChatClient(settings.llm_backends)
-    database = Database(database_url, size=4)
+    database = Database(database_url, size=settings.pool_size)
     try:
         handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
         runner = Runner(
@@ -181,6 +181,33 @@ def test_items_end_in_the_right_outcomes_and_rows(
     assert any(
         "assistant called maps({})\n[maps result] Kosmos Leipzig" in t for t in distil_inputs
     )
+
+
+def test_the_same_fact_triaged_by_many_slots_at_once_is_saved_once(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Each slot's near-duplicate check ran before any of the others committed; the settle's
+    re-check under a lock keeps one memory (a probe saved 8 of 60 at concurrency 8)."""
+    exchange = "user: my daughter Mia started school in Graz today\nassistant: Congratulations!"
+    n = 24
+    ids = [
+        _enqueue(db, "SELECT sokratos_enqueue_triage(%s::jsonb)", json.dumps({"exchange": exchange}))
+        for _ in range(n)
+    ]
+    with ScriptedLLM(chat=respond, latency=0.05) as server:  # (so that the slots overlap)
+        _drain(database_url, server, SOKRATOS_CONCURRENCY="8")
+
+    rows = db.execute(
+        "SELECT item_id, outcome, memory_ids, detail FROM work_outcomes WHERE queue = 'pending_triage'"
+    ).fetchall()
+    assert sorted(r[0] for r in rows) == sorted(ids)  # each item one outcome
+    memories = memory_rows(db)
+    assert [m["summary"] for m in memories] == [SAVED_SUMMARY]
+    kept = memories[0]["id"]
+    assert [r[1] for r in rows].count("saved") == 1
+    assert {r[1] for r in rows} == {"saved", "skipped"}
+    assert all(r[2] == [kept] for r in rows), rows
+    assert all(f"near-duplicate of memory {kept}" in r[3] for r in rows if r[1] == "skipped")
 
 
 def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(

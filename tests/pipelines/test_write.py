@@ -9,10 +9,10 @@ from sokratos_worker.llm.types import EmbeddingFailed
 from sokratos_worker.model import Effects, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
 from sokratos_worker.store.connection import Database
-from sokratos_worker.store.memories import MemoryReader
+from sokratos_worker.store.memories import MemoryReader, write_effects
 
 from .conftest import apply, insert_memory, make_item, memory_rows
-from .fakes import FakeChat, FakeEmbedder
+from .fakes import FakeChat, FakeEmbedder, hashed_vector
 
 pytestmark = pytest.mark.postgres
 
@@ -61,3 +61,53 @@ def test_an_embedding_of_the_wrong_dimension_fails_the_attempt(
     reader = MemoryReader(database, embedding_model=embedder.model)
     with pytest.raises(EmbeddingFailed, match="expected 16"):
         MemoryWriter(reader, FakeChat(), embedder).plan(make_item({}), DRAFT)
+
+
+def _chunk(origin: str, vec: list[float] | None, *, head: bool) -> NewMemory:
+    return NewMemory(
+        origin=origin,
+        summary=f"text of {origin}",
+        salience=5,
+        embedding=tuple(vec) if vec is not None else None,
+        embedding_model="fake-embed" if vec is not None else None,
+        duplicate_check=head,
+    )
+
+
+def test_a_draft_another_item_saved_meanwhile_is_dropped_at_the_settle(
+    db: psycopg.Connection,
+) -> None:
+    same, other = hashed_vector("a fact"), hashed_vector("another fact")
+    old = insert_memory(db, "older, contradicted", hashed_vector("old"))
+    meanwhile = insert_memory(db, "a fact", same)  # committed after the handler looked
+    effects = Effects(
+        Outcome.SAVED,
+        memories=(
+            _chunk("q:1:0", same, head=True),
+            _chunk("q:1:1", hashed_vector("its second chunk"), head=False),
+            _chunk("q:1:2", other, head=True),
+        ),
+        supersessions=(Supersession(old, "q:1:0"), Supersession(old, "q:1:2")),
+    )
+    with db.transaction():
+        written = write_effects(db, effects)
+    assert written.duplicate_of == (meanwhile,) and written.new == 1
+    rows = {r["origin"]: r for r in memory_rows(db)}
+    assert set(rows) == {None, "q:1:2"}  # the duplicate draft and its chunk are not written
+    assert written.memory_ids == (rows["q:1:2"]["id"], meanwhile)
+    superseded = db.execute("SELECT superseded_by FROM memories WHERE id = %s", (old,)).fetchone()
+    assert superseded == (rows["q:1:2"]["id"],)
+
+
+def test_the_settle_check_skips_its_own_earlier_write_and_unflagged_memories(
+    db: psycopg.Connection,
+) -> None:
+    vec = hashed_vector("a fact")
+    first = apply(db, Effects(Outcome.SAVED, memories=(_chunk("q:2:0", vec, head=True),)))
+    # A replay of the same item finds its own row, not a duplicate.
+    again = apply(db, Effects(Outcome.SAVED, memories=(_chunk("q:2:0", vec, head=True),)))
+    assert again == first
+    # A raw archive (no flag) is always written, however close.
+    archive = apply(db, Effects(Outcome.ARCHIVED, memories=(_chunk("q:3:0", vec, head=False),)))
+    assert len(archive) == 1 and archive != first
+    assert len(memory_rows(db)) == 2
