@@ -34,11 +34,15 @@ class ItemError(WorkerError):
         self.backend = backend
 
 
+# How every InvalidPayload message starts: `failed retry --all` and the dead-letter hint match it.
+INVALID_PAYLOAD_PREFIX = "invalid payload"
+
+
 class InvalidPayload(ItemError):
     """The payload is malformed; ``field`` names what is wrong. Not retried."""
 
     def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"invalid payload: {field} {problem}")
+        super().__init__(f"{INVALID_PAYLOAD_PREFIX}: {field} {problem}")
         self.field = field
         self.problem = problem
 

@@ -19,7 +19,12 @@ from typing import TypeVar
 import structlog
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, ItemError
+from sokratos_worker.errors import (
+    INVALID_PAYLOAD_PREFIX,
+    DatabaseUnavailable,
+    InvalidPayload,
+    ItemError,
+)
 from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
@@ -542,7 +547,7 @@ class Runner:
                 hint = (
                     f"see 'sokratos-worker failed show {replay}'; the payload itself is invalid,"
                     " so a replay fails the same way: fix what produced it"
-                    if decision.reason.startswith("invalid payload")
+                    if decision.reason.startswith(INVALID_PAYLOAD_PREFIX)
                     else f"see 'sokratos-worker failed show {replay}'; once the cause is fixed"
                     f" replay it with 'sokratos-worker failed retry {replay}'"
                 )

@@ -10,7 +10,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
 
@@ -139,7 +139,7 @@ def _spool_file_hint(failure_id: int, context: Any) -> str:
 
 
 # Replaying a payload the worker found invalid fails the same way: `--all` leaves them out.
-_INVALID_PAYLOAD = "invalid payload%"
+_INVALID_PAYLOAD = INVALID_PAYLOAD_PREFIX + "%"
 
 
 def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
