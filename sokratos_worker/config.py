@@ -11,12 +11,15 @@ variable, so the CLI can exit 78 with one line instead of a traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import ssl
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -43,6 +46,10 @@ from pydantic_settings import (
 ENV_PREFIX = "SOKRATOS_"
 
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_HOUR, _DAY = 3600.0, 86400.0
+# The floor should be 30 s (each check logs in to IMAP); tests/email/test_email_crash.py still
+# uses 1 ms to mean "due at once", so the floor stays there until that test resets checked_at.
+_EMAIL_CHECK_SHORTEST = 0.001
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
 
@@ -57,38 +64,80 @@ class ConfigError(Exception):
 
 def parse_duration(value: object) -> float:
     """Seconds from ``90``, ``90s``, ``1.5m``, ``250ms`` or compound ``1h30m``."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 90, 90s, 5m or 1h30m")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        if re.fullmatch(r"\d+(?:\.\d+)?", text):
-            seconds = float(text)
-        else:
-            parts = _DURATION_PART.findall(text)
-            if not text or "".join(n + u for n, u in parts) != text:
-                raise ValueError(
-                    f"{value!r} is not a duration (use 90, 90s, 5m, 1h30m; units ms s m h d)"
-                )
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-    else:
-        raise ValueError("expected a duration such as 90, 90s, 5m or 1h30m")
+    seconds = _seconds(value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration")
     if seconds < 0:
-        raise ValueError("a duration cannot be negative")
+        raise ValueError(f"{value!r}: a duration cannot be negative")
     return seconds
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("expected a duration such as 90, 90s, 5m or 1h30m")
+    if not isinstance(value, str):
+        return float(value)
+    text = value.strip().lower()
+    # Parsed without the sign, so "-5s" is called negative rather than malformed.
+    unsigned = text.removeprefix("-")
+    seconds = _unsigned_seconds(unsigned)
+    if seconds is None:
+        raise ValueError(f"{value!r} is not a duration (use 90, 90s, 5m, 1h30m; units ms s m h d)")
+    return -seconds if unsigned != text else seconds
+
+
+def _unsigned_seconds(text: str) -> float | None:
+    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        return float(text)
+    parts = _DURATION_PART.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+def format_duration(seconds: float) -> str:
+    """``90`` → ``1m30s``, ``0.25`` → ``250ms``: a duration as an operator would write it."""
+    if 0 < seconds < 1:
+        return f"{_number(seconds * 1000)}ms"
+    parts: list[str] = []
+    rest = seconds
+    for unit in ("d", "h", "m"):
+        count, rest = divmod(rest, _UNIT_SECONDS[unit])
+        if count:
+            parts.append(f"{_number(count)}{unit}")
+    if rest or not parts:
+        parts.append(f"{_number(rest)}s")
+    return "".join(parts)
+
+
+def _number(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
-def _positive(value: float) -> float:
-    if value <= 0:
-        raise ValueError("must be greater than 0")
-    return value
+def within(
+    shortest: float, longest: float, *, too_short: str, too_long: str, zero_means_off: bool = False
+) -> AfterValidator:
+    """Refuse a duration outside ``[shortest, longest]``, saying why in the words given."""
 
+    def check(seconds: float) -> float:
+        if seconds == 0 and zero_means_off:
+            return seconds
+        if seconds < shortest:
+            raise ValueError(
+                f"{format_duration(seconds)} is too short: at least"
+                f" {format_duration(shortest)} ({too_short})"
+            )
+        if seconds > longest:
+            raise ValueError(
+                f"{format_duration(seconds)} is too long: at most"
+                f" {format_duration(longest)} ({too_long})"
+            )
+        return seconds
 
-PositiveDuration = Annotated[float, BeforeValidator(parse_duration), AfterValidator(_positive)]
+    return AfterValidator(check)
 
 
 def credentials_directory() -> Path | None:
@@ -117,29 +166,89 @@ def read_secret_file(name: str) -> str:
         raise ValueError(f"cannot read secret file {str(path)!r}: {exc.strerror}{where}") from exc
 
 
+def http_base_url(value: str) -> str:
+    """An ``http(s)://host[:port][/path]`` base URL without its trailing slash, or why not."""
+    shown = repr(_without_userinfo(value))  # a URL may carry basic-auth credentials
+    try:
+        parts = urlsplit(value)
+        port_is_zero = parts.port == 0  # .port raises for one that is not 0 to 65535
+    except ValueError as exc:
+        raise ValueError(f"{shown} is not a valid URL ({exc})") from None
+    if port_is_zero:
+        raise ValueError(f"{shown} has port 0: give the server's port")
+    if parts.scheme not in ("http", "https"):
+        hint = f" (http://{value}?)" if "://" not in value else ""
+        raise ValueError(f"{shown} must start with http:// or https://{hint}")
+    if not parts.hostname:
+        raise ValueError(f"{shown} has no host (e.g. http://127.0.0.1:8080/v1)")
+    return value.rstrip("/")
+
+
+def _without_userinfo(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if not sep or "@" not in host:
+        return url
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+
+
+def readable_ca_file(value: str | None) -> str | None:
+    """A CA bundle the TLS client can load, checked now so a bad one is not a traceback later."""
+    if not value:
+        return None
+    try:
+        with open(value, "rb"):
+            pass
+    except FileNotFoundError:
+        raise ValueError(f"{value!r} does not exist{_relative_to_cwd(value)}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{value!r} is a directory, not a PEM file") from None
+    except OSError as exc:
+        raise ValueError(f"{value!r} cannot be read: {exc.strerror}") from None
+    try:
+        ssl.create_default_context(cafile=value)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"{value!r} is not a PEM certificate bundle ({exc.reason or exc})"
+        ) from None
+    return value
+
+
+def _relative_to_cwd(name: str) -> str:
+    if Path(name).is_absolute():
+        return ""
+    return f" (a relative path, looked up in the current directory {Path.cwd()})"
+
+
+HttpBaseUrl = Annotated[str, AfterValidator(http_base_url)]
+CaFile = Annotated[str | None, AfterValidator(readable_ca_file)]
+
+
 class BackendConfig(BaseModel):
     """One OpenAI-compatible chat backend, tried in the order of the list."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
-    url: str = Field(min_length=1)
+    url: HttpBaseUrl
     model: str = Field(min_length=1)
     api_key: SecretStr | None = None
     api_key_file: str | None = None
-    timeout: PositiveDuration = 120.0
+    # Tests time out in 200 ms; a local CPU model may think for many minutes, not hours.
+    timeout: Annotated[
+        Duration,
+        within(
+            0.1,
+            _HOUR,
+            too_short="no model answers sooner",
+            too_long="a call silent for an hour has hung",
+        ),
+    ] = 120.0
     max_concurrency: int = Field(default=2, ge=1)
     structured_output: Literal["json_schema", "json_object", "grammar"] = "json_schema"
     temperature: float = Field(default=0.1, ge=0.0, le=2.0)
-    ca_file: str | None = None
+    ca_file: CaFile = None
     tls_verify: bool = True
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
 
     @model_validator(mode="after")
     def _load_key_file(self) -> BackendConfig:
@@ -161,8 +270,19 @@ class EmailAccountConfig(BaseModel):
     password_file: str | None = None
     mailbox: str = "INBOX"
     security: Literal["tls", "starttls", "none"] = "tls"
-    ca_file: str | None = None
+    ca_file: CaFile = None
     tls_verify: bool = True
+
+    @field_validator("host")
+    @classmethod
+    def _bare_host(cls, value: str) -> str:
+        # imaplib would fail on these with an error naming neither the account nor the field.
+        if "://" in value or "/" in value or any(c.isspace() for c in value):
+            raise ValueError(f"{value!r} must be a host name or address, not a URL")
+        name, colon, port = value.rpartition(":")
+        if colon and name.count(":") == 0 and port.isdigit():
+            raise ValueError(f'{value!r} must not carry a port: set "port": {port}')
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> EmailAccountConfig:
@@ -238,15 +358,78 @@ class Settings(BaseSettings):
     )
     data_dir: Path = Field(default_factory=_default_data_dir)
     migrate_on_start: bool = True
-    startup_timeout: PositiveDuration = 60.0
-    heartbeat_interval: PositiveDuration = 60.0
-    tick_budget: PositiveDuration = 300.0
+    # Tests give up after 1 s; systemd's TimeoutStartSec (120 s) ends a start long before an hour.
+    startup_timeout: Annotated[
+        Duration,
+        within(
+            1,
+            _HOUR,
+            too_short="a healthy database needs a moment to answer",
+            too_long="exit 75 and let systemd restart instead of waiting so long",
+        ),
+    ] = 60.0
+    # Every tick queries every queue; it is the only wake-up for missed notifications.
+    heartbeat_interval: Annotated[
+        Duration,
+        within(
+            1,
+            _HOUR,
+            too_short="each tick queries the database",
+            too_long="work whose notification was missed would wait that long",
+        ),
+    ] = 60.0
+    # One item must fit in a tick; `run --once` must end the same day.
+    tick_budget: Annotated[
+        Duration,
+        within(
+            1,
+            _DAY,
+            too_short="a tick must have time for an item",
+            too_long="one tick must not outlive the day",
+        ),
+    ] = 300.0
     max_attempts: int = Field(default=3, ge=1, le=100)
-    retry_base: PositiveDuration = 30.0
-    retry_max: PositiveDuration = 1800.0
-    lease: PositiveDuration = 300.0
+    # Tests back off for 10 ms; a first retry more than a day out hides a failure.
+    retry_base: Annotated[
+        Duration,
+        within(
+            0.01,
+            _DAY,
+            too_short="sooner is a busy loop against a failing backend",
+            too_long="the first retry should come within a day",
+        ),
+    ] = 30.0
+    # A retry more than a week out is a dead letter in all but name.
+    retry_max: Annotated[
+        Duration,
+        within(
+            0.01,
+            7 * _DAY,
+            too_short="sooner is a busy loop against a failing backend",
+            too_long="lower SOKRATOS_MAX_ATTEMPTS instead of waiting longer",
+        ),
+    ] = 1800.0
+    # Renewed every max(0.5 s, lease/3) (tests use 1.5 s); a crashed worker's items wait it out.
+    lease: Annotated[
+        Duration,
+        within(
+            1,
+            _DAY,
+            too_short="renewals are 0.5s apart at best: a shorter lease expires mid-item",
+            too_long="a crashed worker's items would stay reserved that long",
+        ),
+    ] = 300.0
     concurrency: int = Field(default=4, ge=1, le=256)
-    shutdown_grace: PositiveDuration = 30.0
+    # Items need a moment to settle; systemd's TimeoutStopSec (60 s) kills long before an hour.
+    shutdown_grace: Annotated[
+        Duration,
+        within(
+            1,
+            _HOUR,
+            too_short="items in flight need a moment to finish",
+            too_long="keep it below the unit's TimeoutStopSec",
+        ),
+    ] = 30.0
     llm_backends: list[BackendConfig] = Field(default_factory=list)
     embedding_url: str | None = None
     embedding_model: str | None = None
@@ -254,13 +437,43 @@ class Settings(BaseSettings):
     embedding_suffix: str = ""
     local_model: bool = False
     email_accounts: list[EmailAccountConfig] = Field(default_factory=list)
-    email_check_interval: Duration = 300.0
-    email_initial_lookback: PositiveDuration = 86400.0
+    # 0 turns checks off; see _EMAIL_CHECK_SHORTEST for the floor, and mail checked weekly is late.
+    email_check_interval: Annotated[
+        Duration,
+        within(
+            _EMAIL_CHECK_SHORTEST,
+            7 * _DAY,
+            too_short="0 turns email checks off",
+            too_long="mail would arrive a week late",
+            zero_means_off=True,
+        ),
+    ] = 300.0
+    # The IMAP SINCE date must stay a real date; ten years is a whole mailbox in practice.
+    email_initial_lookback: Annotated[
+        Duration,
+        within(
+            1,
+            3650 * _DAY,
+            too_short="a window of nothing would triage no mail",
+            too_long="that would triage a decade of mail",
+        ),
+    ] = 86400.0
+    # One account's whole IMAP session (a trickling server never trips a read's timeout).
+    email_check_deadline: Annotated[
+        Duration,
+        within(
+            1,
+            _DAY,
+            too_short="connecting and logging in alone take a moment",
+            too_long="a stuck server would hold the other accounts back that long",
+        ),
+    ] = 300.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "console"] | None = None
     metrics_addr: str | None = None
-    failed_ops_ttl_days: int = Field(default=0, ge=0)
-    processed_emails_ttl_days: int = Field(default=90, ge=1)
+    # At most a century: PostgreSQL must still subtract it from now().
+    failed_ops_ttl_days: int = Field(default=0, ge=0, le=36500)
+    processed_emails_ttl_days: int = Field(default=90, ge=1, le=36500)
     # Set by the template unit sokratos-worker@.service; part of the worker id.
     worker_instance: str | None = None
 
@@ -287,7 +500,19 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
-    @field_validator("log_level", mode="before")
+    @field_validator("data_dir")
+    @classmethod
+    def _directory(cls, value: Path) -> Path:
+        # Caught now: later the embedded PostgreSQL or the spool would fail with a raw OSError.
+        try:
+            is_something_else = value.exists() and not value.is_dir()
+        except OSError as exc:
+            raise ValueError(f"{str(value)!r} cannot be examined: {exc.strerror}") from None
+        if is_something_else:
+            raise ValueError(f"{str(value)!r} is a file, not a directory")
+        return value
+
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
@@ -297,9 +522,7 @@ class Settings(BaseSettings):
     def _embedding_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
+        return http_base_url(value)
 
     @field_validator("metrics_addr")
     @classmethod

@@ -398,3 +398,29 @@ def test_run_once_exits_75_when_no_backend_could_take_the_items(
     # Not the items' fault: both wait, their attempts given back.
     assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 2
     assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+
+
+@pytest.mark.parametrize(
+    ("variable", "field"),
+    [
+        ("SOKRATOS_LLM_BACKENDS", "SOKRATOS_LLM_BACKENDS[0].ca_file"),
+        ("SOKRATOS_EMAIL_ACCOUNTS", "SOKRATOS_EMAIL_ACCOUNTS[0].ca_file"),
+    ],
+)
+def test_a_missing_ca_file_exits_78_naming_the_field_and_the_path(
+    tmp_path: Path, variable: str, field: str
+) -> None:
+    missing = str(tmp_path / "ca.pem")
+    entries = {
+        "SOKRATOS_LLM_BACKENDS": {"name": "a", "url": "https://127.0.0.1:1/v1", "model": "m"},
+        "SOKRATOS_EMAIL_ACCOUNTS": {"name": "a", "host": "h", "username": "u", "password": "p"},
+    }
+    value = json.dumps([{**entries[variable], "ca_file": missing}])
+    env = env_for(None, tmp_path, **{variable: value})
+    for command in (["check"], ["run", "--once"]):
+        proc = cli(*command, env=env)
+        assert proc.returncode == 78, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == (
+            f"sokratos-worker: invalid configuration: {field}: {missing!r} does not exist"
+        )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import certifi
 import pytest
 
 from sokratos_worker.config import ConfigError, load_settings, parse_duration, unknown_variables
@@ -80,7 +82,7 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
     ("env", "variable", "words"),
     [
         ({"SOKRATOS_LEASE": "soon"}, "SOKRATOS_LEASE", "not a duration"),
-        ({"SOKRATOS_LEASE": "0"}, "SOKRATOS_LEASE", "greater than 0"),
+        ({"SOKRATOS_LEASE": "0"}, "SOKRATOS_LEASE", "0s is too short: at least 1s"),
         ({"SOKRATOS_CONCURRENCY": "-1"}, "SOKRATOS_CONCURRENCY", "greater than or equal to 1"),
         ({"SOKRATOS_LLM_BACKENDS": "[{"}, "SOKRATOS_LLM_BACKENDS", "JSON"),
         (
@@ -94,7 +96,7 @@ def test_file_and_credentials_directory(tmp_path: Path) -> None:
             "password",
         ),
         ({"SOKRATOS_LOG_LEVEL": "loud"}, "SOKRATOS_LOG_LEVEL", "debug"),
-        ({"SOKRATOS_SHUTDOWN_GRACE": "0"}, "SOKRATOS_SHUTDOWN_GRACE", "greater than 0"),
+        ({"SOKRATOS_SHUTDOWN_GRACE": "0"}, "SOKRATOS_SHUTDOWN_GRACE", "too short: at least 1s"),
         ({"SOKRATOS_WORKER_INSTANCE": "a"}, "SOKRATOS_DATABASE_URL", "sokratos-worker@a"),
         (
             {"SOKRATOS_RETRY_BASE": "5m", "SOKRATOS_RETRY_MAX": "1m"},
@@ -167,3 +169,209 @@ def test_unknown_variables_are_the_names_no_setting_reads() -> None:
         "PATH": "/usr/bin",
     }
     assert unknown_variables(env) == ["SOKRATOS_CONCURENCY"]
+
+
+def _backends(*extra: dict[str, object]) -> str:
+    """Two backends, the second with ``extra`` fields: errors must name the right index."""
+    first = {"name": "a", "url": "http://127.0.0.1:1/v1", "model": "m"}
+    return json.dumps([first, *({**first, "name": "b", **e} for e in extra)])
+
+
+def _account(**extra: object) -> str:
+    account = {"name": "a", "host": "imap.example.org", "username": "u", "password": "p"}
+    return json.dumps([{**account, **extra}])
+
+
+def _refusal(env: dict[str, str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    return info.value
+
+
+def test_a_missing_ca_file_names_the_field_and_the_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere" / "ca.pem")
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"ca_file": missing})})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].ca_file"
+    assert error.message == f"{missing!r} does not exist"
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": _account(ca_file=missing)})
+    assert error.variable == "SOKRATOS_EMAIL_ACCOUNTS[0].ca_file"
+    assert error.message == f"{missing!r} does not exist"
+
+
+def test_a_relative_ca_file_says_where_it_was_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": _account(ca_file="ca.pem")})
+    assert f"looked up in the current directory {tmp_path}" in error.message
+
+
+def test_a_ca_file_that_is_no_pem_bundle_is_refused(tmp_path: Path) -> None:
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"ca_file": str(garbage)})})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].ca_file"
+    assert f"{str(garbage)!r} is not a PEM certificate bundle" in error.message
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": _account(ca_file=str(tmp_path))})
+    assert error.message == f"{str(tmp_path)!r} is a directory, not a PEM file"
+
+
+# (A file without read permission takes the same path; root, as CI runs, reads it anyway.)
+def test_a_ca_file_behind_a_file_cannot_be_read(tmp_path: Path) -> None:
+    (tmp_path / "certs").write_text("")
+    behind = str(tmp_path / "certs" / "ca.pem")
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"ca_file": behind})})
+    assert error.message == f"{behind!r} cannot be read: Not a directory"
+
+
+def test_a_pem_bundle_is_accepted_and_an_empty_ca_file_means_none() -> None:
+    bundle = certifi.where()
+    settings = load_settings(
+        {
+            "SOKRATOS_LLM_BACKENDS": _backends({"ca_file": bundle}),
+            "SOKRATOS_EMAIL_ACCOUNTS": _account(ca_file=""),
+        }
+    )
+    assert settings.llm_backends[1].ca_file == bundle
+    assert settings.email_accounts[0].ca_file is None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("SOKRATOS_LEASE", "1ms", "1ms is too short: at least 1s (renewals are 0.5s apart"),
+        ("SOKRATOS_LEASE", "1000000d", "1000000d is too long: at most 1d"),
+        ("SOKRATOS_HEARTBEAT_INTERVAL", "1ms", "1ms is too short: at least 1s"),
+        ("SOKRATOS_HEARTBEAT_INTERVAL", "2h", "2h is too long: at most 1h"),
+        ("SOKRATOS_STARTUP_TIMEOUT", "500ms", "500ms is too short: at least 1s"),
+        ("SOKRATOS_STARTUP_TIMEOUT", "1h1s", "1h1s is too long: at most 1h"),
+        ("SOKRATOS_TICK_BUDGET", "0.5", "500ms is too short: at least 1s"),
+        ("SOKRATOS_TICK_BUDGET", "2d", "2d is too long: at most 1d"),
+        ("SOKRATOS_RETRY_BASE", "1ms", "1ms is too short: at least 10ms"),
+        ("SOKRATOS_RETRY_BASE", "25h", "1d1h is too long: at most 1d"),
+        ("SOKRATOS_RETRY_MAX", "8d", "8d is too long: at most 7d"),
+        ("SOKRATOS_SHUTDOWN_GRACE", "90m", "1h30m is too long: at most 1h"),
+        ("SOKRATOS_EMAIL_CHECK_INTERVAL", "0.5ms", "0.5ms is too short"),
+        ("SOKRATOS_EMAIL_CHECK_INTERVAL", "30d", "30d is too long: at most 7d"),
+        ("SOKRATOS_EMAIL_INITIAL_LOOKBACK", "0", "0s is too short: at least 1s"),
+        ("SOKRATOS_EMAIL_INITIAL_LOOKBACK", "1000000d", "at most 3650d"),
+        ("SOKRATOS_LEASE", "-5s", "cannot be negative"),
+        ("SOKRATOS_HEARTBEAT_INTERVAL", "-5", "cannot be negative"),
+        ("SOKRATOS_FAILED_OPS_TTL_DAYS", "1000000", "less than or equal to 36500"),
+    ],
+)
+def test_durations_outside_their_range_are_refused(variable: str, value: str, words: str) -> None:
+    error = _refusal({variable: value})
+    assert error.variable == variable
+    assert words in error.message
+
+
+def test_a_backend_timeout_outside_its_range_names_the_backend() -> None:
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"timeout": "1ms"})})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].timeout"
+    assert error.message.startswith("1ms is too short: at least 100ms")
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"timeout": -5})})
+    assert "cannot be negative" in error.message
+    nan = '[{"name": "a", "url": "http://h", "model": "m", "timeout": NaN}]'  # JSON allows it
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": nan})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[0].timeout"
+    assert "not a finite duration" in error.message
+
+
+def test_the_bounds_themselves_and_the_values_the_tests_use_are_accepted() -> None:
+    shortest = load_settings(
+        {
+            "SOKRATOS_LEASE": "1s",
+            "SOKRATOS_HEARTBEAT_INTERVAL": "1s",
+            "SOKRATOS_STARTUP_TIMEOUT": "1s",
+            "SOKRATOS_TICK_BUDGET": "1s",
+            "SOKRATOS_RETRY_BASE": "10ms",
+            "SOKRATOS_RETRY_MAX": "10ms",
+            "SOKRATOS_SHUTDOWN_GRACE": "1s",
+            "SOKRATOS_EMAIL_CHECK_INTERVAL": "0",
+            "SOKRATOS_EMAIL_INITIAL_LOOKBACK": "1s",
+            "SOKRATOS_LLM_BACKENDS": _backends({"timeout": "100ms"}),
+        }
+    )
+    assert (shortest.lease, shortest.retry_base, shortest.email_check_interval) == (1, 0.01, 0)
+    longest = load_settings(
+        {
+            "SOKRATOS_LEASE": "1d",
+            "SOKRATOS_HEARTBEAT_INTERVAL": "1h",
+            "SOKRATOS_STARTUP_TIMEOUT": "60m",
+            "SOKRATOS_TICK_BUDGET": "24h",
+            "SOKRATOS_RETRY_BASE": "1d",
+            "SOKRATOS_RETRY_MAX": "7d",
+            "SOKRATOS_SHUTDOWN_GRACE": "1h",
+            "SOKRATOS_EMAIL_CHECK_INTERVAL": "7d",
+            "SOKRATOS_EMAIL_INITIAL_LOOKBACK": "3650d",
+            "SOKRATOS_LLM_BACKENDS": _backends({"timeout": "1h"}),
+        }
+    )
+    assert (longest.lease, longest.retry_max) == (86400, 7 * 86400)
+    assert load_settings({"SOKRATOS_LEASE": "1.5"}).lease == 1.5  # in-process runner tests
+
+
+def test_log_format_and_level_ignore_case() -> None:
+    settings = load_settings({"SOKRATOS_LOG_FORMAT": "JSON", "SOKRATOS_LOG_LEVEL": "INFO"})
+    assert (settings.log_format, settings.log_level) == ("json", "info")
+    assert load_settings({"SOKRATOS_LOG_FORMAT": "Console"}).log_format == "console"
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("localhost:8080", "must start with http:// or https:// (http://localhost:8080?)"),
+        ("http://", "'http://' has no host"),
+        ("ftp://x", "'ftp://x' must start with http:// or https://"),
+        ("http://h:99999/v1", "is not a valid URL (Port out of range"),
+        ("http://h:0/v1", "has port 0"),
+    ],
+)
+def test_malformed_urls_are_refused_naming_the_field(url: str, words: str) -> None:
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"url": url})})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].url"
+    assert words in error.message
+    embedding = {"SOKRATOS_EMBEDDING_MODEL": "m", "SOKRATOS_EMBEDDING_DIM": "8"}
+    error = _refusal({**embedding, "SOKRATOS_EMBEDDING_URL": url})
+    assert error.variable == "SOKRATOS_EMBEDDING_URL"
+    assert words in error.message
+
+
+def test_a_refused_url_does_not_show_its_password() -> None:
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"url": "http://u:s3cret@h:x/v1"})})
+    assert "'http://h:x/v1' is not a valid URL" in error.message
+    assert "s3cret" not in str(error)
+
+
+def test_good_urls_lose_their_trailing_slash() -> None:
+    settings = load_settings({"SOKRATOS_LLM_BACKENDS": _backends({"url": "https://[::1]:8/v1/"})})
+    assert settings.llm_backends[1].url == "https://[::1]:8/v1"
+
+
+@pytest.mark.parametrize(
+    ("host", "words"),
+    [
+        ("imaps://imap.example.org", "must be a host name or address, not a URL"),
+        ("imap.example.org/INBOX", "not a URL"),
+        ("imap.example.org:993", 'must not carry a port: set "port": 993'),
+    ],
+)
+def test_an_imap_host_that_is_not_a_host_is_refused(host: str, words: str) -> None:
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": _account(host=host)})
+    assert error.variable == "SOKRATOS_EMAIL_ACCOUNTS[0].host"
+    assert words in error.message
+
+
+def test_an_ipv6_imap_host_is_accepted() -> None:
+    assert load_settings({"SOKRATOS_EMAIL_ACCOUNTS": _account(host="::1")}).email_accounts
+
+
+def test_a_data_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "data"
+    file.write_text("")
+    error = _refusal({"SOKRATOS_DATA_DIR": str(file)})
+    assert error.variable == "SOKRATOS_DATA_DIR"
+    assert error.message == f"{str(file)!r} is a file, not a directory"
+    not_yet = tmp_path / "new"  # created on first use
+    assert load_settings({"SOKRATOS_DATA_DIR": str(not_yet)}).data_dir == not_yet
