@@ -1,7 +1,8 @@
 """The long-running process: scheduler, NOTIFY wake-ups, signals, sd_notify, metrics.
 
 The only module that schedules (APScheduler). The heartbeat tick is the safety net; new
-work wakes the runner at once through LISTEN/NOTIFY on a dedicated connection.
+work wakes the runner at once through LISTEN/NOTIFY on a dedicated connection. Email checks
+run in a thread of their own, so a slow IMAP server never holds up a heartbeat or a stop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from sokratos_worker import __version__
 from sokratos_worker.config import ConfigError, Settings
+from sokratos_worker.email.imap import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
@@ -45,6 +47,10 @@ log = structlog.get_logger(__name__)
 DISPATCHER_STALL_S = 120.0
 # How soon the main thread acts on a stop signal the handler recorded.
 SIGNAL_POLL_S = 0.25
+# Due accounts are looked for this often (each account is due on its own interval).
+EMAIL_CHECK_EVERY_S = 60.0
+# A stopped email check ends within moments (its session is cut); never wait on it longer.
+EMAIL_STOP_WAIT_S = 5.0
 SECOND_SIGNAL_LINE = (
     '{{"event": "second_signal_exiting_now", "signal": "{signal}", "level": "warning",'
     ' "hint": "the leases of the items in flight expire and they run again"}}\n'
@@ -78,6 +84,7 @@ class Worker:
     _stall_reported: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _signal_name: str | None = None  # set by the handler, acted on by the main thread
+    email_sessions: OpenSessions = field(default_factory=OpenSessions)
 
     def __post_init__(self) -> None:
         self.runner = Runner(
@@ -119,8 +126,17 @@ class Worker:
 
         self._safely(
             "email_check",
-            lambda: check_due_accounts(self.settings, self.database.conninfo),
+            lambda: check_due_accounts(
+                self.settings, self.database.conninfo, sessions=self.email_sessions
+            ),
         )
+
+    def email_forever(self) -> None:
+        """Check due accounts at start, then every minute until stopping (the email thread)."""
+        every = min(EMAIL_CHECK_EVERY_S, self.settings.email_check_interval)
+        while not self._stop.is_set():
+            self.check_email()
+            self._stop.wait(every)
 
     def maintenance(self) -> None:
         """Retention: processed_emails, the optional failed_operations TTL, old heartbeats."""
@@ -294,6 +310,7 @@ class Worker:
         scheduler = self._start_scheduler()
         listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
         listener.start()
+        email = self._start_email_thread()
         # What start-up built lives as long as the process: leave it out of the full
         # collections, which otherwise paused every slot for ~25 ms (bench/README.md).
         gc.collect()
@@ -317,8 +334,10 @@ class Worker:
             grace_s=self.settings.shutdown_grace,
             in_flight=self.runner.inflight_count(),
         )
+        stop_by = time.monotonic() + self.settings.shutdown_grace
         scheduler.shutdown(wait=False)
         released = self.runner.shutdown(self.settings.shutdown_grace)
+        self._wait_for_email_thread(email, stop_by)
         self.record_stopped()
         if metrics_server is not None:
             metrics_server.stop()
@@ -362,7 +381,37 @@ class Worker:
             )
             self._stop.set()
             self.runner.request_stop()
+            self._cut_email_sessions()
         return True
+
+    def _cut_email_sessions(self) -> None:
+        """Cut the IMAP session in progress (and refuse new ones): a stop never waits on mail."""
+        cut = self.email_sessions.cut_all()
+        if cut:
+            log.info(
+                "email_sessions_cut",
+                sessions=cut,
+                hint="the accounts are checked again at the next start; nothing is lost",
+            )
+
+    def _start_email_thread(self) -> threading.Thread | None:
+        if not self.settings.email_accounts or self.settings.email_check_interval <= 0:
+            return None
+        # A daemon thread: one stuck past its cut (in the database, say) never holds the exit.
+        thread = threading.Thread(target=self.email_forever, name="email", daemon=True)
+        thread.start()
+        return thread
+
+    def _wait_for_email_thread(self, thread: threading.Thread | None, stop_by: float) -> None:
+        if thread is None:
+            return
+        thread.join(max(0.0, min(EMAIL_STOP_WAIT_S, stop_by - time.monotonic())))
+        if thread.is_alive():
+            log.warning(
+                "email_check_abandoned",
+                hint="the check did not end after its session was cut; the process exits"
+                " without it, and what it committed stays (the account is checked again)",
+            )
 
     def _start_scheduler(self) -> BackgroundScheduler:
         scheduler = BackgroundScheduler(
@@ -373,20 +422,12 @@ class Worker:
         scheduler.add_job(
             self.tick,
             "interval",
+            # Email is the email thread's: a slow server must not stop the heartbeats.
+            kwargs={"email": False},
             seconds=interval,
             id="heartbeat",
             misfire_grace_time=max(1, int(interval)),
         )
-        if self.settings.email_accounts and self.settings.email_check_interval > 0:
-            # Checked every minute; each account is due on its own interval.
-            every = min(60.0, self.settings.email_check_interval)
-            scheduler.add_job(
-                self.check_email,
-                "interval",
-                seconds=every,
-                id="email_check",
-                misfire_grace_time=max(1, int(every)),
-            )
         scheduler.add_job(
             self.maintenance, "interval", hours=1, id="maintenance", misfire_grace_time=3600
         )

@@ -25,10 +25,12 @@ from sokratos_worker.config import EmailAccountConfig, Settings
 from sokratos_worker.email.failed import record_failed_message
 from sokratos_worker.email.imap import (
     FetchedMessage,
+    ImapAborted,
     ImapError,
     ImapSession,
     MailboxState,
     MessageRef,
+    OpenSessions,
 )
 from sokratos_worker.email.parse import (
     HEADER_LIMIT_BYTES,
@@ -44,7 +46,8 @@ from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
 
-# A silent server must not hold up the tick: every socket read gives up after this.
+# A silent server must not hold up the tick: every socket read gives up after this (a server
+# that trickles is cut by the session's deadline, SOKRATOS_EMAIL_CHECK_DEADLINE).
 IMAP_TIMEOUT_S = 30.0
 
 
@@ -65,7 +68,11 @@ class MessageNotRecorded(WorkerError):
 
 @dataclass(frozen=True)
 class AccountReport:
-    """What one account's check did; ``error`` is set when it failed (and was recorded)."""
+    """What one account's check did; ``error`` is set when it failed.
+
+    A failure is recorded in ``email_checkpoints``, except a check cut short because the worker
+    is stopping: the account is not to blame, and the next start checks it again.
+    """
 
     name: str
     checked: bool = False
@@ -225,11 +232,16 @@ def check_account(
     lookback_s: float,
     now: datetime,
     timeout: float,
+    deadline: float | None = None,
+    sessions: OpenSessions | None = None,
 ) -> AccountReport:
-    """One account's check; raises :class:`ImapError` (after committing what it could)."""
+    """One account's check; raises :class:`ImapError` (after committing what it could).
+
+    ``deadline`` bounds the whole IMAP session; ``sessions`` lets a stopping worker cut it.
+    """
     counts = _Counts()
     reset = False
-    with ImapSession(account, timeout=timeout) as session:
+    with ImapSession(account, timeout=timeout, deadline=deadline, sessions=sessions) as session:
         state = session.examine()
         last_uid = checkpoint.last_uid if checkpoint else 0
         if checkpoint is not None and checkpoint.uidvalidity not in (None, state.uidvalidity):
@@ -271,7 +283,11 @@ def _failed(
 
 
 def _check_one(
-    conn: store.Connection, account: EmailAccountConfig, settings: Settings, now: datetime
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    settings: Settings,
+    now: datetime,
+    sessions: OpenSessions | None,
 ) -> AccountReport:
     checkpoint = store.load_checkpoint(conn, account.name, account.mailbox)
     if not is_due(checkpoint, settings.email_check_interval, now):
@@ -290,7 +306,12 @@ def _check_one(
             lookback_s=settings.email_initial_lookback,
             now=now,
             timeout=IMAP_TIMEOUT_S,
+            deadline=settings.email_check_deadline,
+            sessions=sessions,
         )
+    except ImapAborted as exc:
+        log.info("email_check_aborted", account=account.name, error=str(exc))
+        return AccountReport(name=account.name, error=str(exc))
     except ImapError as exc:
         return _failed(conn, account, str(exc), now)
     except DatabaseUnavailable:
@@ -314,7 +335,11 @@ def _check_one(
 
 
 def check_due_accounts(
-    settings: Settings, conninfo: str, *, now: datetime | None = None
+    settings: Settings,
+    conninfo: str,
+    *,
+    now: datetime | None = None,
+    sessions: OpenSessions | None = None,
 ) -> list[AccountReport]:
     """Check every configured account that is due; one report per account, in config order.
 
@@ -324,7 +349,9 @@ def check_due_accounts(
     stored in ``email_checkpoints.last_error`` and returned in the report: they never raise
     and never stop the other accounts. What was committed before a failure stays committed.
     Raises :class:`sokratos_worker.errors.DatabaseUnavailable` only when PostgreSQL cannot
-    be reached. ``now`` (aware) is injectable for tests.
+    be reached. ``now`` (aware) is injectable for tests. Each account's IMAP session ends
+    within ``settings.email_check_deadline``; ``sessions`` (the worker's) lets a stop cut the
+    one in progress, after which the remaining accounts are skipped.
     """
     if settings.email_check_interval <= 0 or not settings.email_accounts:
         return []
@@ -332,7 +359,12 @@ def check_due_accounts(
     reports: list[AccountReport] = []
     with store.connect(conninfo) as conn:
         for account in settings.email_accounts:
-            reports.append(_check_one(conn, account, settings, current))
+            if sessions is not None and sessions.stopping:
+                reports.append(
+                    AccountReport(name=account.name, skipped_reason="the worker is stopping")
+                )
+                continue
+            reports.append(_check_one(conn, account, settings, current, sessions))
     return reports
 
 

@@ -3,6 +3,11 @@
 Nothing here can change a mailbox: the folder is opened with EXAMINE and bodies are fetched
 with ``BODY.PEEK[]``, so a check never sets ``\\Seen``. Every imaplib, socket and TLS error
 is translated into :class:`ImapError`, whose message never contains the password.
+
+A session has a deadline besides the per-read timeout: a server that sends a byte every few
+seconds never trips the timeout of one read, so a :class:`SessionWatch` shuts the socket down
+when the session's time is up (or the worker stops, :class:`OpenSessions`) and the blocked read
+returns at once.
 """
 
 from __future__ import annotations
@@ -11,16 +16,21 @@ import base64
 import contextlib
 import imaplib
 import re
+import socket
 import ssl
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
+from typing import Literal
 
 from sokratos_worker.config import EmailAccountConfig
 from sokratos_worker.errors import WorkerError
 
 DEFAULT_TIMEOUT_S = 30.0
+# Without a deadline of its own, a session may last this many read timeouts in all.
+DEFAULT_DEADLINE_READ_TIMEOUTS = 4
 # Bounded batches: at most this many messages, or this many bytes, per UID FETCH.
 BATCH_MESSAGES = 50
 BATCH_BYTES = 20 * 1024 * 1024
@@ -32,6 +42,117 @@ _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
 
 class ImapError(WorkerError):
     """Connecting, TLS, logging in or talking to one account's server failed."""
+
+
+class ImapAborted(ImapError):
+    """The worker is stopping: the session was cut short (the account's fault it is not)."""
+
+
+CutReason = Literal["deadline", "stopping"]
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """Shut the socket down so a read blocked on it in another thread returns at once."""
+    # The plain socket's shutdown, not SSLSocket's, which also drops the TLS state under the
+    # reading thread; a socket already closed or detached has nothing left to cut.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class SessionWatch:
+    """Cuts one session's connection when its deadline passes or the worker stops."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.cut_reason: CutReason | None = None
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._timer = threading.Timer(deadline_s, self.cut, args=("deadline",))
+        self._timer.daemon = True  # a timer left running never holds the process at exit
+
+    def start(self) -> None:
+        """Start counting down the deadline."""
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        """The socket the session reads from now on; cut at once if the session already is."""
+        with self._lock:
+            self._socket = sock
+            if self.cut_reason is not None:
+                _shut_down(sock)
+
+    def cut(self, reason: CutReason) -> None:
+        """Shut the watched socket down (and any watched later); the first reason stays."""
+        with self._lock:
+            if self.cut_reason is None:
+                self.cut_reason = reason
+            if self._socket is not None:
+                _shut_down(self._socket)
+
+    def end(self) -> None:
+        """The session is closed: stop the timer and forget the socket."""
+        self._timer.cancel()
+        with self._lock:
+            self._socket = None
+
+    def tls_socket_class(self) -> type[ssl.SSLSocket]:
+        """An SSLSocket class that is watched from its handshake on (a server can trickle that)."""
+        watch = self
+
+        class WatchedSSLSocket(ssl.SSLSocket):
+            def do_handshake(self, block: bool = False) -> None:
+                # wrap_socket returns the socket only after the handshake: watch it from here.
+                watch.watch(self)
+                super().do_handshake(block)
+
+        return WatchedSSLSocket
+
+
+class OpenSessions:
+    """The IMAP sessions open in one process, so that stopping it can cut them all at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: set[SessionWatch] = set()
+        self._stopping = False
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`cut_all` ran: every session opened after it is cut at once."""
+        return self._stopping
+
+    def add(self, watch: SessionWatch) -> None:
+        """Track an opening session (cut at once when the process is stopping)."""
+        with self._lock:
+            self._watches.add(watch)
+            stopping = self._stopping
+        if stopping:
+            watch.cut("stopping")
+
+    def discard(self, watch: SessionWatch) -> None:
+        """Forget a closed session."""
+        with self._lock:
+            self._watches.discard(watch)
+
+    def cut_all(self) -> int:
+        """Cut every open session, and every one opened later; returns how many were open."""
+        with self._lock:
+            self._stopping = True
+            watches = list(self._watches)
+        for watch in watches:
+            watch.cut("stopping")
+        return len(watches)
+
+
+class _WatchedIMAP4(imaplib.IMAP4):
+    """imaplib's plaintext client, watched before it reads the greeting (in its constructor)."""
+
+    def __init__(self, host: str, port: int, timeout: float, watch: SessionWatch) -> None:
+        self._watch = watch
+        super().__init__(host, port, timeout)
+
+    def open(self, host: str = "", port: int = 143, timeout: float | None = None) -> None:
+        super().open(host, port, timeout)
+        self._watch.watch(self.sock)
 
 
 @dataclass(frozen=True)
@@ -123,25 +244,60 @@ def _next_step(exc: BaseException) -> str:
 
 
 class ImapSession:
-    """One logged-in, read-only connection to an account's mailbox; use as a context manager."""
+    """One logged-in, read-only connection to an account's mailbox; use as a context manager.
 
-    def __init__(self, account: EmailAccountConfig, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    ``timeout`` bounds each socket read; ``deadline`` (default: a few read timeouts) bounds
+    the whole session, from connecting to logging out. ``sessions`` tracks it so that a
+    stopping worker can cut it.
+    """
+
+    def __init__(
+        self,
+        account: EmailAccountConfig,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        deadline: float | None = None,
+        sessions: OpenSessions | None = None,
+    ) -> None:
         self.account = account
         self.timeout = timeout
+        self.deadline = deadline or DEFAULT_DEADLINE_READ_TIMEOUTS * timeout
+        self._sessions = sessions if sessions is not None else OpenSessions()
+        self._watch = SessionWatch(self.deadline)
         self._conn: imaplib.IMAP4 | None = None
 
     def __enter__(self) -> ImapSession:
+        self._sessions.add(self._watch)
+        self._watch.start()
+        if self._watch.cut_reason is not None:
+            self.close()
+            raise ImapAborted(f"not connecting to {self._where()}: the worker is stopping")
         step = "connecting to"
         try:
             self._conn = self._connect()
+            if self.account.security == "starttls":
+                step = "STARTTLS with"
+                self._conn.starttls(ssl_context=self._ssl_context())
             step = "login to"
             self._login(self._conn)
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError) as exc:
             self.close()
-            raise ImapError(
-                f"{step} {self._where()} failed: {_describe(exc)}{_next_step(exc)}"
-            ) from None
+            raise self._failure(f"{step} {self._where()} failed", exc) from None
         return self
+
+    def _failure(self, what: str, exc: BaseException) -> ImapError:
+        """The error to raise for ``exc``; a cut session says why it was cut instead."""
+        if self._watch.cut_reason == "stopping":
+            return ImapAborted(f"{what}: cut short because the worker is stopping")
+        if self._watch.cut_reason == "deadline":
+            return ImapError(
+                f"{what}: the server answered too slowly: deadline exceeded (connecting,"
+                f" TLS, login and every command must end within {self.deadline:g} s; a server"
+                " sending a byte at a time never trips the per-read timeout). If it is merely"
+                " slow (a large first check over a slow link), raise"
+                " SOKRATOS_EMAIL_CHECK_DEADLINE; else ask the server's operator"
+            )
+        return ImapError(f"{what}: {_describe(exc)}{_next_step(exc)}")
 
     def __exit__(
         self,
@@ -164,16 +320,19 @@ class ImapSession:
     def _where(self) -> str:
         return f"{self.account.host}:{self.account.imap_port} ({self.account.security})"
 
+    def _ssl_context(self) -> ssl.SSLContext:
+        context = ssl_context(self.account)
+        context.sslsocket_class = self._watch.tls_socket_class()
+        return context
+
     def _connect(self) -> imaplib.IMAP4:
+        """Connected and greeted; watched from the first read (TLS handshake or greeting) on."""
         host, port = self.account.host, self.account.imap_port
         if self.account.security == "tls":
             return imaplib.IMAP4_SSL(
-                host, port, ssl_context=ssl_context(self.account), timeout=self.timeout
+                host, port, ssl_context=self._ssl_context(), timeout=self.timeout
             )
-        conn = imaplib.IMAP4(host, port, timeout=self.timeout)
-        if self.account.security == "starttls":
-            conn.starttls(ssl_context=ssl_context(self.account))
-        return conn
+        return _WatchedIMAP4(host, port, self.timeout, self._watch)
 
     @property
     def conn(self) -> imaplib.IMAP4:
@@ -185,11 +344,21 @@ class ImapSession:
     def close(self) -> None:
         """Log out, ignoring errors: the connection may already be gone."""
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        # Logging out of a broken connection fails; that cannot matter to the check.
+        try:
+            if conn is not None:
+                self._log_out(conn)
+        finally:
+            self._watch.end()
+            self._sessions.discard(self._watch)
+
+    def _log_out(self, conn: imaplib.IMAP4) -> None:
+        # Logging out of a broken connection fails; that cannot matter to the check. A cut one
+        # cannot answer, and LOGOUT leaves the socket open when it fails: close it either way.
+        if self._watch.cut_reason is None:
+            with contextlib.suppress(Exception):
+                conn.logout()
         with contextlib.suppress(Exception):
-            conn.logout()
+            conn.shutdown()
 
     def _check(self, typ: str, data: list[object], what: str) -> None:
         if typ != "OK":
@@ -203,7 +372,7 @@ class ImapSession:
             self._check(typ, list(data), f"EXAMINE {self.account.mailbox!r}")
             _, validity = self.conn.response("UIDVALIDITY")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
-            raise ImapError(f"EXAMINE on {self._where()} failed: {_describe(exc)}") from None
+            raise self._failure(f"EXAMINE on {self._where()} failed", exc) from None
         if not validity or not isinstance(validity[0], bytes):
             raise ImapError(f"{self._where()} reported no UIDVALIDITY")
         exists = data[0] if data and isinstance(data[0], bytes) else b"0"
@@ -217,7 +386,7 @@ class ImapSession:
             )
             self._check(typ, list(data), "UID FETCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
-            raise ImapError(f"UID FETCH on {self._where()} failed: {_describe(exc)}") from None
+            raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
         refs: dict[int, MessageRef] = {}
         for line in data:
             text = line[0] if isinstance(line, tuple) else line
@@ -247,7 +416,7 @@ class ImapSession:
             )
             self._check(typ, list(data), "UID FETCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
-            raise ImapError(f"UID FETCH on {self._where()} failed: {_describe(exc)}") from None
+            raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
         found: dict[int, FetchedMessage] = {}
         for index, item in enumerate(data):
             if not isinstance(item, tuple):

@@ -38,7 +38,9 @@ def main(argv: list[str]) -> None:
     if block:
         _block_at(int(block[0]), Path(block[1]))
     values: dict[str, Any] = json.loads(settings_json)
-    reports = check_due_accounts(Settings(**values), conninfo)
+    # Due at once on every run (below the setting's floor, so set after validation).
+    settings = Settings(**values).model_copy(update={"email_check_interval": 0.001})
+    reports = check_due_accounts(settings, conninfo)
     print(json.dumps([dataclasses.asdict(r) for r in reports]))
 
 
