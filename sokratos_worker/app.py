@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,8 +74,9 @@ def run_worker(
     *,
     once: bool,
     migrate: bool,
+    stopped: threading.Event | None = None,
 ) -> int:
-    """``run`` and ``run --once``."""
+    """``run`` and ``run --once``; ``stopped`` is set when a stop signal ended the run."""
     unknown = unknown_variables()
     if unknown:
         log.warning(
@@ -114,9 +117,23 @@ def run_worker(
                 embedder,
                 metrics=metrics,
             )
-            return run_once(worker) if once else worker.serve()
+            code = _once_restoring_signals(worker) if once else worker.serve()
+            if stopped is not None and worker.stop_requested:
+                stopped.set()
+            return code
     finally:
         database.close()
+
+
+def _once_restoring_signals(worker: Worker) -> int:
+    """``run_once``, then the signal handlers as they were (the demo runs several rounds)."""
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {signum: signal.getsignal(signum) for signum in stop_signals}
+    try:
+        return run_once(worker)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_once(worker: Worker) -> int:

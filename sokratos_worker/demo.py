@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -100,13 +101,26 @@ def demo_settings(settings: Settings, data_dir: Path) -> Settings:
 
 
 def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
-    """Enqueue the samples, drain until the queues are empty, print outcomes and memories."""
+    """Enqueue the samples, drain until the queues are empty, print outcomes and memories.
+
+    Ctrl-C stops it: during start-up at once (exit 1), during a round after the items in
+    flight (then the report so far is printed).
+    """
+    try:
+        return _run_demo(settings, out or sys.stdout)
+    except KeyboardInterrupt:
+        # (Raised before the round installs its own handler, e.g. while PostgreSQL starts.)
+        print("sokratos-worker: demo interrupted; nothing was kept", file=sys.stderr)
+        return 1
+
+
+def _run_demo(settings: Settings, out: TextIO) -> int:
     from sokratos_worker import client  # noqa: PLC0415 - heavy imports only for the demo
     from sokratos_worker.app import run_worker  # noqa: PLC0415
     from sokratos_worker.cli import database_url  # noqa: PLC0415
     from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
 
-    out = out or sys.stdout
+    stopped = threading.Event()
     with tempfile.TemporaryDirectory(prefix="sokratos-demo-") as tmp:
         local = demo_settings(settings, Path(tmp))
         with database_url(local) as url:
@@ -116,12 +130,14 @@ def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
             client.enqueue(url, Queue.DISTILLATION, SAMPLE_ARCHIVE, key="demo-archive")
             log.info("demo_enqueued", items=len(SAMPLE_TRIAGE) + 1)
             for _ in range(DEMO_ROUNDS):
-                code = run_worker(local, url, None, once=True, migrate=False)
+                code = run_worker(local, url, None, once=True, migrate=False, stopped=stopped)
                 if code != 0:
                     return code
-                if report.pending_count(url) == 0:
+                if stopped.is_set() or report.pending_count(url) == 0:
                     break
             print_report(url, out)
+            if stopped.is_set():
+                out.write("\nInterrupted: the report shows what was done until then.\n")
     return 0
 
 

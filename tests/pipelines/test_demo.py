@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +33,55 @@ def test_demo_prints_an_outcome_for_every_sample() -> None:
     assert len(outcomes) + (int(waiting.group(1)) if waiting else 0) == len(SAMPLE_TRIAGE) + 1
     assert set(outcomes) <= {"saved", "skipped", "archived", "failed"}
     assert "\nMemories\n" in text
+
+
+def _demo(tmp_path: Path) -> subprocess.Popen[str]:
+    """The demo as a terminal runs it: Ctrl-C raises KeyboardInterrupt (not ignored)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOKRATOS_")}
+    # A background shell starts its children with SIGINT ignored: undo that first.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+        " sys.argv = ['sokratos-worker', 'demo']; runpy.run_module('sokratos_worker', run_name='__main__')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", start],
+        env={**env, "SOKRATOS_LOG_FORMAT": "json", "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_during_start_up_exits_1_without_a_traceback_or_leftovers(tmp_path: Path) -> None:
+    proc = _demo(tmp_path)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # (bounded: the demo ends by itself in any case)
+        if "embedded_postgres_starting" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err[-2000:]
+    assert "demo interrupted" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("sokratos-demo-*"))
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_during_a_round_prints_the_report_so_far_and_runs_no_more_rounds(
+    tmp_path: Path,
+) -> None:
+    proc = _demo(tmp_path)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "local_demonstration_model_enabled" in line:  # (the round's handlers come next)
+            break
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 0, err[-2000:]
+    assert "Outcomes" in out and "Interrupted:" in out
+    assert err.count("local_model_starting") == 1 and "Traceback" not in err
+    assert not list(tmp_path.glob("sokratos-demo-*"))
