@@ -136,6 +136,19 @@ def _once_restoring_signals(worker: Worker) -> int:
             signal.signal(signum, handler)
 
 
+def _check_email_watching_signals(worker: Worker) -> None:
+    """The due email checks, in a thread: a stop signal cuts a session a slow server holds
+    (the main thread must stay free to act on it)."""
+    settings = worker.settings
+    if not settings.email_accounts or settings.email_check_interval <= 0:
+        return
+    thread = threading.Thread(target=worker.check_email, name="email", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(SIGNAL_POLL_S)
+        worker.notice_signal()
+
+
 def run_once(worker: Worker) -> int:
     """One heartbeat tick: spool, due email checks, then drain what is ready now.
 
@@ -143,7 +156,8 @@ def run_once(worker: Worker) -> int:
     items were left waiting, which a timer-driven unit would otherwise never see.
     """
     worker.install_signals()  # a stopped timer unit must not leave its items leased
-    worker.tick(email=True)
+    worker.tick(email=False)
+    _check_email_watching_signals(worker)
     worker.notice_signal()  # (a signal during the email checks: claim nothing)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10

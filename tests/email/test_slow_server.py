@@ -271,3 +271,27 @@ def test_the_daemon_checks_mail_at_start_not_a_minute_later(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_run_once_stops_at_sigterm_during_a_stuck_check(
+    database_url: str, db: psycopg.Connection, tmp_path: Path
+) -> None:
+    """A timer unit stopped while its check waits on a slow server: out now, not at the
+    deadline (5 minutes by default), and the account is not blamed."""
+    with TricklingServer("greeting") as server:
+        env = daemon_env(database_url, tmp_path, SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port))
+        log = tmp_path / "daemon.log"
+        proc = start_daemon(env, log, "--once")
+        try:
+            assert wait_until(lambda: server.trickling == 1, timeout=BOUND_S), log.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    text = log.read_text()
+    assert '"event": "email_sessions_cut"' in text and "Traceback" not in text
+    assert last_error(db, "slow") is None
