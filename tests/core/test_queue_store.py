@@ -8,6 +8,7 @@ import pytest
 from sokratos_worker.model import Effects, NewMemory, Outcome, Queue
 from sokratos_worker.store import failures
 from sokratos_worker.store import queue as store
+from sokratos_worker.store.status import queue_stats
 from tests.support.db import count, enqueue_many
 
 
@@ -220,3 +221,37 @@ def test_distillation_queue_uses_the_same_code(db: psycopg.Connection) -> None:
     row = db.execute("SELECT outcome, memory_ids FROM work_outcomes").fetchone()
     assert row is not None and row[0] == "archived" and len(row[1]) == 1
     assert count(db, "SELECT count(*) FROM failed_operations WHERE op_type = 'distillation'") == 1
+
+
+def test_queue_stats_counts_each_state_and_owner_in_one_pass(db: psycopg.Connection) -> None:
+    ids = enqueue_many(db, 7)
+    states = [
+        ("NULL", "now() - interval '1 minute'", "NULL"),  # ready
+        ("NULL", "now() - interval '2 minutes'", "NULL"),  # ready (oldest: created 2 min ago)
+        ("NULL", "now() + interval '1 hour'", "NULL"),  # backing off
+        ("'w1'", "now() - interval '1 minute'", "now() + interval '5 minutes'"),  # leased
+        ("'w1'", "now() - interval '1 minute'", "now() + interval '5 minutes'"),  # leased
+        ("'w2'", "now() - interval '1 minute'", "now() + interval '5 minutes'"),  # leased
+        ("'w3'", "now() + interval '1 hour'", "now() - interval '1 second'"),  # expired: backing off
+    ]
+    for item_id, (owner, run_after, expires) in zip(ids, states, strict=True):
+        db.execute(
+            f"UPDATE pending_triage SET lease_owner = {owner}, run_after = {run_after},"
+            f" lease_expires_at = {expires}, created_at = {run_after} WHERE id = %s",
+            (item_id,),
+        )
+    stats = queue_stats(db)["pending_triage"]
+    assert {k: v for k, v in stats.items() if k != "oldest_ready_age_s"} == {
+        "ready": 2,
+        "backing_off": 2,
+        "leased": 3,
+        "leased_by": {"w1": 2, "w2": 1},
+    }
+    assert 115 <= stats["oldest_ready_age_s"] <= 130
+    assert queue_stats(db)["pending_distillation"] == {
+        "ready": 0,
+        "backing_off": 0,
+        "leased": 0,
+        "leased_by": {},
+        "oldest_ready_age_s": None,
+    }
