@@ -91,8 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the daemon in the foreground until SIGTERM/SIGINT/SIGHUP",
         description="Apply pending migrations, then drain the queues: heartbeat ticks every"
         " SOKRATOS_HEARTBEAT_INTERVAL, instant wake-ups on new work (LISTEN/NOTIFY), email"
-        " checks. SIGTERM, SIGINT or SIGHUP (also during --once) stops claiming, lets items"
-        " in flight finish within SOKRATOS_SHUTDOWN_GRACE, gives the rest back and exits 0;"
+        " checks in a thread of their own (at start, then each account every"
+        " SOKRATOS_EMAIL_CHECK_INTERVAL, each IMAP session within SOKRATOS_EMAIL_CHECK_DEADLINE)."
+        " SIGTERM, SIGINT or SIGHUP (also during --once) stops claiming, cuts IMAP sessions in"
+        " progress, lets items in flight finish within SOKRATOS_SHUTDOWN_GRACE, gives the rest"
+        " back and exits 0;"
         " a second signal exits at once. Configuration is read at start: restart to change it.",
     )
     run.add_argument(
@@ -199,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "check",
         help="validate configuration and probe the database, backends and mail",
-        description="One line per check; exit 1 naming what failed.",
+        description="One line per check, in the order to fix them: configuration, database"
+        " (reachable, writable), pgvector, connections (max_connections and CONNECTION LIMITs"
+        " against what one worker opens), schema (migrations, role grants, embedding"
+        " dimension), every LLM backend, the embedding model, every mailbox. Exit 1 naming"
+        " what failed.",
     )
     commands.add_parser(
         "demo",
