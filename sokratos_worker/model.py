@@ -80,6 +80,8 @@ class NewMemory:
     # The first chunk of a draft: the settle skips it, and the chunks after it that carry no
     # flag, when another item committed a near-duplicate since the handler looked.
     duplicate_check: bool = False
+    # With duplicate_check, distillation's wider rule too: any memory within 0.15 (a known fact).
+    fact_check: bool = False
 
 
 @dataclass(frozen=True)

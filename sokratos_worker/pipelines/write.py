@@ -19,13 +19,16 @@ from sokratos_worker.model import Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts
 from sokratos_worker.pipelines.text import chunk_text
-from sokratos_worker.store.memories import NEAR_DUPLICATE_DISTANCE, MemoryReader
+from sokratos_worker.store.memories import (
+    FACT_DUPLICATE_DISTANCE,
+    NEAR_DUPLICATE_DISTANCE,
+    MemoryReader,
+)
 
 log = structlog.get_logger(__name__)
 
 CONTRADICTION_DISTANCE = 0.4
 CONTRADICTION_CANDIDATES = 3
-FACT_DUPLICATE_DISTANCE = 0.15
 CONTRADICTION_MAX_TOKENS = 1024  # as Sokratos's inline check (behaviour §6.2)
 
 
@@ -104,7 +107,7 @@ class MemoryWriter:
         embedded = list(first)
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
-        memories = self._rows(item, draft, embedded, first_chunk)
+        memories = self._rows(item, draft, embedded, first_chunk, fact_check=fact_dedupe)
         supersessions, backend, failed = self._contradictions(
             item, draft.text, vec, memories[0].origin
         )
@@ -134,6 +137,8 @@ class MemoryWriter:
         draft: MemoryDraft,
         chunks: Sequence[tuple[str, Sequence[float] | None]],
         first_chunk: int,
+        *,
+        fact_check: bool = False,
     ) -> tuple[NewMemory, ...]:
         model = self.embedder.model if self.embedder is not None else None
         return tuple(
@@ -149,6 +154,7 @@ class MemoryWriter:
                 source_date=draft.source_date,
                 pipeline_id=draft.pipeline_id,
                 duplicate_check=i == 0 and vec is not None,  # (the chunk the check compared)
+                fact_check=fact_check and i == 0 and vec is not None,
             )
             for i, (text, vec) in enumerate(chunks)
         )

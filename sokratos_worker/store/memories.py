@@ -28,6 +28,7 @@ _COVERAGE_EXCLUDED = ("identity", "reflection")
 _DUPLICATE_WRITE_LOCK = 0x50C_D0_0B
 NEAR_DUPLICATE_DISTANCE = 0.05
 NEAR_DUPLICATE_WINDOW_S = 3600.0
+FACT_DUPLICATE_DISTANCE = 0.15  # distillation: any memory this close is a known fact
 
 
 @dataclass(frozen=True)
@@ -100,18 +101,24 @@ def _insert(conn: psycopg.Connection, memory: NewMemory) -> int:
 
 
 def _duplicate_at_settle(conn: psycopg.Connection, memory: NewMemory) -> int | None:
-    """A near-duplicate of ``memory`` committed by another item (its own origin is not one)."""
+    """A memory another item committed that makes ``memory`` redundant: a near-duplicate, or
+    for a distilled fact (``fact_check``) any memory within 0.15. The item's own memories
+    (written by an earlier attempt, or earlier in this settle) are not counted."""
     if memory.embedding is None:
         return None
+    params = {
+        **_vector_params(memory.embedding, memory.embedding_model),
+        "window": NEAR_DUPLICATE_WINDOW_S,
+        "own": memory.origin.rsplit(":", 1)[0] + ":%",
+    }
+    others = " AND (m.origin IS NULL OR m.origin NOT LIKE %(own)s)"
     row = conn.execute(
-        _NEAR_DUPLICATE + " AND (m.origin IS NULL OR m.origin <> %(origin)s)" + _NEAREST,
-        {
-            **_vector_params(memory.embedding, memory.embedding_model),
-            "max": NEAR_DUPLICATE_DISTANCE,
-            "window": NEAR_DUPLICATE_WINDOW_S,
-            "origin": memory.origin,
-        },
+        _NEAR_DUPLICATE + others + _NEAREST, {**params, "max": NEAR_DUPLICATE_DISTANCE}
     ).fetchone()
+    if row is None and memory.fact_check:
+        row = conn.execute(
+            _ANY_MEMORY + others + _NEAREST, {**params, "max": FACT_DUPLICATE_DISTANCE}
+        ).fetchone()
     return int(row[0]) if row is not None else None
 
 
@@ -142,6 +149,8 @@ _NEAR_DUPLICATE = f"""SELECT m.id FROM memories m
     WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
       AND m.created_at > now() - make_interval(secs => %(window)s)
       AND {_DISTANCE} < %(max)s"""
+# Any memory at all within %(max)s (superseded and identity included): a known fact.
+_ANY_MEMORY = f"SELECT m.id FROM memories m WHERE {_DISTANCE} < %(max)s"
 _NEAREST = f" ORDER BY {_DISTANCE} LIMIT 1"
 
 
@@ -208,11 +217,13 @@ class MemoryReader:
         )
         return [MemorySnippet(int(r[0]), str(r[1])) for r in rows]
 
-    def fact_exists(self, vec: Sequence[float], max_distance: float = 0.15) -> bool:
+    def fact_exists(
+        self, vec: Sequence[float], max_distance: float = FACT_DUPLICATE_DISTANCE
+    ) -> bool:
         """True when any memory at all (superseded and identity included) is this close."""
         rows = self._read(
             "fact_exists",
-            f"SELECT EXISTS (SELECT 1 FROM memories m WHERE {_DISTANCE} < %(max)s)",
+            f"SELECT EXISTS ({_ANY_MEMORY})",
             {**self._vec(vec), "max": max_distance},
             fallback=[(False,)],
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import psycopg
 import pytest
 
@@ -50,6 +52,16 @@ def test_long_text_becomes_chunks_with_consecutive_origins(
         "pending_triage:7:4",
     ]
     assert all(len(m.summary.encode()) <= 1200 for m in plan.memories)
+    # The settle re-checks the chunk the plan checked; a triage draft is no distilled fact.
+    assert [(m.duplicate_check, m.fact_check) for m in plan.memories] == [
+        (True, False),
+        (False, False),
+        (False, False),
+    ]
+    fact = MemoryWriter(reader, FakeChat(), embedder).plan(
+        make_item({}, item_id=8), DRAFT, fact_dedupe=True
+    )
+    assert fact.memories[0].fact_check and not fact.memories[1].fact_check
     apply(db, Effects(Outcome.SAVED, memories=plan.memories))
     assert {r["pipeline_id"] for r in memory_rows(db)} == {3}
 
@@ -111,3 +123,34 @@ def test_the_settle_check_skips_its_own_earlier_write_and_unflagged_memories(
     archive = apply(db, Effects(Outcome.ARCHIVED, memories=(_chunk("q:3:0", vec, head=False),)))
     assert len(archive) == 1 and archive != first
     assert len(memory_rows(db)) == 2
+
+
+def test_a_distilled_fact_another_item_saved_meanwhile_is_dropped_at_the_settle(
+    db: psycopg.Connection,
+) -> None:
+    """Distillation's wider rule (any memory within 0.15, not only a near-duplicate within
+    0.05) is checked again at the settle, for facts flagged with ``fact_check``."""
+    known = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    close = [1.0, 0.45, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # cosine distance 0.088
+    existing = insert_memory(db, "a known fact", known, memory_type="identity")
+    fact = _chunk("pending_distillation:5:0", close, head=True)
+    kept = apply(db, Effects(Outcome.SAVED, memories=(fact,)))  # a triage draft: kept
+    assert len(kept) == 1 and existing not in kept
+    db.execute("DELETE FROM memories WHERE id = %s", (kept[0],))
+    distilled = dataclasses.replace(fact, origin="pending_distillation:6:0", fact_check=True)
+    with db.transaction():
+        written = write_effects(db, Effects(Outcome.SAVED, memories=(distilled,)))
+    assert written.duplicate_of == (existing,) and written.new == 0
+    assert [m["id"] for m in memory_rows(db)] == [existing]
+
+
+def test_a_fact_is_not_dropped_for_a_sibling_written_earlier_in_the_same_settle(
+    db: psycopg.Connection,
+) -> None:
+    first = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    second = [1.0, 0.45, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    facts = tuple(
+        dataclasses.replace(_chunk(f"pending_distillation:7:{i}", vec, head=True), fact_check=True)
+        for i, vec in enumerate((first, second))
+    )
+    assert len(apply(db, Effects(Outcome.SAVED, memories=facts))) == 2
