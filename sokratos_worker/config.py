@@ -350,6 +350,7 @@ class Settings(BaseSettings):
         extra="ignore",
         frozen=True,
         populate_by_name=True,
+        env_ignore_empty=True,  # KEY= in an env file means the default, as systemd users expect
     )
 
     database_url: SecretStr | None = Field(

@@ -375,3 +375,11 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert error.message == f"{str(file)!r} is a file, not a directory"
     not_yet = tmp_path / "new"  # created on first use
     assert load_settings({"SOKRATOS_DATA_DIR": str(not_yet)}).data_dir == not_yet
+
+
+def test_an_empty_variable_means_its_default() -> None:
+    """`KEY=` in an env file (a value deleted, the line kept) is the default, not an error."""
+    settings = load_settings(
+        {"SOKRATOS_LEASE": "", "SOKRATOS_LOG_FORMAT": "", "SOKRATOS_LLM_BACKENDS": ""}
+    )
+    assert (settings.lease, settings.log_format, settings.llm_backends) == (300, None, [])
