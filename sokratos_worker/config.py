@@ -167,7 +167,7 @@ def read_secret_file(name: str) -> str:
 
 def http_base_url(value: str) -> str:
     """An ``http(s)://host[:port][/path]`` base URL without its trailing slash, or why not."""
-    shown = repr(_without_userinfo(value))  # a URL may carry basic-auth credentials
+    shown = repr(without_credentials(value))  # a URL may carry basic-auth credentials
     try:
         parts = urlsplit(value)
         port_is_zero = parts.port == 0  # .port raises for one that is not 0 to 65535
@@ -183,7 +183,8 @@ def http_base_url(value: str) -> str:
     return value.rstrip("/")
 
 
-def _without_userinfo(url: str) -> str:
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out."""
     scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
     if not sep or "@" not in host:

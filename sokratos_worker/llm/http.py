@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import structlog
 
+from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.transport import StdlibTransport
 
 log = structlog.get_logger(__name__)
@@ -68,15 +69,6 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
         return None
     current = time.time() if now is None else now
     return max(0.0, when.timestamp() - current)
-
-
-def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out."""
-    scheme, sep, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    if not sep or "@" not in host:
-        return url
-    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
 
 
 def describe_connection_error(exc: httpx.HTTPError) -> str:
