@@ -114,7 +114,11 @@ def connections_line(settings: Settings, conn: Connection) -> CheckLine:
         limits.append(
             (f"database {database} has CONNECTION LIMIT {database_limit}", database_limit)
         )
-    wants = f"a worker opens up to {need} (SOKRATOS_CONCURRENCY {settings.concurrency} + 4)"
+    mail = " + 1 for email" if settings.email_accounts else ""
+    wants = (
+        f"a worker opens up to {need} (SOKRATOS_CONCURRENCY {settings.concurrency} + 4"
+        f" + 1 for LISTEN{mail})"
+    )
     short = [text for text, limit in limits if limit < need]
     if short:
         return CheckLine(

@@ -187,7 +187,11 @@ def test_check_probes_everything_and_names_what_failed(database_url: str, tmp_pa
     lines = proc.stdout.splitlines()
     assert any(line.startswith("ok") and "database" in line for line in lines)
     assert any(line.startswith("FAIL") and "gone" in line for line in lines)
-    assert any(line.startswith("ok") and "a worker opens up to 9" in line for line in lines)
+    assert any(
+        line.startswith("ok") and "a worker opens up to 9 (SOKRATOS_CONCURRENCY 4 + 4 + 1 for"
+        " LISTEN)" in line
+        for line in lines
+    ), lines
     assert "gone" in proc.stderr
 
 
