@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
+from psycopg import errors as pg_errors
 
 from sokratos_worker import __version__
 from sokratos_worker.config import ConfigError, Settings
@@ -45,6 +46,8 @@ log = structlog.get_logger(__name__)
 # or for the database; one claim statement or pool checkout blocking it longer than this
 # (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
 DISPATCHER_STALL_S = 120.0
+# The database part of a /metrics scrape gives up after this (the last values are served).
+METRICS_STATEMENT_TIMEOUT_MS = 2000
 # How soon the main thread acts on a stop signal the handler recorded.
 SIGNAL_POLL_S = 0.25
 # Due accounts are looked for this often (each account is due on its own interval).
@@ -459,11 +462,25 @@ class Worker:
         for queue in Queue:
             metrics.set_in_flight(queue.value, in_flight.get(queue, 0))
         try:
-            with self.database.connection() as conn:
-                metrics.set_queues(status_store.queue_stats(conn))
-                metrics.set_failures(status_store.failures_24h(conn))
+            with self.database.connection() as conn, conn.transaction():
+                # A scrape must answer: a huge backlog, or a table a migration holds locked,
+                # is cut off and the last values are served.
+                conn.execute(f"SET LOCAL statement_timeout = {METRICS_STATEMENT_TIMEOUT_MS}")
+                queues = status_store.queue_stats(conn)
+                failures = status_store.failures_24h(conn)
+        except pg_errors.QueryCanceled:
+            log.warning(
+                "metrics_refresh_slow",
+                timeout_ms=METRICS_STATEMENT_TIMEOUT_MS,
+                hint="the queue and failure gauges keep their last values; is a table locked"
+                " (a migration, a long transaction) or the backlog very large?",
+            )
+            return
         except Exception:
             metrics.set_database_up(False)
+            return
+        metrics.set_queues(queues)
+        metrics.set_failures(failures)
 
 
 def _log_job_event(event: JobExecutionEvent) -> None:
