@@ -6,11 +6,14 @@ and kept the email check (and, as it ran on the heartbeat's thread, the whole da
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import ssl
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,25 @@ def accounts_variable(port: int) -> str:
     """SOKRATOS_EMAIL_ACCOUNTS for the daemon: one plaintext account on the trickling server."""
     account = {"name": "slow", "host": "127.0.0.1", "port": port, "security": "none"}
     return json.dumps([{**account, "username": "alice", "password": "secret"}])
+
+
+@contextlib.contextmanager
+def daemon_on(
+    server: TricklingServer, database_url: str, tmp_path: Path, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """The daemon (``args``: e.g. ``--once``) with one account on ``server``; killed if the
+    test leaves it running."""
+    variables = daemon_env(
+        database_url, tmp_path, SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port), **env
+    )
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(variables, log, *args)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def last_error(db: psycopg.Connection, name: str) -> str | None:
@@ -182,41 +204,31 @@ def test_a_stopping_worker_cuts_a_stuck_session_and_blames_no_account(
 def test_the_daemon_beats_imports_and_stops_while_a_check_is_stuck(
     database_url: str, db: psycopg.Connection, tmp_path: Path
 ) -> None:
-    with TricklingServer("greeting") as server:
-        env = daemon_env(
-            database_url,
-            tmp_path,
-            SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port),
-            SOKRATOS_EMAIL_CHECK_INTERVAL="30s",
+    with (
+        TricklingServer("greeting") as server,
+        daemon_on(server, database_url, tmp_path, SOKRATOS_EMAIL_CHECK_INTERVAL="30s") as daemon,
+    ):
+        proc, log = daemon
+        assert wait_until(lambda: server.trickling == 1, timeout=BOUND_S), log.read_text()
+        stuck_at = db.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        # Heartbeats go on (the interval is 1 s) ...
+        beats_since = (
+            "SELECT count(*) FROM worker_heartbeats WHERE last_tick_at > %s + interval '3 seconds'"
         )
-        log = tmp_path / "daemon.log"
-        proc = start_daemon(env, log)
-        try:
-            assert wait_until(lambda: server.trickling == 1, timeout=BOUND_S), log.read_text()
-            stuck_at = db.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-            # Heartbeats go on (the interval is 1 s) ...
-            beats_since = (
-                "SELECT count(*) FROM worker_heartbeats"
-                " WHERE last_tick_at > %s + interval '3 seconds'"
-            )
-            assert wait_until(lambda: count(db, beats_since, stuck_at) == 1, timeout=BOUND_S), (
-                log.read_text()[-3000:]
-            )
-            # ... and so does the spool import, and the drain of what it imported.
-            spool = tmp_path / "data" / "spool"
-            down = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
-            spooled = enqueue_triage(down, "user: hi\nassistant: ok", key="k0", spool_dir=spool)
-            assert spooled.spooled is not None
-            done = "SELECT count(*) FROM work_outcomes"
-            assert wait_until(lambda: count(db, done) == 1, timeout=BOUND_S), log.read_text()
-            assert server.trickling == 1, "the check was meant to be stuck all along"
-            started = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        assert wait_until(lambda: count(db, beats_since, stuck_at) == 1, timeout=BOUND_S), (
+            log.read_text()[-3000:]
+        )
+        # ... and so does the spool import, and the drain of what it imported.
+        spool = tmp_path / "data" / "spool"
+        down = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+        spooled = enqueue_triage(down, "user: hi\nassistant: ok", key="k0", spool_dir=spool)
+        assert spooled.spooled is not None
+        done = "SELECT count(*) FROM work_outcomes"
+        assert wait_until(lambda: count(db, done) == 1, timeout=BOUND_S), log.read_text()
+        assert server.trickling == 1, "the check was meant to be stuck all along"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
     assert time.monotonic() - started < BOUND_S
     text = log.read_text()
     assert '"event": "email_sessions_cut"' in text
@@ -230,21 +242,14 @@ def test_the_daemon_beats_imports_and_stops_while_a_check_is_stuck(
 def test_run_once_ends_a_stuck_check_at_its_deadline(
     database_url: str, db: psycopg.Connection, tmp_path: Path
 ) -> None:
-    with TricklingServer("greeting") as server:
-        env = daemon_env(
-            database_url,
-            tmp_path,
-            SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port),
-            SOKRATOS_EMAIL_CHECK_DEADLINE="2s",
-        )
-        log = tmp_path / "daemon.log"
-        proc = start_daemon(env, log, "--once")
-        try:
-            assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    with (
+        TricklingServer("greeting") as server,
+        daemon_on(
+            server, database_url, tmp_path, "--once", SOKRATOS_EMAIL_CHECK_DEADLINE="2s"
+        ) as d,
+    ):
+        proc, log = d
+        assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
     assert SLOW in (last_error(db, "slow") or ""), log.read_text()[-3000:]
     assert '"event": "email_check_failed"' in log.read_text()
 
@@ -254,23 +259,15 @@ def test_run_once_ends_a_stuck_check_at_its_deadline(
 def test_the_daemon_checks_mail_at_start_not_a_minute_later(
     database_url: str, tmp_path: Path
 ) -> None:
-    with TricklingServer("greeting") as server:
-        env = daemon_env(
-            database_url,
-            tmp_path,
-            SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port),
-            SOKRATOS_EMAIL_CHECK_INTERVAL="5m",  # (the email thread then wakes every 60 s)
-        )
-        log = tmp_path / "daemon.log"
-        proc = start_daemon(env, log)
-        try:
-            assert wait_until(lambda: server.trickling == 1, timeout=30), log.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    # (With a 5 m interval the email thread then wakes every 60 s.)
+    with (
+        TricklingServer("greeting") as server,
+        daemon_on(server, database_url, tmp_path, SOKRATOS_EMAIL_CHECK_INTERVAL="5m") as daemon,
+    ):
+        proc, log = daemon
+        assert wait_until(lambda: server.trickling == 1, timeout=30), log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.subprocess
@@ -280,18 +277,13 @@ def test_run_once_stops_at_sigterm_during_a_stuck_check(
 ) -> None:
     """A timer unit stopped while its check waits on a slow server: out now, not at the
     deadline (5 minutes by default), and the account is not blamed."""
-    with TricklingServer("greeting") as server:
-        env = daemon_env(database_url, tmp_path, SOKRATOS_EMAIL_ACCOUNTS=accounts_variable(server.port))
-        log = tmp_path / "daemon.log"
-        proc = start_daemon(env, log, "--once")
-        try:
-            assert wait_until(lambda: server.trickling == 1, timeout=BOUND_S), log.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    with (
+        TricklingServer("greeting") as server,
+        daemon_on(server, database_url, tmp_path, "--once") as (proc, log),
+    ):
+        assert wait_until(lambda: server.trickling == 1, timeout=BOUND_S), log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert '"event": "email_sessions_cut"' in text and "Traceback" not in text
     assert last_error(db, "slow") is None
