@@ -32,12 +32,13 @@ from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
+from sokratos_worker.service.jobs import DaemonThreadExecutor
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.spool import import_spool
 from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
-from sokratos_worker.store.connection import Database, connect
+from sokratos_worker.store.connection import Database, connect, time_limited
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
 
 log = structlog.get_logger(__name__)
@@ -48,6 +49,9 @@ log = structlog.get_logger(__name__)
 DISPATCHER_STALL_S = 120.0
 # The database part of a /metrics scrape gives up after this (the last values are served).
 METRICS_STATEMENT_TIMEOUT_MS = 2000
+# The tick's own statements (heartbeat row, recent failures) wait no longer than this behind
+# a lock (a migration, a long transaction): the ticks go on, and a stop is never held up.
+TICK_STATEMENT_TIMEOUT_MS = 5000
 # How soon the main thread acts on a stop signal the handler recorded.
 SIGNAL_POLL_S = 0.25
 # Due accounts are looked for this often (each account is due on its own interval).
@@ -169,6 +173,13 @@ class Worker:
             return fn()
         except DatabaseUnavailable as exc:
             log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
+        except pg_errors.QueryCanceled as exc:
+            log.warning(
+                f"{what}_timed_out",
+                error=str(exc).strip(),
+                hint="PostgreSQL cancelled it at its statement timeout: is a table locked (a"
+                " migration, a long transaction)? It runs again at the next tick",
+            )
         except Exception:
             log.exception(f"{what}_failed")
         return None
@@ -196,7 +207,10 @@ class Worker:
         self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
 
     def _write_heartbeat(self, state: str, detail: dict[str, Any]) -> None:
-        with self.database.connection() as conn:
+        with (
+            self.database.connection() as conn,
+            time_limited(conn, TICK_STATEMENT_TIMEOUT_MS),
+        ):
             status_store.record_heartbeat(
                 conn,
                 worker_id=self.worker_id,
@@ -228,7 +242,7 @@ class Worker:
         self.metrics.tick_finished(time.time())
 
     def _recent_failures(self) -> list[dict[str, Any]]:
-        with self.database.connection() as conn:
+        with self.database.connection() as conn, time_limited(conn, TICK_STATEMENT_TIMEOUT_MS):
             rows = failures_store.recent_failures(conn, hours=6)
         return [
             {
@@ -310,7 +324,8 @@ class Worker:
         faulthandler.enable()
         self.install_signals()
         metrics_server = self._start_metrics()
-        scheduler = self._start_scheduler()
+        jobs = DaemonThreadExecutor()
+        scheduler = self._start_scheduler(jobs)
         listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
         listener.start()
         email = self._start_email_thread()
@@ -344,6 +359,13 @@ class Worker:
         self.record_stopped()
         if metrics_server is not None:
             metrics_server.stop()
+        if stuck := jobs.running():
+            log.warning(
+                "jobs_abandoned_at_exit",
+                jobs=stuck,
+                hint="still waiting (on a locked table?); the process exits without them and"
+                " what they committed stays; they run again at the next start",
+            )
         log.info("worker_stopped", released=released)
         return EXIT_OK
 
@@ -416,8 +438,9 @@ class Worker:
                 " without it, and what it committed stays (the account is checked again)",
             )
 
-    def _start_scheduler(self) -> BackgroundScheduler:
+    def _start_scheduler(self, jobs: DaemonThreadExecutor) -> BackgroundScheduler:
         scheduler = BackgroundScheduler(
+            executors={"default": jobs},
             job_defaults={"coalesce": True, "max_instances": 1},
             timezone="UTC",
         )
@@ -462,10 +485,12 @@ class Worker:
         for queue in Queue:
             metrics.set_in_flight(queue.value, in_flight.get(queue, 0))
         try:
-            with self.database.connection() as conn, conn.transaction():
-                # A scrape must answer: a huge backlog, or a table a migration holds locked,
-                # is cut off and the last values are served.
-                conn.execute(f"SET LOCAL statement_timeout = {METRICS_STATEMENT_TIMEOUT_MS}")
+            # A scrape must answer: a huge backlog, or a table a migration holds locked, is
+            # cut off and the last values are served.
+            with (
+                self.database.connection() as conn,
+                time_limited(conn, METRICS_STATEMENT_TIMEOUT_MS),
+            ):
                 queues = status_store.queue_stats(conn)
                 failures = status_store.failures_24h(conn)
         except pg_errors.QueryCanceled:

@@ -58,6 +58,14 @@ def translated() -> Iterator[None]:
         raise
 
 
+@contextmanager
+def time_limited(conn: psycopg.Connection, timeout_ms: int) -> Iterator[None]:
+    """A transaction whose statements PostgreSQL cancels past ``timeout_ms`` (QueryCanceled)."""
+    with conn.transaction():
+        conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
+        yield
+
+
 def is_read_only(conn: psycopg.Connection) -> bool:
     """True when this session takes no writes (a standby, default_transaction_read_only)."""
     row = conn.execute("SHOW transaction_read_only").fetchone()

@@ -320,3 +320,38 @@ def test_a_metrics_address_in_use_is_a_configuration_error(
     text = log.read_text()
     assert f"SOKRATOS_METRICS_ADDR: 127.0.0.1:{port} cannot be served" in text
     assert "Traceback" not in text
+
+
+def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The tick's heartbeat and recent-failures reads time out behind the lock (they waited
+    for as long as it was held), items still drain, and SIGTERM exits 0 within moments."""
+    env = daemon_env(
+        database_url, tmp_path, SOKRATOS_HEARTBEAT_INTERVAL="1s", SOKRATOS_SHUTDOWN_GRACE="5s"
+    )
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    locker = psycopg.connect(database_url)
+    try:
+        assert wait_until(lambda: "worker_started" in log.read_text(), timeout=30)
+        locker.execute("LOCK TABLE worker_heartbeats, failed_operations IN ACCESS EXCLUSIVE MODE")
+        assert wait_until(lambda: "heartbeat_timed_out" in log.read_text(), timeout=30)
+        enqueue_many(db, 5)
+        assert wait_until(lambda: _done(db) == 5, timeout=30)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        stopped_in = time.monotonic() - started
+    finally:
+        locker.rollback()
+        locker.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "recent_failures_timed_out" in text
+    assert "worker_stopped" in text
+    # The stop's last heartbeat waits out one statement timeout (5 s), then the process exits.
+    assert stopped_in < 5 + 10, f"stopped in {stopped_in:.1f} s"
+    assert _done(db) == 5
