@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
+from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import (
@@ -29,13 +30,16 @@ from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database
+from sokratos_worker.store.connection import Connection, Database, time_limited
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
 WORKER_DIED = "worker died during the last attempt"
+# The stop's release of unfinished items waits no longer behind a lock (a migration holding
+# a queue table): the leases expire instead, and the process exits.
+RELEASE_STATEMENT_TIMEOUT_MS = 5000
 
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
@@ -728,18 +732,25 @@ class Runner:
         return [item_id for q, item_id in keys if q is queue]
 
     def _release(self, items: list[Item]) -> int:
-        released = 0
         if not items:
             return 0
         try:
-            with self.database.connection() as conn:
-                for item in items:
-                    if store.give_back(conn, item, owner=self.worker_id):
-                        released += 1
-                        log.info("item_released", queue=item.queue.value, item_id=item.id)
-        except DatabaseUnavailable as exc:
-            log.warning("release_failed", error=str(exc), hint="the leases expire instead")
-        return released
+            with (
+                self.database.connection() as conn,
+                time_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS),
+            ):
+                released = [i for i in items if store.give_back(conn, i, owner=self.worker_id)]
+        except (DatabaseUnavailable, pg_errors.QueryCanceled) as exc:
+            log.warning(
+                "release_failed",
+                error=str(exc).strip(),
+                hint="the leases expire instead and the items run again (a table locked by a"
+                " migration or a long transaction, or the database away)",
+            )
+            return 0
+        for item in released:
+            log.info("item_released", queue=item.queue.value, item_id=item.id)
+        return len(released)
 
     # -- reporting -------------------------------------------------------------------
 

@@ -355,3 +355,39 @@ def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     # The stop's last heartbeat waits out one statement timeout (5 s), then the process exits.
     assert stopped_in < 5 + 10, f"stopped in {stopped_in:.1f} s"
     assert _done(db) == 5
+
+
+def test_a_queue_table_locked_at_stop_does_not_hold_the_exit(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """Items still running past the grace are released; a lock on their table (a migration)
+    made that release wait for as long as the lock was held. It gives up after 5 s, the
+    leases expire instead, and the items run again later: nothing lost."""
+    n = 4
+    enqueue_many(db, n, behaviour="sleep:30")
+    env = daemon_env(
+        database_url, tmp_path, SOKRATOS_SHUTDOWN_GRACE="1s", SOKRATOS_LEASE="10s"
+    )
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    locker = psycopg.connect(database_url)
+    try:
+        leased = "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL"
+        assert wait_until(lambda: count(db, leased) == n, timeout=30)
+        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        stopped_in = time.monotonic() - started
+    finally:
+        locker.rollback()
+        locker.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "release_failed" in text and "the leases expire instead" in text
+    assert stopped_in < 1 + 5 + 10, f"stopped in {stopped_in:.1f} s"
+    # Still leased (the release could not be written): the items wait for their leases.
+    assert count(db, "SELECT count(*) FROM pending_triage") == n
+    assert count(db, "SELECT count(*) FROM work_outcomes") == 0
