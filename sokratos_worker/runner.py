@@ -304,10 +304,6 @@ class Runner:
                 return newer
             return self._inflight.get(key, item)
 
-    def _is_inflight(self, queue: Queue, item_id: int) -> bool:
-        with self._lock:
-            return (queue, item_id) in self._inflight
-
     def _untrack(self, item: Item, *, leave_leased: bool = False) -> bool:
         """The run of ``item`` is over. ``leave_leased``: it ran but its settle could not be
         written, so its lease (and attempt) stays; recorded in the same step, so the
@@ -413,6 +409,7 @@ class Runner:
             problem = store.payload_problem(item)
             if problem is not None:
                 raise problem
+            self.database.lend_if_wanted()  # not kept through the handler if others wait
             effects = handler.handle(item)
         except Exception as exc:
             self._finished(item, started, self._fail(item, exc, handler, bound))
@@ -691,7 +688,7 @@ class Runner:
                             conn, q, owner=self.worker_id, ids=ids, lease_s=self.settings.lease
                         )
                         for lost in set(ids) - kept:
-                            if self._is_inflight(q, lost):  # not just settled meanwhile
+                            if self._lease_taken(conn, q, lost):
                                 log.warning("lease_lost", queue=q.value, item_id=lost)
                         # Taken again now: the pass may have waited longer than a claim's age.
                         self._release_orphans(conn, q, self._held_ids(q), interval)
@@ -699,6 +696,19 @@ class Runner:
                 log.warning("lease_renewal_failed", error=str(exc))
             except Exception as exc:  # a timeout or a read-only server must not end renewals
                 log.error("lease_renewal_failed", error=describe(exc), retry_in_s=interval)
+
+    def _lease_taken(self, conn: Connection, queue: Queue, item_id: int) -> bool:
+        """True when a renewal missed an item because another claim holds it now.
+
+        The renewal's UPDATE also misses an item whose settle committed a moment ago (the
+        slot has not untracked it yet): that item's row is gone, and nothing was lost.
+        """
+        with self._lock:
+            item = self._inflight.get((queue, item_id))
+        if item is None:
+            return False  # settled meanwhile
+        exists, owner = store.lease_owner(conn, item)
+        return exists and owner != self.worker_id
 
     def _release_orphans(
         self, conn: Connection, queue: Queue, keep: list[int], older_than_s: float

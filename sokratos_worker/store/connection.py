@@ -289,6 +289,19 @@ class Database:
             held.depth -= 1
         held.used = time.monotonic()
 
+    def lend_if_wanted(self) -> None:
+        """Inside ``holding``, between two uses: give the held connection back if another
+        thread is waiting for one (the pool is short: a role's CONNECTION LIMIT, say).
+
+        A slot otherwise keeps its connection through its handler's LLM calls, and the lease
+        renewer, waiting behind the slots, let leases expire under running items.
+        """
+        held = self._held
+        if getattr(held, "depth", None) != 0 or held.conn is None:
+            return
+        if self.pool.get_stats().get("requests_waiting", 0) > 0:
+            self._return_held()
+
     def _return_held(self) -> None:
         conn, self._held.conn = self._held.conn, None
         if conn is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import ExitStack
 
@@ -120,5 +121,41 @@ def test_a_held_connection_a_failure_broke_is_replaced(
                 conn.execute("SELECT 1")
             with database.connection() as conn:  # a fresh one, not the dead one
                 assert conn.execute("SELECT pg_backend_pid()").fetchone() != pid
+    finally:
+        database.close()
+
+
+def test_a_held_connection_is_lent_between_uses_when_another_thread_waits(
+    database_url: str,
+) -> None:
+    """A short pool: the slot holding the only connection lends it before its handler runs,
+    so the lease renewer waiting for one gets it (it used to wait until the pool timeout)."""
+    database = Database(database_url, size=1, keep_open=1)
+    got = threading.Event()
+
+    def renewer() -> None:
+        with database.connection() as conn:
+            conn.execute("SELECT 1")
+        got.set()
+
+    try:
+        with database.holding():
+            with database.connection() as conn:
+                conn.execute("SELECT 1")
+            database.lend_if_wanted()  # nobody waits: kept
+            with database.connection() as again:
+                assert again is conn
+            other = threading.Thread(target=renewer)
+            other.start()
+            deadline = time.monotonic() + 5
+            while database.pool.get_stats().get("requests_waiting", 0) == 0:
+                assert time.monotonic() < deadline, "the other thread never waited"
+                time.sleep(0.01)
+            assert not got.is_set()
+            database.lend_if_wanted()  # between two uses: lent
+            assert got.wait(5), "the waiting thread did not get the connection"
+            other.join(5)
+            with database.connection() as conn:  # the slot takes one again when it needs it
+                conn.execute("SELECT 1")
     finally:
         database.close()

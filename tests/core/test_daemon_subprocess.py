@@ -277,6 +277,40 @@ def test_a_role_below_the_pools_size_logs_pool_not_full_and_still_drains(
         db.execute(f"DROP ROLE {role}")
 
 
+def test_slots_short_of_connections_lend_them_so_no_lease_expires_under_an_item(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """8 slots on a role allowed 6 connections: the slots holding one kept it through their
+    handlers, the lease renewer waited behind them, and leases (3 s here) expired under
+    running items, which ran again with the attempt counted."""
+    roles_sql = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
+    db.execute(roles_sql)
+    role = f"limited_{uuid.uuid4().hex[:8]}"
+    db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 6 IN ROLE sokratos_worker")
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(database_url)
+        info["user"] = role
+        info.pop("password", None)
+        limited_url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+        n = 40
+        enqueue_many(db, n, behaviour="sleep:1")
+        log = tmp_path / "daemon.log"
+        env = daemon_env(limited_url, tmp_path, SOKRATOS_CONCURRENCY="8")
+        proc = start_daemon(env, log, "--once")
+        assert proc.wait(300) == 0, log.read_text()[-3000:]
+        _assert_each_item_one_outcome(db, n)
+        events = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+        kinds = {e["event"] for e in events}
+        assert "database_pool_not_full" in kinds
+        assert not kinds & {"lease_lost", "item_reclaimed_while_running", "lease_renewal_failed"}
+    finally:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+        )
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")
+
+
 def test_two_signals_back_to_back_exit_at_once_every_time(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
