@@ -21,12 +21,15 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
+from sokratos_worker.store.connection import time_limited
 from sokratos_worker.store.memories import Written, write_effects
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
 
 NOTIFY_CHANNEL = "sokratos_worker"
+# A new connection's warm-up (planning the settle) gives up after this behind a lock.
+WARM_UP_TIMEOUT_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,11 @@ def warm_up(conn: psycopg.Connection) -> None:
         "lease": 0.0,
     }
     try:
-        for queue in Queue:
-            conn.execute(b"EXPLAIN " + _SQL[queue].settle_claim, params)
+        # Planning waits for a lock a migration holds; a connection that waited on it would
+        # stall the pool thread opening it (and a stop's pool close): skip the warm-up then.
+        with time_limited(conn, WARM_UP_TIMEOUT_MS):
+            for queue in Queue:
+                conn.execute(b"EXPLAIN " + _SQL[queue].settle_claim, params)
     except psycopg.Error as exc:
         log.debug("connection_warm_up_skipped", error=str(exc).splitlines()[0])
 

@@ -68,9 +68,10 @@ def test_a_stop_while_a_migration_holds_the_tables_ends_and_loses_nothing(
                 proc.wait(10)
         text = log.read_text()
         assert "release_failed" in text and "heartbeat_timed_out" in text, tail(log)
-        # Grace 2 s, the release and the last heartbeat give up after 5 s each, and closing
-        # the pool waits up to 5 s for its threads (17.5 s measured); it waited for the lock.
-        assert stop_s < 2 + 5 + 5 + 5 + 13, f"the stop took {stop_s:.1f} s"
+        # Grace 2 s, then the release and the last heartbeat give up after 5 s each (12.5 s
+        # measured; the pool's close also waited 5 s for a new connection's warm-up). It
+        # used to wait for as long as the lock was held.
+        assert stop_s < 2 + 5 + 5 + 13, f"the stop took {stop_s:.1f} s"
         restarted = time.monotonic()
         again = start_worker(env, log)
         try:
