@@ -72,6 +72,23 @@ def test_warm_up_leaves_a_connection_to_a_database_without_the_tables_usable(
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
+def test_warm_up_behind_a_locked_table_gives_up_and_leaves_no_timeout_behind(
+    database_url: str,
+) -> None:
+    """A migration holding a queue table: the warm-up waited on it for as long as it was held
+    (stalling the pool thread opening the connection, and a stop's pool close)."""
+    with psycopg.connect(database_url) as locker, psycopg.connect(
+        database_url, autocommit=True
+    ) as conn:
+        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        store.warm_up(conn)
+        assert time.monotonic() - started < 10  # gave up after store.WARM_UP_TIMEOUT_MS
+        locker.rollback()
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
+        assert conn.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
+
+
 def test_wait_ready_says_false_when_the_server_cannot_be_reached() -> None:
     database = Database("postgresql://127.0.0.1:1/none?connect_timeout=1", size=1)
     try:
