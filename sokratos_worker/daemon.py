@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 import structlog
-from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
 from apscheduler.schedulers.background import BackgroundScheduler
 from psycopg import errors as pg_errors
 
@@ -32,7 +32,7 @@ from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
-from sokratos_worker.service.jobs import DaemonThreadExecutor
+from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.spool import import_spool
@@ -443,6 +443,7 @@ class Worker:
             executors={"default": jobs},
             job_defaults={"coalesce": True, "max_instances": 1},
             timezone="UTC",
+            logger=scheduler_logger(),
         )
         interval = self.settings.heartbeat_interval
         scheduler.add_job(
@@ -457,7 +458,9 @@ class Worker:
         scheduler.add_job(
             self.maintenance, "interval", hours=1, id="maintenance", misfire_grace_time=3600
         )
-        scheduler.add_listener(_log_job_event, EVENT_JOB_ERROR | EVENT_JOB_MISSED)
+        scheduler.add_listener(
+            log_job_event, EVENT_JOB_ERROR | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES
+        )
         scheduler.start()
         return scheduler
 
@@ -506,15 +509,6 @@ class Worker:
             return
         metrics.set_queues(queues)
         metrics.set_failures(failures)
-
-
-def _log_job_event(event: JobExecutionEvent) -> None:
-    if event.exception is not None:
-        log.error("scheduled_job_failed", job=event.job_id, error=str(event.exception))
-    else:
-        log.warning(
-            "scheduled_job_missed", job=event.job_id, scheduled_at=str(event.scheduled_run_time)
-        )
 
 
 def build_worker(

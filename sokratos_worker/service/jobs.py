@@ -9,12 +9,20 @@ running when the worker exits is abandoned: what it committed stays, the rest is
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from datetime import datetime
 from typing import Any
 
+import structlog
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
 from apscheduler.executors.base import BaseExecutor, run_job
+
+log = structlog.get_logger(__name__)
+
+# APScheduler's own words for a run skipped because the previous one is still going.
+_SKIPPED_RUN = "maximum number of running instances"
 
 
 class DaemonThreadExecutor(BaseExecutor):  # type: ignore[misc]  # apscheduler has no types
@@ -49,3 +57,34 @@ class DaemonThreadExecutor(BaseExecutor):  # type: ignore[misc]  # apscheduler h
 
     def shutdown(self, wait: bool = True) -> None:
         """Nothing to stop: running jobs end on their own or with the process."""
+
+
+def log_job_event(event: Any) -> None:
+    """A scheduled job failed, was missed, or was skipped because its last run still goes on."""
+    if event.code == EVENT_JOB_MAX_INSTANCES:
+        log.warning(
+            "scheduled_job_still_running",
+            job=event.job_id,
+            hint="its previous run has not finished (waiting on the database: a locked table?);"
+            " this run is skipped and the next comes at its time",
+        )
+    elif event.code == EVENT_JOB_MISSED:
+        log.warning(
+            "scheduled_job_missed", job=event.job_id, scheduled_at=str(event.scheduled_run_time)
+        )
+    else:
+        log.error("scheduled_job_failed", job=event.job_id, error=str(event.exception))
+
+
+class _WithoutSkippedRuns(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _SKIPPED_RUN not in record.getMessage()
+
+
+def scheduler_logger() -> logging.Logger:
+    """APScheduler's logger for the worker, without its line for a skipped run (which
+    ``log_job_event`` says as ``scheduled_job_still_running``, with a hint)."""
+    logger = logging.getLogger("apscheduler.scheduler.sokratos_worker")
+    if not any(isinstance(f, _WithoutSkippedRuns) for f in logger.filters):
+        logger.addFilter(_WithoutSkippedRuns())
+    return logger

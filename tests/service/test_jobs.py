@@ -3,6 +3,7 @@ say) when the worker exits never holds the process; events and max_instances sti
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -10,10 +11,17 @@ import time
 from typing import Any
 
 import pytest
-from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, JobExecutionEvent
+from apscheduler.events import (
+    EVENT_JOB_ERROR,
+    EVENT_JOB_EXECUTED,
+    EVENT_JOB_MAX_INSTANCES,
+    EVENT_JOB_MISSED,
+    JobExecutionEvent,
+)
 from apscheduler.schedulers.background import BackgroundScheduler
+from structlog.testing import capture_logs
 
-from sokratos_worker.service.jobs import DaemonThreadExecutor
+from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 
 _STUCK_AT_EXIT = """
 import threading
@@ -121,3 +129,41 @@ def test_a_job_still_running_is_not_started_again_and_is_named_by_running() -> N
     finally:
         release.set()
         scheduler.shutdown(wait=False)
+
+
+def test_a_run_skipped_behind_a_stuck_one_is_said_once_in_the_workers_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """APScheduler's own line ('maximum number of running instances reached') gave no hint;
+    the worker logs scheduled_job_still_running instead, and the job still runs again."""
+    jobs = DaemonThreadExecutor()
+    scheduler = BackgroundScheduler(
+        executors={"default": jobs}, timezone="UTC", logger=scheduler_logger()
+    )
+    scheduler.add_listener(
+        log_job_event, EVENT_JOB_ERROR | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES
+    )
+    release = threading.Event()
+    runs: list[float] = []
+
+    def stuck_then_quick() -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            release.wait(10)
+
+    scheduler.add_job(stuck_then_quick, "interval", seconds=0.2, id="heartbeat",
+                      max_instances=1, coalesce=True, misfire_grace_time=1)
+    caplog.set_level(logging.WARNING, logger="apscheduler")
+    with capture_logs() as events:
+        scheduler.start()
+        try:
+            assert _wait(lambda: any(e["event"] == "scheduled_job_still_running"
+                                     for e in events))
+            release.set()
+            assert _wait(lambda: len(runs) >= 2), "the job never ran again"
+        finally:
+            release.set()
+            scheduler.shutdown(wait=False)
+    skipped = [e for e in events if e["event"] == "scheduled_job_still_running"]
+    assert skipped[0]["job"] == "heartbeat" and "locked table" in skipped[0]["hint"]
+    assert not [r for r in caplog.records if "running instances" in r.getMessage()]
