@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -246,29 +246,18 @@ def test_daemon_speaks_sd_notify_and_serves_metrics(
     assert "STOPPING=1" in seen
 
 
-def test_a_role_below_the_pools_size_logs_pool_not_full_and_still_drains(
-    db: psycopg.Connection, database_url: str, tmp_path: Path
-) -> None:
-    # A role allowed 6 connections, for a worker whose pool wants CONCURRENCY + 2 = 10 at start.
+@contextlib.contextmanager
+def _role_allowed(db: psycopg.Connection, database_url: str, connections: int) -> Iterator[str]:
+    """The URL of a new worker role allowed ``connections`` connections (dropped after)."""
     roles_sql = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
     db.execute(roles_sql)
     role = f"limited_{uuid.uuid4().hex[:8]}"
-    db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 6 IN ROLE sokratos_worker")
+    db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT {connections} IN ROLE sokratos_worker")
     try:
         info = psycopg.conninfo.conninfo_to_dict(database_url)
         info["user"] = role
         info.pop("password", None)
-        limited_url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
-        n = 40
-        enqueue_many(db, n)
-        log = tmp_path / "daemon.log"
-        proc = start_daemon(daemon_env(limited_url, tmp_path), log, "--once")
-        assert proc.wait(120) == 0, log.read_text()[-3000:]
-        _assert_each_item_one_outcome(db, n)
-        events = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
-        warned = [e for e in events if e["event"] == "database_pool_not_full"]
-        assert len(warned) == 1 and warned[0]["wanted"] == 10, warned
-        assert "max_connections" in warned[0]["hint"]
+        yield psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
     finally:
         db.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
@@ -277,38 +266,27 @@ def test_a_role_below_the_pools_size_logs_pool_not_full_and_still_drains(
         db.execute(f"DROP ROLE {role}")
 
 
-def test_slots_short_of_connections_lend_them_so_no_lease_expires_under_an_item(
+def test_a_role_below_the_pools_size_logs_pool_not_full_and_drains_losing_no_lease(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
-    """8 slots on a role allowed 6 connections: the slots holding one kept it through their
-    handlers, the lease renewer waited behind them, and leases (3 s here) expired under
-    running items, which ran again with the attempt counted."""
-    roles_sql = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
-    db.execute(roles_sql)
-    role = f"limited_{uuid.uuid4().hex[:8]}"
-    db.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 6 IN ROLE sokratos_worker")
-    try:
-        info = psycopg.conninfo.conninfo_to_dict(database_url)
-        info["user"] = role
-        info.pop("password", None)
-        limited_url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
-        n = 40
-        enqueue_many(db, n, behaviour="sleep:1")
+    """8 slots on a role allowed 6 connections (the pool wants CONCURRENCY + 2 = 10 at start).
+    The slots holding a connection kept it through their handlers, the lease renewer waited
+    behind them, and leases (3 s here) expired under running items, which ran again with the
+    attempt counted; now a slot lends its connection when another thread waits."""
+    n = 40
+    enqueue_many(db, n, behaviour="sleep:1")
+    with _role_allowed(db, database_url, 6) as limited_url:
         log = tmp_path / "daemon.log"
         env = daemon_env(limited_url, tmp_path, SOKRATOS_CONCURRENCY="8")
         proc = start_daemon(env, log, "--once")
         assert proc.wait(300) == 0, log.read_text()[-3000:]
-        _assert_each_item_one_outcome(db, n)
-        events = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
-        kinds = {e["event"] for e in events}
-        assert "database_pool_not_full" in kinds
-        assert not kinds & {"lease_lost", "item_reclaimed_while_running", "lease_renewal_failed"}
-    finally:
-        db.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
-        )
-        db.execute(f"DROP OWNED BY {role}")
-        db.execute(f"DROP ROLE {role}")
+    _assert_each_item_one_outcome(db, n)
+    events = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+    warned = [e for e in events if e["event"] == "database_pool_not_full"]
+    assert len(warned) == 1 and warned[0]["wanted"] == 10, warned
+    assert "max_connections" in warned[0]["hint"]
+    kinds = {e["event"] for e in events}
+    assert not kinds & {"lease_lost", "item_reclaimed_while_running", "lease_renewal_failed"}
 
 
 def _pending(pid: int, signum: int) -> bool:
