@@ -502,6 +502,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def code_version() -> str:
+    """The commit measured, and whether the tree had changes on top of it."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown (not a git checkout)"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "sokratos_worker", "bench")
+    return commit + (" with uncommitted changes" if dirty else "")
+
+
 def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> dict[str, Any]:
     def want(workload: str) -> bool:
         return not only or workload in only
@@ -511,6 +525,7 @@ def run(cfg: Config, database_url: str | None, only: set[str] | None = None) -> 
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python3", "bench/run.py", *sys.argv[1:]]),
         "machine": machine(),
+        "code": code_version(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
     }
     with postgres(database_url) as server_uri:
@@ -692,6 +707,7 @@ def markdown(res: dict[str, Any], an: dict[str, Any]) -> str:
         f"Command: `{res['command']}` ({res['config']['rounds']} rotated rounds, "
         f"{res['duration_s'] - res.get('quiet_wait', {}).get('waited_s', 0):.1f} s, "
         "not counting any wait for a quiet machine).",
+        f"Code: {res.get('code', 'not recorded')}.",
         "",
         "## Commit ceiling (pgbench, single-row INSERT per transaction)",
         "",
