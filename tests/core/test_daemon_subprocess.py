@@ -349,6 +349,25 @@ def test_a_metrics_address_in_use_is_a_configuration_error(
     assert "Traceback" not in text
 
 
+@contextlib.contextmanager
+def _locked_by_a_migration(database_url: str, tables: str) -> Iterator[None]:
+    """ACCESS EXCLUSIVE locks on ``tables``, held as a migration would until the block ends."""
+    with psycopg.connect(database_url) as locker:
+        locker.execute(f"LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE")
+        try:
+            yield
+        finally:
+            locker.rollback()
+
+
+def _stopped_in(proc: subprocess.Popen[bytes], log: Path) -> float:
+    """SIGTERM, and the seconds until the process exited 0."""
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    return time.monotonic() - started
+
+
 def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
@@ -359,20 +378,14 @@ def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     )
     log = tmp_path / "daemon.log"
     proc = start_daemon(env, log)
-    locker = psycopg.connect(database_url)
     try:
         assert wait_until(lambda: "worker_started" in log.read_text(), timeout=30)
-        locker.execute("LOCK TABLE worker_heartbeats, failed_operations IN ACCESS EXCLUSIVE MODE")
-        assert wait_until(lambda: "heartbeat_timed_out" in log.read_text(), timeout=30)
-        enqueue_many(db, 5)
-        assert wait_until(lambda: _done(db) == 5, timeout=30)
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
-        stopped_in = time.monotonic() - started
+        with _locked_by_a_migration(database_url, "worker_heartbeats, failed_operations"):
+            assert wait_until(lambda: "heartbeat_timed_out" in log.read_text(), timeout=30)
+            enqueue_many(db, 5)
+            assert wait_until(lambda: _done(db) == 5, timeout=30)
+            stopped_in = _stopped_in(proc, log)
     finally:
-        locker.rollback()
-        locker.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
@@ -397,18 +410,12 @@ def test_a_queue_table_locked_at_stop_does_not_hold_the_exit(
     )
     log = tmp_path / "daemon.log"
     proc = start_daemon(env, log)
-    locker = psycopg.connect(database_url)
     try:
         leased = "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL"
         assert wait_until(lambda: count(db, leased) == n, timeout=30)
-        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
-        stopped_in = time.monotonic() - started
+        with _locked_by_a_migration(database_url, "pending_triage"):
+            stopped_in = _stopped_in(proc, log)
     finally:
-        locker.rollback()
-        locker.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
