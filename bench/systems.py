@@ -41,11 +41,14 @@ class System:
     remaining_sql = ""
     truncate: tuple[str, ...] = ()
 
-    def __init__(self, server_uri: str, label: str | None = None, batch: int = 10) -> None:
+    def __init__(
+        self, server_uri: str, label: str | None = None, batch: int = 10, cap: int | None = None
+    ) -> None:
         self.server_uri = server_uri
         self.uri = with_dbname(server_uri, self.dbname)
         self.label = label or self.name
         self.batch = batch
+        self.cap = cap  # pgqueuer's max_concurrent_tasks in W1/W3 (None: its default, no cap)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- database ----------------------------------------------------------------------------
@@ -95,6 +98,7 @@ class System:
             BENCH_MODE=mode,
             BENCH_CONCURRENCY=str(concurrency),
             BENCH_BATCH=str(self.batch),
+            BENCH_CAP=str(self.cap or ""),
             PYTHONPATH=str(ROOT),
         )
         env.update(extra)

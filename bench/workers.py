@@ -5,7 +5,8 @@ Configuration comes from the environment (set by bench/run.py):
 - ``BENCH_DSN``: the database; ``BENCH_MODE``: ``noop`` (zero work), ``http`` (one chat call
   to ``BENCH_LLM_URL``), ``latency`` (append enqueue-to-start seconds to ``BENCH_LATENCY_FILE``)
   or ``triage`` (sokratos only: the production pipelines);
-- ``BENCH_CONCURRENCY``; ``BENCH_BATCH`` (pgqueuer's batch size).
+- ``BENCH_CONCURRENCY``; ``BENCH_BATCH`` (pgqueuer's batch size); ``BENCH_CAP`` (pgqueuer's
+  ``max_concurrent_tasks`` outside W2; empty: no cap).
 
 sokratos-worker runs as users run it: ``cli.main(["run"])`` with a bench handler factory
 (the real daemon: pool, dispatcher, slot threads, LISTEN/NOTIFY, APScheduler, metrics off).
@@ -203,8 +204,10 @@ def run_pgqueuer() -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, pgq.shutdown.set)
             # W2 bounds in-flight jobs to the concurrency (pgqueuer requires >= 2x batch);
-            # W1/W3 run pgqueuer's defaults (no cap: zero-work jobs finish at once).
+            # W1/W3 use BENCH_CAP: the concurrency-10 row sets it, the uncapped rows don't.
             cap = concurrency if mode == "http" and concurrency >= 2 * batch else None
+            if mode != "http" and os.environ.get("BENCH_CAP"):
+                cap = int(os.environ["BENCH_CAP"])
             await pgq.run(batch_size=batch, max_concurrent_tasks=cap)
         await conn.close()
 
