@@ -47,6 +47,11 @@ log = structlog.get_logger(__name__)
 # or for the database; one claim statement or pool checkout blocking it longer than this
 # (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
 DISPATCHER_STALL_S = 120.0
+# While it is stalled, PostgreSQL is asked this often whether it waits for another session's
+# lock (a migration, a long transaction): a restart would wait for the same lock.
+LOCK_LOOK_EVERY_S = 10.0
+# The look itself: connecting and asking give up after this.
+LOCK_LOOK_TIMEOUT_S = 2
 # The database part of a /metrics scrape gives up after this (the last values are served).
 METRICS_STATEMENT_TIMEOUT_MS = 2000
 # The tick's own statements (heartbeat row, recent failures) wait no longer than this behind
@@ -89,6 +94,8 @@ class Worker:
     _last_watchdog: float = 0.0
     _last_progress: float = field(default_factory=time.monotonic)
     _stall_reported: bool = False
+    _lock_looked_at: float = 0.0
+    _lock_wait: status_store.LockWait | None = None  # what the stalled dispatcher waits for
     _stop: threading.Event = field(default_factory=threading.Event)
     _signal_name: str | None = None  # set by the handler, acted on by the main thread
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
@@ -272,7 +279,11 @@ class Worker:
 
     def _progressed(self) -> None:
         """The dispatcher's loop came round (it does at least every second while it works)."""
-        self._last_progress = time.monotonic()
+        now = time.monotonic()
+        if self._lock_wait is not None:
+            self._lock_wait = None
+            log.info("dispatcher_lock_released", waited_s=round(now - self._last_progress))
+        self._last_progress = now
         self._stall_reported = False
         self._watchdog()
 
@@ -280,7 +291,7 @@ class Worker:
         """``WATCHDOG=1`` only while the dispatcher proves progress, so a hung one is restarted."""
         now = time.monotonic()
         stalled_s = now - self._last_progress
-        if stalled_s > DISPATCHER_STALL_S:
+        if stalled_s > DISPATCHER_STALL_S and not self._waits_for_a_lock(stalled_s):
             if not self._stall_reported:
                 self._stall_reported = True
                 log.error(
@@ -294,6 +305,45 @@ class Worker:
         if interval is not None and now - self._last_watchdog >= interval / 2:
             self.notifier.watchdog()
             self._last_watchdog = now
+
+    def _waits_for_a_lock(self, stalled_s: float) -> bool:
+        """True while the stalled dispatcher waits for a lock another session holds: it is
+        not hung, and a restart would only wait for the same lock, so the pings go on."""
+        now = time.monotonic()
+        if now - self._lock_looked_at < LOCK_LOOK_EVERY_S:
+            return self._lock_wait is not None
+        self._lock_looked_at = now
+        pid = self.runner.dispatcher_backend_pid
+        found = None
+        if pid is not None:
+            try:
+                with (
+                    connect(self.database.conninfo, timeout=LOCK_LOOK_TIMEOUT_S) as conn,
+                    time_limited(conn, LOCK_LOOK_TIMEOUT_S * 1000),
+                ):
+                    found = status_store.lock_wait(conn, pid)
+            except Exception as exc:  # the stall is reported as such
+                log.warning("lock_look_failed", error=str(exc).strip())
+        previous, self._lock_wait = self._lock_wait, (found if found and found.blockers else None)
+        if self._lock_wait is not None and (
+            previous is None or previous.blocker_pids != self._lock_wait.blocker_pids
+        ):
+            held_by = ", ".join(str(b["pid"]) for b in self._lock_wait.blockers)
+            tables = ", ".join(self._lock_wait.tables) or "a table"
+            first = self._lock_wait.blockers[0]["pid"]
+            log.warning(
+                "dispatcher_waiting_for_lock",
+                waiting_s=round(stalled_s),
+                tables=list(self._lock_wait.tables),
+                held_by=list(self._lock_wait.blockers),
+                hint=f"another session (pid {held_by}) holds a lock on {tables}: a migration,"
+                " an ALTER, LOCK or VACUUM FULL, or a transaction left open; claiming goes on"
+                " when it ends and nothing is lost (the worker is not restarted: a new one"
+                f" would wait too). To end it: SELECT pg_terminate_backend({first})",
+            )
+            status = f"{State.RUNNING}: claiming waits for a lock on {tables} (pid {held_by})"
+            self.notifier.status(status[:200])
+        return self._lock_wait is not None
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------
 

@@ -109,6 +109,9 @@ class Runner:
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
         self._rotation = 0
+        # The server process of the dispatcher's statement in progress (None between them):
+        # the watchdog asks PostgreSQL what it waits for when the dispatcher stops coming round.
+        self.dispatcher_backend_pid: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -252,22 +255,30 @@ class Runner:
         order = self.queues[self._rotation :] + self.queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self.queues))
         with self.database.connection() as conn:
-            for q in order:
-                if free <= 0:
-                    break
-                items = store.claim(
-                    conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
-                )
-                for item in items:
-                    if self._track(item):
-                        self._handoff.put(item)
-                free -= len(items)
-                got += len(items)
+            self.dispatcher_backend_pid = conn.pgconn.backend_pid
+            try:
+                for q in order:
+                    if free <= 0:
+                        break
+                    items = store.claim(
+                        conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
+                    )
+                    for item in items:
+                        if self._track(item):
+                            self._handoff.put(item)
+                    free -= len(items)
+                    got += len(items)
+            finally:
+                self.dispatcher_backend_pid = None
         return asked, got
 
     def _next_ready_in(self) -> float | None:
         with self.database.connection() as conn:
-            return store.next_ready_in(conn, self.queues)
+            self.dispatcher_backend_pid = conn.pgconn.backend_pid
+            try:
+                return store.next_ready_in(conn, self.queues)
+            finally:
+                self.dispatcher_backend_pid = None
 
     def _track(self, item: Item) -> bool:
         """Record a claimed item; False when a slot here is already running it."""

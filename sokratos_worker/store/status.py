@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -146,3 +147,47 @@ def database_has_fixed_embedding(conn: psycopg.Connection) -> int | None:
     if row is None or not row[1]:
         return None
     return int(row[0]) if row[0] and row[0] > 0 else 0
+
+
+@dataclass(frozen=True)
+class LockWait:
+    """What one server process waits for: the tables it is refused, and who holds them."""
+
+    tables: tuple[str, ...]
+    blockers: tuple[dict[str, Any], ...]  # pid, application, user, state, in_transaction_s, query
+
+    @property
+    def blocker_pids(self) -> frozenset[int]:
+        return frozenset(int(b["pid"]) for b in self.blockers)
+
+
+def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
+    """The locks server process ``pid`` waits for and the sessions holding them (none: it
+    does not wait for a lock). Query texts of other roles' sessions read
+    ``<insufficient privilege>`` without pg_read_all_stats."""
+    tables = conn.execute(
+        "SELECT DISTINCT relation::regclass::text FROM pg_locks"
+        " WHERE pid = %s AND NOT granted AND relation IS NOT NULL ORDER BY 1",
+        (pid,),
+    ).fetchall()
+    rows = conn.execute(
+        """SELECT b.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''),
+                  coalesce(a.state, ''), EXTRACT(EPOCH FROM now() - a.xact_start),
+                  left(coalesce(a.query, ''), 200)
+             FROM unnest(pg_blocking_pids(%s)) AS b(pid)
+             LEFT JOIN pg_stat_activity a ON a.pid = b.pid
+            ORDER BY a.xact_start NULLS LAST, b.pid""",
+        (pid,),
+    ).fetchall()
+    blockers = tuple(
+        {
+            "pid": int(r[0]),
+            "application": str(r[1]),
+            "user": str(r[2]),
+            "state": str(r[3]),
+            "in_transaction_s": round(float(r[4])) if r[4] is not None else None,
+            "query": str(r[5]),
+        }
+        for r in rows
+    )
+    return LockWait(tables=tuple(str(t[0]) for t in tables), blockers=blockers)

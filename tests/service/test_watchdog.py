@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from sokratos_worker.config import Settings
 from sokratos_worker.daemon import DISPATCHER_STALL_S, Worker
 from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.model import Queue
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store.connection import Database
+from tests.support.daemon import wait_until
+from tests.support.handlers import ScriptedHandler
 
 
 @pytest.fixture
@@ -27,7 +32,7 @@ def worker_and_socket(tmp_path: Path, database_url: str) -> Iterator[tuple[Worke
     worker = Worker(
         settings=settings,
         database=database,
-        handlers={},
+        handlers={Queue.TRIAGE: ScriptedHandler()},
         context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
         notifier=Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}),
     )
@@ -61,3 +66,54 @@ def test_pings_only_while_the_dispatcher_makes_progress(
     # Progress again (e.g. a long backend probe ended): the pings resume.
     worker._progressed()
     assert _pinged(sock)
+
+
+def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
+    worker_and_socket: tuple[Worker, socket.socket], database_url: str
+) -> None:
+    """A migration holding the queue table past the stall limit: the worker says who holds
+    it, keeps the pings going (a new process would wait for the same lock) and says when
+    the wait ended. Before, the pings stopped and systemd restarted it every ~3 minutes."""
+    worker, sock = worker_and_socket
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+        blocker_pid = locker.info.backend_pid
+        claim = threading.Thread(target=worker.runner._claim_for_idle_slots, daemon=True)
+        claim.start()
+        assert wait_until(lambda: worker.runner.dispatcher_backend_pid is not None, timeout=10)
+        worker._last_progress -= DISPATCHER_STALL_S + 1  # as if it had waited 2 minutes
+        worker._last_watchdog = 0.0
+        with capture_logs() as logs:
+            assert wait_until(lambda: (worker._watchdog(), _pinged(sock))[1], timeout=10)
+            worker._last_watchdog = 0.0
+            worker._watchdog()  # the next look is 10 s away: the answer is remembered
+            assert _pinged(sock)
+        events = [e["event"] for e in logs]
+        assert "dispatcher_stalled" not in events
+        (waiting,) = [e for e in logs if e["event"] == "dispatcher_waiting_for_lock"]
+        assert waiting["tables"] == ["pending_triage"]
+        assert [b["pid"] for b in waiting["held_by"]] == [blocker_pid]
+        assert waiting["held_by"][0]["application"] == "a-migration"
+        assert f"pg_terminate_backend({blocker_pid})" in waiting["hint"]
+        assert claim.is_alive()  # still waiting: the lock is held
+        locker.rollback()
+    claim.join(10)
+    assert not claim.is_alive()
+    with capture_logs() as logs:
+        worker._progressed()  # the dispatcher's next round
+    assert [e["event"] for e in logs] == ["dispatcher_lock_released"]
+    assert logs[0]["waited_s"] >= DISPATCHER_STALL_S
+
+
+def test_a_dispatcher_stalled_outside_any_lock_wait_is_still_reported(
+    worker_and_socket: tuple[Worker, socket.socket],
+) -> None:
+    """The look finds no lock (here: no statement in progress): the stall stops the pings."""
+    worker, sock = worker_and_socket
+    worker.runner.dispatcher_backend_pid = None
+    worker._last_progress -= DISPATCHER_STALL_S + 1
+    worker._last_watchdog = 0.0
+    with capture_logs() as logs:
+        worker._watchdog()
+    assert not _pinged(sock)
+    assert [e["event"] for e in logs] == ["dispatcher_stalled"]
