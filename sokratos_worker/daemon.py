@@ -130,6 +130,8 @@ class Worker:
             self.notifier.status(self._running_status())
 
     def _running_status(self) -> str:
+        if (waiting := self._lock_wait) is not None:
+            return f"{State.RUNNING}: {waiting.describe()}"[:200]
         queues = ", ".join(q.value for q in self.runner.queues) or "none (no backend configured)"
         busy = f"{self.runner.inflight_count()} of {self.settings.concurrency} items in flight"
         return f"{State.RUNNING}: {busy}; queues {queues}"
@@ -283,6 +285,7 @@ class Worker:
         if self._lock_wait is not None:
             self._lock_wait = None
             log.info("dispatcher_lock_released", waited_s=round(now - self._last_progress))
+            self.notifier.status(self._running_status())
         self._last_progress = now
         self._stall_reported = False
         self._watchdog()
@@ -328,7 +331,7 @@ class Worker:
         if self._lock_wait is not None and (
             previous is None or previous.blocker_pids != self._lock_wait.blocker_pids
         ):
-            held_by = ", ".join(str(b["pid"]) for b in self._lock_wait.blockers)
+            held_by = ", ".join(str(pid) for pid in sorted(self._lock_wait.blocker_pids))
             tables = ", ".join(self._lock_wait.tables) or "a table"
             first = self._lock_wait.blockers[0]["pid"]
             log.warning(
@@ -341,8 +344,7 @@ class Worker:
                 " when it ends and nothing is lost (the worker is not restarted: a new one"
                 f" would wait too). To end it: SELECT pg_terminate_backend({first})",
             )
-            status = f"{State.RUNNING}: claiming waits for a lock on {tables} (pid {held_by})"
-            self.notifier.status(status[:200])
+            self.notifier.status(self._running_status())
         return self._lock_wait is not None
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------

@@ -160,6 +160,12 @@ class LockWait:
     def blocker_pids(self) -> frozenset[int]:
         return frozenset(int(b["pid"]) for b in self.blockers)
 
+    def describe(self) -> str:
+        """One line for systemd's STATUS=: what is waited for, and who holds it."""
+        tables = ", ".join(self.tables) or "a table"
+        pids = ", ".join(str(pid) for pid in sorted(self.blocker_pids))
+        return f"claiming waits for a lock on {tables} (held by pid {pids})"
+
 
 def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
     """The locks server process ``pid`` waits for and the sessions holding them (none: it

@@ -48,6 +48,16 @@ def _pinged(sock: socket.socket) -> bool:
         return False
 
 
+def _received(sock: socket.socket) -> list[str]:
+    """Every datagram waiting on the socket."""
+    messages = []
+    while True:
+        try:
+            messages.append(sock.recv(4096).decode())
+        except TimeoutError:
+            return messages
+
+
 def test_pings_only_while_the_dispatcher_makes_progress(
     worker_and_socket: tuple[Worker, socket.socket],
 ) -> None:
@@ -81,13 +91,29 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
         claim = threading.Thread(target=worker.runner._claim_for_idle_slots, daemon=True)
         claim.start()
         assert wait_until(lambda: worker.runner.dispatcher_backend_pid is not None, timeout=10)
+
+        def waiting_for_the_lock() -> bool:
+            # Autocommit: inside a transaction pg_stat_activity is read once and kept.
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                row = conn.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                    (worker.runner.dispatcher_backend_pid,),
+                ).fetchone()
+            return row is not None and row[0] == "Lock"
+
+        assert wait_until(waiting_for_the_lock, timeout=10)
         worker._last_progress -= DISPATCHER_STALL_S + 1  # as if it had waited 2 minutes
         worker._last_watchdog = 0.0
         with capture_logs() as logs:
-            assert wait_until(lambda: (worker._watchdog(), _pinged(sock))[1], timeout=10)
+            worker._watchdog()
+            assert _received(sock) == [
+                "STATUS=running: claiming waits for a lock on pending_triage"
+                f" (held by pid {blocker_pid})",
+                "WATCHDOG=1",
+            ]
             worker._last_watchdog = 0.0
             worker._watchdog()  # the next look is 10 s away: the answer is remembered
-            assert _pinged(sock)
+            assert _received(sock) == ["WATCHDOG=1"]
         events = [e["event"] for e in logs]
         assert "dispatcher_stalled" not in events
         (waiting,) = [e for e in logs if e["event"] == "dispatcher_waiting_for_lock"]
@@ -102,6 +128,7 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
     with capture_logs() as logs:
         worker._progressed()  # the dispatcher's next round
     assert [e["event"] for e in logs] == ["dispatcher_lock_released"]
+    assert _received(sock)[0].startswith("STATUS=running: 0 of ")
     assert logs[0]["waited_s"] >= DISPATCHER_STALL_S
 
 
