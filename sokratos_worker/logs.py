@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+import threading
+import time
+from collections.abc import Callable, MutableMapping
 from typing import Any, Literal
 
 import structlog
@@ -29,6 +31,45 @@ _REDACTED_KEYS = frozenset(
         "reply",
     }
 )
+
+
+# psycopg_pool logs every failed attempt of every connection it cannot open, with backoff for
+# 5 minutes (a role allowed fewer connections than the pool's size wrote 20 identical lines in
+# its first 18 s); the worker's own events say what that means, so one line per text will do.
+REPEAT_WINDOW_S = 300.0
+
+
+class RepeatedLineFilter(logging.Filter):
+    """Lets each distinct text through once per ``window_s``; the next one after that says
+    how many were left out in between."""
+
+    def __init__(
+        self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(text)
+            if last is not None and now - last < self.window_s:
+                self._left_out[text] = self._left_out.get(text, 0) + 1
+                return False
+            if len(self._last) >= 100:  # texts carry hosts and errors: a few in practice
+                self._last.clear()
+                self._left_out.clear()
+            self._last[text] = now
+            left_out = self._left_out.pop(text, 0)
+        if left_out:
+            record.msg = f"{text} (and {left_out} more like it since the last one)"
+            record.args = ()
+        return True
 
 
 def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -73,4 +114,5 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # libraries speak only when it matters
+    logging.getLogger("psycopg.pool").filters[:] = [RepeatedLineFilter()]
     logging.getLogger("sokratos_worker").setLevel(getattr(logging, level.upper()))

@@ -287,6 +287,9 @@ def test_a_role_below_the_pools_size_logs_pool_not_full_and_drains_losing_no_lea
     assert "max_connections" in warned[0]["hint"]
     kinds = {e["event"] for e in events}
     assert not kinds & {"lease_lost", "item_reclaimed_while_running", "lease_renewal_failed"}
+    # psycopg_pool's warning for each refused attempt: once (it wrote ~20 lines in this run).
+    refused = [e for e in events if e["event"].startswith("error connecting in")]
+    assert len(refused) == 1, refused
 
 
 def _pending(pid: int, signum: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import threading
 from contextlib import redirect_stderr
 
@@ -11,7 +12,7 @@ import psycopg
 import structlog
 
 from sokratos_worker.config import Settings
-from sokratos_worker.logs import configure_logging
+from sokratos_worker.logs import RepeatedLineFilter, configure_logging
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
@@ -85,5 +86,36 @@ def test_the_command_line_caches_its_loggers_and_tests_do_not() -> None:
         with redirect_stderr(io.StringIO()):
             configure_logging("info", "json")
         assert structlog.get_config()["cache_logger_on_first_use"] is False
+    finally:
+        structlog.reset_defaults()
+
+
+def test_a_librarys_repeated_warning_is_written_once_per_window_then_counted() -> None:
+    """psycopg_pool warns at every failed attempt of every connection it cannot open."""
+    now = [0.0]
+    repeat = RepeatedLineFilter(window_s=300.0, clock=lambda: now[0])
+
+    def passes(text: str, at: float) -> str | None:
+        now[0] = at
+        record = logging.LogRecord("psycopg.pool", logging.WARNING, __file__, 1, "%s", (text,), None)
+        return record.getMessage() if repeat.filter(record) else None
+
+    refused = "error connecting in 'sokratos-worker': too many connections for role"
+    assert passes(refused, 0.0) == refused
+    assert [passes(refused, t) for t in (1.0, 2.0, 299.0)] == [None, None, None]
+    assert passes("error connecting in 'sokratos-worker': the server is down", 5.0) is not None
+    assert passes(refused, 301.0) == f"{refused} (and 3 more like it since the last one)"
+    assert passes(refused, 302.0) is None
+
+
+def test_the_pool_logger_carries_the_repeat_filter() -> None:
+    buffer = io.StringIO()
+    try:
+        with redirect_stderr(buffer):
+            configure_logging("info", "json")
+            for _ in range(5):
+                logging.getLogger("psycopg.pool").warning("error connecting in %r: %s", "p", "x")
+        lines = [json.loads(line) for line in buffer.getvalue().strip().splitlines()]
+        assert [e["event"] for e in lines] == ["error connecting in 'p': x"]
     finally:
         structlog.reset_defaults()
