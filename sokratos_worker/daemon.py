@@ -204,6 +204,8 @@ class Worker:
             "queues": [q.value for q in self.runner.queues],
             "why": self.runner.state_detail,
         }
+        if (waiting := self._lock_wait) is not None:
+            detail["lock_wait"] = waiting.describe()  # (status: "running (claiming waits ...)")
         for state in self._backend_states():
             self.metrics.set_circuit(state.name, state.circuit)
         self._safely(

@@ -145,8 +145,9 @@ def _worker_state(worker: dict[str, Any]) -> str:
             f"{state}? no heartbeat for {worker['silent_s']:.0f}s (expected every"
             f" {worker['detail']['heartbeat_s']:g}s): killed without a word, or hung"
         )
-    why = (worker.get("detail") or {}).get("why")
-    return f"{state} ({why})" if why and state != "running" else state
+    detail = worker.get("detail") or {}
+    why = detail.get("why") if state != "running" else detail.get("lock_wait")
+    return f"{state} ({why})" if why else state
 
 
 def _backend_text(backend: dict[str, Any]) -> str:

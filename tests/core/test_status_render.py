@@ -56,6 +56,9 @@ def test_a_worker_that_is_not_running_says_why() -> None:
     assert f"worker w1: no backend ({why}), last tick now" in render_status(report)
     report["workers"][0].update(state="running", detail={"why": ""})
     assert "worker w1: running, last tick now" in render_status(report)
+    waits = "claiming waits for a lock on pending_triage (held by pid 4242)"
+    report["workers"][0].update(detail={"why": "", "lock_wait": waits})
+    assert f"worker w1: running ({waits}), last tick now" in render_status(report)
 
 
 def test_a_worker_silent_far_past_its_heartbeat_is_shown_as_overdue(

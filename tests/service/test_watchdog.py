@@ -122,6 +122,13 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
         assert waiting["held_by"][0]["application"] == "a-migration"
         assert f"pg_terminate_backend({blocker_pid})" in waiting["hint"]
         assert claim.is_alive()  # still waiting: the lock is held
+        worker._record_heartbeat()  # the tick: `status` shows the wait too
+        (detail,) = locker.execute(
+            "SELECT detail FROM worker_heartbeats WHERE worker_id = %s", (worker.worker_id,)
+        ).fetchone() or (None,)
+        assert detail["lock_wait"] == (
+            f"claiming waits for a lock on pending_triage (held by pid {blocker_pid})"
+        )
         locker.rollback()
     claim.join(10)
     assert not claim.is_alive()
