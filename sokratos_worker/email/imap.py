@@ -19,16 +19,19 @@ import re
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 from sokratos_worker.config import EmailAccountConfig
 from sokratos_worker.errors import WorkerError
 
 DEFAULT_TIMEOUT_S = 30.0
+# How often a name lookup in progress checks whether its session was cut.
+LOOKUP_POLL_S = 0.1
 # Without a deadline of its own, a session may last this many read timeouts in all.
 DEFAULT_DEADLINE_READ_TIMEOUTS = 4
 # Bounded batches: at most this many messages, or this many bytes, per UID FETCH.
@@ -143,16 +146,34 @@ class OpenSessions:
         return len(watches)
 
 
-class _WatchedIMAP4(imaplib.IMAP4):
-    """imaplib's plaintext client, watched before it reads the greeting (in its constructor)."""
+SocketOpener = Callable[[], socket.socket]
 
-    def __init__(self, host: str, port: int, timeout: float, watch: SessionWatch) -> None:
-        self._watch = watch
+
+class _WatchedIMAP4(imaplib.IMAP4):
+    """imaplib's plaintext client on a socket the session opened (and watches)."""
+
+    def __init__(self, host: str, port: int, timeout: float, opener: SocketOpener) -> None:
+        self._opener = opener
         super().__init__(host, port, timeout)
 
-    def open(self, host: str = "", port: int = 143, timeout: float | None = None) -> None:
-        super().open(host, port, timeout)
-        self._watch.watch(self.sock)
+    def _create_socket(self, timeout: float | None) -> socket.socket:
+        return self._opener()
+
+
+class _WatchedIMAP4SSL(imaplib.IMAP4_SSL):
+    """imaplib's implicit-TLS client on a socket the session opened (and watches)."""
+
+    def __init__(
+        self, host: str, port: int, context: ssl.SSLContext, timeout: float, opener: SocketOpener
+    ) -> None:
+        self._opener = opener
+        super().__init__(host, port, ssl_context=context, timeout=timeout)
+
+    def _create_socket(self, timeout: float | None) -> socket.socket:
+        sock: socket.socket = self.ssl_context.wrap_socket(
+            self._opener(), server_hostname=self.host
+        )
+        return sock
 
 
 @dataclass(frozen=True)
@@ -326,13 +347,59 @@ class ImapSession:
         return context
 
     def _connect(self) -> imaplib.IMAP4:
-        """Connected and greeted; watched from the first read (TLS handshake or greeting) on."""
+        """Connected and greeted; watched from the name lookup on."""
         host, port = self.account.host, self.account.imap_port
         if self.account.security == "tls":
-            return imaplib.IMAP4_SSL(
-                host, port, ssl_context=self._ssl_context(), timeout=self.timeout
+            return _WatchedIMAP4SSL(
+                host, port, self._ssl_context(), self.timeout, self._open_socket
             )
-        return _WatchedIMAP4(host, port, self.timeout, self._watch)
+        return _WatchedIMAP4(host, port, self.timeout, self._open_socket)
+
+    def _open_socket(self) -> socket.socket:
+        """A TCP connection to the account's server, tried address by address; the session's
+        watch can cut it from before ``connect`` on."""
+        last: OSError | None = None
+        for family, kind, proto, _, address in self._look_up():
+            sock = socket.socket(family, kind, proto)
+            sock.settimeout(self.timeout)
+            self._watch.watch(sock)
+            try:
+                sock.connect(address)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+        raise last or OSError(f"{self.account.host} has no address")
+
+    def _look_up(self) -> list[tuple[Any, ...]]:
+        """``getaddrinfo`` on a thread of its own: a resolver that never answers cannot hold
+        the check past its read timeout, nor a stop (the lookup is left to end by itself)."""
+        host, port = self.account.host, self.account.imap_port
+        answer: list[tuple[Any, ...]] = []
+        failure: list[OSError] = []
+        done = threading.Event()
+
+        def look_up() -> None:
+            try:
+                answer.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            except OSError as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=look_up, name="imap-dns", daemon=True).start()
+        give_up = time.monotonic() + self.timeout
+        while not done.wait(LOOKUP_POLL_S):
+            if self._watch.cut_reason is not None:
+                raise OSError(f"looking up {host} was cut short")  # (_failure says why)
+            if time.monotonic() >= give_up:
+                raise TimeoutError(
+                    f"looking up {host} (DNS) got no answer within {self.timeout:g} s;"
+                    " check the host name and the machine's resolver (/etc/resolv.conf)"
+                )
+        if failure:
+            raise failure[0]
+        return answer
 
     @property
     def conn(self) -> imaplib.IMAP4:
