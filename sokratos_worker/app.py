@@ -149,6 +149,25 @@ def _check_email_watching_signals(worker: Worker) -> None:
         worker.notice_signal()
 
 
+def _report_stuck_drain(worker: Worker) -> str:
+    """The drain's dispatcher never came back from a statement: say what it waits for."""
+    waiting = worker.dispatcher_lock_wait()
+    reason = (
+        waiting.describe()
+        if waiting is not None
+        else "the dispatcher's statement did not return (a lock, or a server not answering)"
+    )
+    log.warning(
+        "run_once_drain_stuck",
+        reason=reason,
+        held_by=list(waiting.blockers) if waiting is not None else [],
+        hint="another session holds a queue table (a migration, a transaction left open?):"
+        " the run ends without it and the items wait for the next; to end that session:"
+        " SELECT pg_terminate_backend(PID)",
+    )
+    return reason
+
+
 def run_once(worker: Worker) -> int:
     """One heartbeat tick: spool, due email checks, then drain what is ready now.
 
@@ -161,10 +180,17 @@ def run_once(worker: Worker) -> int:
     worker.notice_signal()  # (a signal during the email checks: claim nothing)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10
+    stopping = False
     while not worker.runner.wait_drained(SIGNAL_POLL_S) and time.monotonic() < deadline:
-        worker.notice_signal()
+        if not stopping and worker.notice_signal():
+            stopping = True
+            # The drain gives items in flight the grace; a dispatcher stuck in a statement
+            # (a queue table locked by a migration) must not hold the stop past it.
+            deadline = min(deadline, time.monotonic() + worker.settings.shutdown_grace + 2)
     paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
+    if not worker.runner.wait_drained(0):
+        paused, reason = True, _report_stuck_drain(worker)
     # After a stop signal the drain has already given its items the grace.
     released = worker.runner.shutdown(
         0 if worker.stop_requested else worker.settings.shutdown_grace

@@ -2,7 +2,8 @@
 
 Logs go to stderr; stdout carries only a command's own output. Exit codes: 0 success,
 1 anything else, 75 database unreachable past SOKRATOS_STARTUP_TIMEOUT (or, for ``run --once``,
-a drain cut short by an unreachable backend or database), 78 bad configuration.
+a drain cut short by an unreachable backend or database, or by a queue table another session
+kept locked), 78 bad configuration.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ any variable X may be given as X_FILE or as a file X in $CREDENTIALS_DIRECTORY.
 With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DATA_DIR.
 
 exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable or read-only
-(SOKRATOS_STARTUP_TIMEOUT; run --once: no backend or database reachable, items left),
-78 bad config.
+(SOKRATOS_STARTUP_TIMEOUT; run --once: no backend or database reachable, or a queue table
+locked by another session, items left), 78 bad config.
 """
 
 

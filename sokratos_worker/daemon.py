@@ -311,6 +311,22 @@ class Worker:
             self.notifier.watchdog()
             self._last_watchdog = now
 
+    def dispatcher_lock_wait(self) -> status_store.LockWait | None:
+        """The other sessions' lock the dispatcher's statement in progress waits for, if any."""
+        pid = self.runner.dispatcher_backend_pid
+        if pid is None:
+            return None
+        try:
+            with (
+                connect(self.database.conninfo, timeout=LOCK_LOOK_TIMEOUT_S) as conn,
+                time_limited(conn, LOCK_LOOK_TIMEOUT_S * 1000),
+            ):
+                found = status_store.lock_wait(conn, pid)
+        except Exception as exc:  # the caller reports the wait without its cause
+            log.warning("lock_look_failed", error=str(exc).strip())
+            return None
+        return found if found.blockers else None
+
     def _waits_for_a_lock(self, stalled_s: float) -> bool:
         """True while the stalled dispatcher waits for a lock another session holds: it is
         not hung, and a restart would only wait for the same lock, so the pings go on."""
@@ -318,18 +334,7 @@ class Worker:
         if now - self._lock_looked_at < LOCK_LOOK_EVERY_S:
             return self._lock_wait is not None
         self._lock_looked_at = now
-        pid = self.runner.dispatcher_backend_pid
-        found = None
-        if pid is not None:
-            try:
-                with (
-                    connect(self.database.conninfo, timeout=LOCK_LOOK_TIMEOUT_S) as conn,
-                    time_limited(conn, LOCK_LOOK_TIMEOUT_S * 1000),
-                ):
-                    found = status_store.lock_wait(conn, pid)
-            except Exception as exc:  # the stall is reported as such
-                log.warning("lock_look_failed", error=str(exc).strip())
-        previous, self._lock_wait = self._lock_wait, (found if found and found.blockers else None)
+        previous, self._lock_wait = self._lock_wait, self.dispatcher_lock_wait()
         if self._lock_wait is not None and (
             previous is None or previous.blocker_pids != self._lock_wait.blocker_pids
         ):

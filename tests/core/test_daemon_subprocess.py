@@ -371,6 +371,48 @@ def _stopped_in(proc: subprocess.Popen[bytes], log: Path) -> float:
     return time.monotonic() - started
 
 
+def _events(log: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+
+
+def test_run_once_behind_a_locked_queue_table_ends_at_its_budget_or_a_stop(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """`run --once` (a timer unit) whose claim waits for a migration's lock: it waited for as
+    long as the lock was held, deaf to SIGTERM and to its budget. Now the budget ends it (75:
+    items left waiting) and a stop ends it after the grace (0), both naming the lock's
+    holder; the next run drains every item once."""
+    n = 5
+    enqueue_many(db, n, behaviour="skip")
+    env = daemon_env(
+        database_url, tmp_path, SOKRATOS_TICK_BUDGET="1s", SOKRATOS_SHUTDOWN_GRACE="2s"
+    )
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+        holder = locker.info.backend_pid
+        budget_log = tmp_path / "budget.log"
+        assert start_daemon(env, budget_log, "--once").wait(120) == 75, budget_log.read_text()
+        stop_log = tmp_path / "stop.log"
+        proc = start_daemon({**env, "SOKRATOS_TICK_BUDGET": "5m"}, stop_log, "--once")
+        assert wait_until(lambda: "tick_finished" in stop_log.read_text(), timeout=60)
+        assert _stopped_in(proc, stop_log) < 60  # the grace (2 s) and the bookkeeping
+        locker.rollback()
+    for log in (budget_log, stop_log):
+        (stuck,) = [e for e in _events(log) if e["event"] == "run_once_drain_stuck"]
+        assert stuck["reason"] == (
+            f"claiming waits for a lock on pending_triage (held by pid {holder})"
+        ), stuck
+        held_by = stuck["held_by"]
+        assert isinstance(held_by, list) and [b["application"] for b in held_by] == ["a-migration"]
+    assert [e["reason"] for e in _events(budget_log) if e["event"] == "run_once_incomplete"] == [
+        f"claiming waits for a lock on pending_triage (held by pid {holder})"
+    ]
+    assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+    after = tmp_path / "after.log"
+    assert start_daemon(env, after, "--once").wait(120) == 0, after.read_text()
+    _assert_each_item_one_outcome(db, n)
+
+
 def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
