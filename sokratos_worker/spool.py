@@ -16,11 +16,12 @@ from typing import Any
 
 import psycopg
 import structlog
+from psycopg import errors as pg_errors
 
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database
+from sokratos_worker.store.connection import Database, time_limited
 from sokratos_worker.store.failures import record_failure
 from sokratos_worker.store.sanitize import clean_text, sanitize_payload
 
@@ -29,6 +30,9 @@ log = structlog.get_logger(__name__)
 # SQLSTATE classes that blame the value sent, not the database: data exceptions (22P05 a NUL
 # in jsonb, 22023 a missing field) and program limits (54000 an oversized jsonb).
 _REFUSED_CONTENT = ("22", "54")
+# An enqueue waits no longer than this behind a lock on the queue (a migration): the import
+# runs in the tick, and at start in the main thread, which must stay free to act on a stop.
+ENQUEUE_TIMEOUT_MS = 5000
 
 
 def storable_payload(payload: Any) -> dict[str, Any]:
@@ -139,10 +143,19 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
                 )
             continue
         try:
-            with database.connection() as conn:
+            with database.connection() as conn, time_limited(conn, ENQUEUE_TIMEOUT_MS):
                 item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
         except DatabaseUnavailable:
             log.warning("spool_import_paused", reason="database unavailable", left=str(path))
+            break
+        except pg_errors.QueryCanceled:
+            log.warning(
+                "spool_import_paused",
+                reason=f"{queue.value} stayed locked by another session for"
+                f" {ENQUEUE_TIMEOUT_MS // 1000} s (a migration, a transaction left open?)",
+                left=str(path),
+                hint="the files stay in the spool and are imported at the next tick",
+            )
             break
         except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
             # A file refused for what it holds must not hold up the files after it; any other

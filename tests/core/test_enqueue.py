@@ -8,10 +8,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload
@@ -76,6 +78,38 @@ def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None
 def _write(spool: Path, name: str, text: str) -> None:
     spool.mkdir(parents=True, exist_ok=True)
     (spool / name).write_text(text, "utf-8")
+
+
+def test_a_spool_import_behind_a_locked_queue_gives_up_and_resumes(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The import runs in the tick (at start: in the main thread, which acts on signals); it
+    waited for as long as a migration held the queue. Now it leaves the files for later."""
+    spool = tmp_path / "spool"
+    for key in ("a", "b"):
+        _write(
+            spool,
+            f"{key}.json",
+            f'{{"queue": "pending_triage", "idempotency_key": "{key}",'
+            ' "payload": {"exchange": "user: hi"}}',
+        )
+    database = Database(database_url, size=2)
+    try:
+        with psycopg.connect(database_url) as locker:
+            locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with capture_logs() as logs:
+                assert import_spool(spool, database) == 0
+            assert time.monotonic() - started < 60  # (5 s; forever before)
+            locker.rollback()
+        (paused,) = [e for e in logs if e["event"] == "spool_import_paused"]
+        assert "pending_triage stayed locked by another session" in paused["reason"]
+        assert sorted(p.name for p in spool.glob("*.json")) == ["a.json", "b.json"]
+        assert import_spool(spool, database) == 2
+    finally:
+        database.close()
+    assert count(db, "SELECT count(*) FROM pending_triage") == 2
+    assert count(db, "SELECT count(*) FROM failed_operations") == 0
 
 
 def test_a_file_postgres_refuses_does_not_block_the_later_ones(
