@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.model import Queue
 from sokratos_worker.spool import pending_elsewhere, pending_files, spool_problems
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import READ_ONLY_SERVER, connect, is_read_only
@@ -62,14 +66,33 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     return report
 
 
+# A table another session holds ACCESS EXCLUSIVE (a migration) is named, not waited for.
+LOCK_TIMEOUT_MS = 2000
+
+
 def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, Any]) -> None:
-    report["queues"] = status_store.queue_stats(conn)
-    report["failures_24h"] = status_store.failures_24h(conn)
-    report["outcomes"] = status_store.outcome_counts(conn)
-    report["workers"] = status_store.live_workers(
-        conn, stale_after_s=max(180.0, settings.heartbeat_interval * 3)
-    )
-    report["email_accounts"] = _accounts(settings, conn)
+    conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
+    unknown: list[str] = []
+
+    def read(key: str, what: Callable[[], Any]) -> Any:
+        try:
+            return what()
+        except pg_errors.LockNotAvailable:
+            unknown.append(key)
+            return None
+
+    for q in Queue:
+        stats = read(q.value, partial(status_store.queue_stats, conn, (q,)))
+        report["queues"].update(stats or {})
+    report["failures_24h"] = read("failures_24h", lambda: status_store.failures_24h(conn)) or {}
+    report["outcomes"] = read("outcomes", lambda: status_store.outcome_counts(conn)) or {}
+    stale_after_s = max(180.0, settings.heartbeat_interval * 3)
+    workers = read("workers", lambda: status_store.live_workers(conn, stale_after_s=stale_after_s))
+    report["workers"] = workers or []
+    report["email_accounts"] = read("email_accounts", lambda: _accounts(settings, conn)) or []
+    if unknown:
+        report["unknown_locked"] = unknown
+        report["locked_tables"] = status_store.locked_tables(conn)
 
 
 def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
@@ -78,6 +101,9 @@ def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
     from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
 
     return account_statuses(conn, [a.name for a in settings.email_accounts])
+
+
+LOCKED = "its table is locked by another session: see 'locked'"
 
 
 def render_status(report: dict[str, Any]) -> str:
@@ -94,14 +120,7 @@ def render_status(report: dict[str, Any]) -> str:
         )
     if "warning" in report:
         lines.append(f"warning: {report['warning']}")
-    for name, q in report["queues"].items():
-        age = q["oldest_ready_age_s"]
-        lines.append(
-            f"{name}: {q['ready']} ready, {q['backing_off']} backing off, {q['leased']} leased"
-            + (f", oldest ready {age:.0f}s" if age is not None else "")
-        )
-        for owner, count in q.get("leased_by", {}).items():
-            lines.append(f"    leased by {owner}: {count}")
+    lines += _queue_lines(report)
     if report.get("spooled"):
         lines.append(f"spool: {report['spooled']} enqueues waiting for import")
     for problem in report.get("spool_problems") or []:
@@ -117,12 +136,22 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"queues, failures (24h), workers, email accounts: unknown ({why})")
         lines.append(f"embeddings: {report['embeddings']}")
         return "\n".join(lines)
+    unknown = report.get("unknown_locked") or []
+    lines += [_lock_line(lock) for lock in report.get("locked_tables") or []]
     failures = report["failures_24h"]
     lines.append(
         "failures (24h): "
-        + (", ".join(f"{k} {v}" for k, v in failures.items()) if failures else "none")
+        + (
+            f"unknown ({LOCKED})"
+            if "failures_24h" in unknown
+            else ", ".join(f"{k} {v}" for k, v in failures.items())
+            if failures
+            else "none"
+        )
     )
-    if not report["workers"]:
+    if "workers" in unknown:
+        lines.append(f"workers: unknown ({LOCKED})")
+    elif not report["workers"]:
         lines.append("workers: none running")
     for w in report["workers"]:
         backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
@@ -130,11 +159,43 @@ def render_status(report: dict[str, Any]) -> str:
             f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
             f" backends: {backends}"
         )
+    if "email_accounts" in unknown:
+        lines.append(f"email accounts: unknown ({LOCKED})")
     for a in report["email_accounts"]:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(f"embeddings: {report['embeddings']}")
     return "\n".join(lines)
+
+
+def _queue_lines(report: dict[str, Any]) -> list[str]:
+    """One line per queue (and per lease owner), in the queues' order; unknown if locked."""
+    lines = []
+    for name in (q.value for q in Queue):
+        q = report["queues"].get(name)
+        if q is None:
+            if name in (report.get("unknown_locked") or []):
+                lines.append(f"{name}: unknown ({LOCKED})")
+            continue
+        age = q["oldest_ready_age_s"]
+        lines.append(
+            f"{name}: {q['ready']} ready, {q['backing_off']} backing off, {q['leased']} leased"
+            + (f", oldest ready {age:.0f}s" if age is not None else "")
+        )
+        lines += [f"    leased by {owner}: {n}" for owner, n in q.get("leased_by", {}).items()]
+    return lines
+
+
+def _lock_line(lock: dict[str, Any]) -> str:
+    """A table another session holds: who, since when, doing what, and how to end it."""
+    held = lock["in_transaction_s"]
+    return (
+        f"locked: {lock['table']} by pid {lock['pid']}"
+        f" ({lock['application'] or 'no application name'}, {lock['state']}"
+        + (f", {held} s in its transaction" if held is not None else "")
+        + f"; {lock['query']!r}): workers wait for it and it reads as unknown here;"
+        f" a migration? else end it: SELECT pg_terminate_backend({lock['pid']})"
+    )
 
 
 def _worker_state(worker: dict[str, Any]) -> str:

@@ -11,15 +11,26 @@ from psycopg.types.json import Jsonb
 
 from sokratos_worker.model import Queue
 
+# What ``status`` reads: a lock on any of these by another session is named there.
+WORKER_TABLES = (
+    *(q.value for q in Queue),
+    "failed_operations",
+    "work_outcomes",
+    "worker_heartbeats",
+    "email_checkpoints",
+)
 
-def queue_stats(conn: psycopg.Connection) -> dict[str, dict[str, Any]]:
+
+def queue_stats(
+    conn: psycopg.Connection, queues: tuple[Queue, ...] = tuple(Queue)
+) -> dict[str, dict[str, Any]]:
     """Per queue: ready, backing off, leased (and by whom), oldest ready age.
 
     One pass over each table (grouped by lease owner): a /metrics scrape of a large backlog
     reads every row once, not twice.
     """
     stats: dict[str, dict[str, Any]] = {}
-    for q in Queue:
+    for q in queues:
         rows = conn.execute(
             sql.SQL(
                 """SELECT lease_owner,
@@ -197,3 +208,32 @@ def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
         for r in rows
     )
     return LockWait(tables=tuple(str(t[0]) for t in tables), blockers=blockers)
+
+
+def locked_tables(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """The worker's tables other sessions hold ACCESS EXCLUSIVE (what blocks even reads:
+    a migration's ALTER, LOCK TABLE, VACUUM FULL), and who holds them."""
+    rows = conn.execute(
+        """SELECT c.relname::text, l.pid, coalesce(a.application_name, ''),
+                  coalesce(a.state, ''), EXTRACT(EPOCH FROM now() - a.xact_start),
+                  left(coalesce(a.query, ''), 200)
+             FROM pg_locks l
+             JOIN pg_class c ON c.oid = l.relation
+             LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+            WHERE l.granted AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND c.relname = ANY(%s)
+            ORDER BY 1, 2""",
+        (list(WORKER_TABLES),),
+    ).fetchall()
+    return [
+        {
+            "table": str(r[0]),
+            "pid": int(r[1]),
+            "application": str(r[2]),
+            "state": str(r[3]),
+            "in_transaction_s": round(float(r[4])) if r[4] is not None else None,
+            "query": str(r[5]),
+        }
+        for r in rows
+    ]

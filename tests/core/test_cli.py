@@ -126,6 +126,36 @@ def test_status_json_has_the_contract_keys(
     assert "pending_triage: 3 ready" in human.stdout
 
 
+def test_status_names_a_table_another_session_locks_instead_of_waiting(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """An operator asking during a migration: `status` waited for as long as the lock."""
+    enqueue_many(db, 2)
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_triage, worker_heartbeats IN ACCESS EXCLUSIVE MODE")
+        holder = locker.info.backend_pid
+        proc = cli("status", "--json", env=env_for(database_url, tmp_path), timeout=60)
+        human = cli("status", env=env_for(database_url, tmp_path), timeout=60)
+        locker.rollback()
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["unknown_locked"] == ["pending_triage", "workers"]
+    assert {(t["table"], t["pid"], t["application"]) for t in report["locked_tables"]} == {
+        ("pending_triage", holder, "a-migration"),
+        ("worker_heartbeats", holder, "a-migration"),
+    }
+    assert report["queues"]["pending_distillation"]["ready"] == 0  # the rest is still read
+    lines = human.stdout.splitlines()
+    assert "pending_triage: unknown (its table is locked by another session: see 'locked')" in lines
+    assert any(
+        line.startswith(f"locked: pending_triage by pid {holder} (a-migration,")
+        and line.endswith(f"SELECT pg_terminate_backend({holder})")
+        for line in lines
+    ), human.stdout
+    assert "workers: unknown (its table is locked by another session: see 'locked')" in lines
+    assert "failures (24h): none" in lines
+
+
 def test_status_with_the_database_down_says_so(tmp_path: Path) -> None:
     proc = cli("status", "--json", env=env_for("postgresql://x@127.0.0.1:1/none", tmp_path))
     assert proc.returncode == 0
