@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,10 @@ log = structlog.get_logger(__name__)
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 # Any constant shared by every worker: two workers starting together take turns.
 _LOCK_KEY = 0x50C_2A705
+# A migration takes its table locks within this or steps back and tries again: waiting in the
+# lock queue behind another session's long transaction would hold every claim behind it.
+LOCK_TIMEOUT_MS = 2000
+RETRY_MAX_S = 30.0
 
 
 class MigrationError(WorkerError):
@@ -119,14 +124,66 @@ def _create_history_table(conn: psycopg.Connection) -> None:
 
 
 def _apply_one(conn: psycopg.Connection, migration: Migration) -> None:
+    """Apply ``migration`` in one transaction, retried while its locks are not to be had."""
+    started, delay = time.monotonic(), 1.0
+    while not _applied_within_lock_timeout(conn, migration):
+        log.warning(
+            "migration_waiting_for_lock",
+            migration=migration.name,
+            waiting_s=round(time.monotonic() - started),
+            retry_in_s=delay,
+            held_by=_long_lock_holders(conn),
+            hint="another session holds a table this migration changes (a long transaction?);"
+            " it is not waited for in the lock queue, so the workers keep claiming; to end"
+            " that session: SELECT pg_terminate_backend(PID)",
+        )
+        time.sleep(delay)
+        delay = min(delay * 2, RETRY_MAX_S)
+
+
+def _long_lock_holders(conn: psycopg.Connection) -> list[dict[str, object]]:
+    """Other sessions holding locks on this database's tables in transactions over 1 s old."""
+    rows = conn.execute(
+        """SELECT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''),
+                  round(EXTRACT(EPOCH FROM now() - a.xact_start)),
+                  left(coalesce(a.query, ''), 200), string_agg(DISTINCT c.relname, ', ')
+             FROM pg_locks l
+             JOIN pg_class c ON c.oid = l.relation
+             JOIN pg_stat_activity a ON a.pid = l.pid
+            WHERE l.granted AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND c.relnamespace NOT IN ('pg_catalog'::regnamespace,
+                                         'information_schema'::regnamespace)
+              AND a.xact_start < now() - interval '1 second'
+            GROUP BY 1, 2, 3, 4, 5 ORDER BY 4 DESC NULLS LAST LIMIT 5"""
+    ).fetchall()
+    return [
+        {
+            "pid": r[0],
+            "application": r[1],
+            "state": r[2],
+            "in_transaction_s": r[3],
+            "query": r[4],
+            "tables": r[5],
+        }
+        for r in rows
+    ]
+
+
+def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration) -> bool:
+    """True once applied and recorded; False when a lock was not granted in time."""
     try:
         with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
             conn.execute(migration.sql.encode())
             conn.execute(
                 "INSERT INTO sokratos_worker_migrations (version, name, checksum)"
                 " VALUES (%s, %s, %s)",
                 (migration.version, migration.name, migration.checksum),
             )
+        return True
+    except psycopg.errors.LockNotAvailable:
+        return False
     except psycopg.errors.FeatureNotSupported as exc:
         raise MigrationError(_explain(migration, exc)) from exc
     except psycopg.errors.UndefinedFile as exc:

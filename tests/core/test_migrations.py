@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.app import _check_schema
 from sokratos_worker.config import ConfigError, Settings
@@ -154,3 +156,48 @@ def test_pending_migrations_under_a_role_that_may_not_apply_them_say_what_to_do(
     assert "permission denied for schema public" in message
     assert "sokratos-worker migrate" in message and "SOKRATOS_MIGRATE_ON_START=false" in message
     assert table == (None,)
+
+
+def test_a_migration_behind_a_long_transaction_steps_back_instead_of_queueing(
+    database_url: str,
+) -> None:
+    """An ALTER waiting in the lock queue behind another session's open transaction made every
+    later reader and writer of that table wait behind it (a worker's claims included). It now
+    takes its locks within 2 s or rolls back, names the holder and tries again."""
+    last = load_migrations()[-1]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM sokratos_worker_migrations WHERE version = %s", (last.version,))
+    table = "email_checkpoints"  # what the last migration alters (ADD COLUMN IF NOT EXISTS)
+    assert table in last.sql
+    logs: list[dict[str, object]] = []
+    done = threading.Event()
+    with psycopg.connect(database_url, application_name="a-report") as reader:
+        reader.execute(f"SELECT count(*) FROM {table}")  # an open transaction holds its lock
+        holder = reader.info.backend_pid
+
+        def migrate() -> None:
+            with capture_logs() as captured:
+                apply_migrations(database_url)
+            logs.extend(captured)
+            done.set()
+
+        thread = threading.Thread(target=migrate, daemon=True)
+        thread.start()
+        with psycopg.connect(database_url, autocommit=True) as other:
+            other.execute("SET lock_timeout = '10s'")
+            # Meanwhile the table stays usable: between its tries the migration is not queued.
+            for _ in range(3):
+                time.sleep(1.5)
+                other.execute(f"SELECT count(*) FROM {table}")
+        assert not done.is_set()
+        reader.rollback()
+    assert done.wait(60)
+    waits = [e for e in logs if e["event"] == "migration_waiting_for_lock"]
+    assert waits and waits[0]["migration"] == last.name
+    held_by = waits[0]["held_by"]
+    assert isinstance(held_by, list)
+    assert [(h["pid"], h["application"]) for h in held_by] == [(holder, "a-report")]
+    assert any(e["event"] == "migrations_applied" for e in logs)
+    with psycopg.connect(database_url) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM sokratos_worker_migrations")]
+    assert versions.count(last.version) == 1
