@@ -7,12 +7,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import structlog
 
 from sokratos_worker.errors import WorkerError
 from sokratos_worker.store.connection import connect, translated
+from sokratos_worker.store.status import SESSION_COLUMNS, session
 
 log = structlog.get_logger(__name__)
 
@@ -141,33 +143,21 @@ def _apply_one(conn: psycopg.Connection, migration: Migration) -> None:
         delay = min(delay * 2, RETRY_MAX_S)
 
 
-def _long_lock_holders(conn: psycopg.Connection) -> list[dict[str, object]]:
+def _long_lock_holders(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """Other sessions holding locks on this database's tables in transactions over 1 s old."""
     rows = conn.execute(
-        """SELECT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''),
-                  round(EXTRACT(EPOCH FROM now() - a.xact_start)),
-                  left(coalesce(a.query, ''), 200), string_agg(DISTINCT c.relname, ', ')
-             FROM pg_locks l
-             JOIN pg_class c ON c.oid = l.relation
-             JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE l.granted AND l.pid <> pg_backend_pid()
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-              AND c.relnamespace NOT IN ('pg_catalog'::regnamespace,
-                                         'information_schema'::regnamespace)
-              AND a.xact_start < now() - interval '1 second'
-            GROUP BY 1, 2, 3, 4, 5 ORDER BY 4 DESC NULLS LAST LIMIT 5"""
+        f"""SELECT l.pid, {SESSION_COLUMNS}, string_agg(DISTINCT c.relname, ', ')
+              FROM pg_locks l
+              JOIN pg_class c ON c.oid = l.relation
+              JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.granted AND l.pid <> pg_backend_pid()
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND c.relnamespace NOT IN ('pg_catalog'::regnamespace,
+                                          'information_schema'::regnamespace)
+               AND a.xact_start < now() - interval '1 second'
+             GROUP BY 1, 2, 3, 4, 5, 6 ORDER BY 5 DESC NULLS LAST LIMIT 5"""
     ).fetchall()
-    return [
-        {
-            "pid": r[0],
-            "application": r[1],
-            "state": r[2],
-            "in_transaction_s": r[3],
-            "query": r[4],
-            "tables": r[5],
-        }
-        for r in rows
-    ]
+    return [{**session(r), "tables": str(r[6])} for r in rows]
 
 
 def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration) -> bool:

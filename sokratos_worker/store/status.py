@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +161,26 @@ def database_has_fixed_embedding(conn: psycopg.Connection) -> int | None:
     return int(row[0]) if row[0] and row[0] > 0 else 0
 
 
+# Who another session is, after its pid, read from pg_stat_activity ``a`` (see session()).
+# Query texts of other roles' sessions read <insufficient privilege> without pg_read_all_stats.
+SESSION_COLUMNS = """coalesce(a.application_name, ''), coalesce(a.usename::text, ''),
+    coalesce(a.state, ''), EXTRACT(EPOCH FROM now() - a.xact_start),
+    left(coalesce(a.query, ''), 200)"""
+
+
+def session(row: Sequence[Any]) -> dict[str, Any]:
+    """A row's pid and SESSION_COLUMNS (its first six values) as a log- and JSON-ready dict."""
+    held = row[4]
+    return {
+        "pid": int(row[0]),
+        "application": str(row[1]),
+        "user": str(row[2]),
+        "state": str(row[3]),
+        "in_transaction_s": round(float(held)) if held is not None else None,
+        "query": str(row[5]),
+    }
+
+
 @dataclass(frozen=True)
 class LockWait:
     """What one server process waits for: the tables it is refused, and who holds them."""
@@ -180,33 +201,20 @@ class LockWait:
 
 def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
     """The locks server process ``pid`` waits for and the sessions holding them (none: it
-    does not wait for a lock). Query texts of other roles' sessions read
-    ``<insufficient privilege>`` without pg_read_all_stats."""
+    does not wait for a lock)."""
     tables = conn.execute(
         "SELECT DISTINCT relation::regclass::text FROM pg_locks"
         " WHERE pid = %s AND NOT granted AND relation IS NOT NULL ORDER BY 1",
         (pid,),
     ).fetchall()
     rows = conn.execute(
-        """SELECT b.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''),
-                  coalesce(a.state, ''), EXTRACT(EPOCH FROM now() - a.xact_start),
-                  left(coalesce(a.query, ''), 200)
-             FROM unnest(pg_blocking_pids(%s)) AS b(pid)
-             LEFT JOIN pg_stat_activity a ON a.pid = b.pid
-            ORDER BY a.xact_start NULLS LAST, b.pid""",
+        f"""SELECT b.pid, {SESSION_COLUMNS}
+              FROM unnest(pg_blocking_pids(%s)) AS b(pid)
+              LEFT JOIN pg_stat_activity a ON a.pid = b.pid
+             ORDER BY a.xact_start NULLS LAST, b.pid""",
         (pid,),
     ).fetchall()
-    blockers = tuple(
-        {
-            "pid": int(r[0]),
-            "application": str(r[1]),
-            "user": str(r[2]),
-            "state": str(r[3]),
-            "in_transaction_s": round(float(r[4])) if r[4] is not None else None,
-            "query": str(r[5]),
-        }
-        for r in rows
-    )
+    blockers = tuple(session(r) for r in rows)
     return LockWait(tables=tuple(str(t[0]) for t in tables), blockers=blockers)
 
 
@@ -214,26 +222,14 @@ def locked_tables(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """The worker's tables other sessions hold ACCESS EXCLUSIVE (what blocks even reads:
     a migration's ALTER, LOCK TABLE, VACUUM FULL), and who holds them."""
     rows = conn.execute(
-        """SELECT c.relname::text, l.pid, coalesce(a.application_name, ''),
-                  coalesce(a.state, ''), EXTRACT(EPOCH FROM now() - a.xact_start),
-                  left(coalesce(a.query, ''), 200)
-             FROM pg_locks l
-             JOIN pg_class c ON c.oid = l.relation
-             LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE l.granted AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-              AND c.relname = ANY(%s)
-            ORDER BY 1, 2""",
+        f"""SELECT l.pid, {SESSION_COLUMNS}, c.relname::text
+              FROM pg_locks l
+              JOIN pg_class c ON c.oid = l.relation
+              LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.granted AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND c.relname = ANY(%s)
+             ORDER BY c.relname, l.pid""",
         (list(WORKER_TABLES),),
     ).fetchall()
-    return [
-        {
-            "table": str(r[0]),
-            "pid": int(r[1]),
-            "application": str(r[2]),
-            "state": str(r[3]),
-            "in_transaction_s": round(float(r[4])) if r[4] is not None else None,
-            "query": str(r[5]),
-        }
-        for r in rows
-    ]
+    return [{"table": str(r[6]), **session(r)} for r in rows]
