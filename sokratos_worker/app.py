@@ -161,9 +161,13 @@ def _report_stuck_drain(worker: Worker) -> str:
         "run_once_drain_stuck",
         reason=reason,
         held_by=list(waiting.blockers) if waiting is not None else [],
-        hint="another session holds a queue table (a migration, a transaction left open?):"
-        " the run ends without it and the items wait for the next; to end that session:"
-        " SELECT pg_terminate_backend(PID)",
+        hint="the run ends without it and the items wait for the next; "
+        + (
+            "another session holds a queue table (a migration, a transaction left open?):"
+            f" SELECT pg_terminate_backend({waiting.blockers[0]['pid']}) ends it"
+            if waiting is not None
+            else "the worker's session in pg_stat_activity says what its statement waits for"
+        ),
     )
     return reason
 

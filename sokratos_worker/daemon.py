@@ -338,18 +338,16 @@ class Worker:
         if self._lock_wait is not None and (
             previous is None or previous.blocker_pids != self._lock_wait.blocker_pids
         ):
-            held_by = ", ".join(str(pid) for pid in sorted(self._lock_wait.blocker_pids))
-            tables = ", ".join(self._lock_wait.tables) or "a table"
             first = self._lock_wait.blockers[0]["pid"]
             log.warning(
                 "dispatcher_waiting_for_lock",
                 waiting_s=round(stalled_s),
                 tables=list(self._lock_wait.tables),
                 held_by=list(self._lock_wait.blockers),
-                hint=f"another session (pid {held_by}) holds a lock on {tables}: a migration,"
-                " an ALTER, LOCK or VACUUM FULL, or a transaction left open; claiming goes on"
-                " when it ends and nothing is lost (the worker is not restarted: a new one"
-                f" would wait too). To end it: SELECT pg_terminate_backend({first})",
+                hint=f"{self._lock_wait.describe()}: a migration, an ALTER, LOCK or VACUUM FULL,"
+                " or a transaction left open; claiming goes on when it ends and nothing is lost"
+                " (the worker is not restarted: a new one would wait too). To end it:"
+                f" SELECT pg_terminate_backend({first})",
             )
             self.notifier.status(self._running_status())
         return self._lock_wait is not None

@@ -12,7 +12,8 @@ import queue as queue_mod
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -254,29 +255,31 @@ class Runner:
         asked, got = free, 0
         order = self.queues[self._rotation :] + self.queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self.queues))
-        with self.database.connection() as conn:
-            self.dispatcher_backend_pid = conn.pgconn.backend_pid
-            try:
-                for q in order:
-                    if free <= 0:
-                        break
-                    items = store.claim(
-                        conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
-                    )
-                    for item in items:
-                        if self._track(item):
-                            self._handoff.put(item)
-                    free -= len(items)
-                    got += len(items)
-            finally:
-                self.dispatcher_backend_pid = None
+        with self._dispatcher_connection() as conn:
+            for q in order:
+                if free <= 0:
+                    break
+                items = store.claim(
+                    conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
+                )
+                for item in items:
+                    if self._track(item):
+                        self._handoff.put(item)
+                free -= len(items)
+                got += len(items)
         return asked, got
 
     def _next_ready_in(self) -> float | None:
+        with self._dispatcher_connection() as conn:
+            return store.next_ready_in(conn, self.queues)
+
+    @contextmanager
+    def _dispatcher_connection(self) -> Iterator[Connection]:
+        """A pooled connection whose server process is known while the dispatcher uses it."""
         with self.database.connection() as conn:
             self.dispatcher_backend_pid = conn.pgconn.backend_pid
             try:
-                return store.next_ready_in(conn, self.queues)
+                yield conn
             finally:
                 self.dispatcher_backend_pid = None
 

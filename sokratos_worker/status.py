@@ -138,16 +138,9 @@ def render_status(report: dict[str, Any]) -> str:
         return "\n".join(lines)
     unknown = report.get("unknown_locked") or []
     lines += [_lock_line(lock) for lock in report.get("locked_tables") or []]
-    failures = report["failures_24h"]
+    failures = ", ".join(f"{k} {v}" for k, v in report["failures_24h"].items()) or "none"
     lines.append(
-        "failures (24h): "
-        + (
-            f"unknown ({LOCKED})"
-            if "failures_24h" in unknown
-            else ", ".join(f"{k} {v}" for k, v in failures.items())
-            if failures
-            else "none"
-        )
+        f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"
     )
     if "workers" in unknown:
         lines.append(f"workers: unknown ({LOCKED})")

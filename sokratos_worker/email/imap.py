@@ -376,13 +376,13 @@ class ImapSession:
         the check past its read timeout, nor a stop (the lookup is left to end by itself)."""
         host, port = self.account.host, self.account.imap_port
         answer: list[tuple[Any, ...]] = []
-        failure: list[OSError] = []
+        failure: list[Exception] = []
         done = threading.Event()
 
         def look_up() -> None:
             try:
                 answer.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # (ValueError: a name IDNA cannot encode)
                 failure.append(exc)
             finally:
                 done.set()
