@@ -44,10 +44,13 @@ def dovecot_binary() -> str | None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports: every socket stays bound until all are picked, so none repeats."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def _users() -> tuple[str, str, int, int]:
@@ -90,7 +93,18 @@ class Dovecot:
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, binary: str) -> Dovecot:
+    def start(cls, binary: str, attempts: int = 3) -> Dovecot:
+        """Start one, on fresh ports again if another process took a port before Dovecot bound it."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls._start_once(binary)
+            except RuntimeError as error:
+                if attempt == attempts or "Address already in use" not in str(error):
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, binary: str) -> Dovecot:
         root = Path(tempfile.mkdtemp(prefix="sokratos-dovecot-"))
         root.chmod(0o755)  # the mail user must be able to reach its maildir
         login_user, internal_user, uid, gid = _users()
@@ -102,7 +116,8 @@ class Dovecot:
             f"{USER}:{{PLAIN}}{PASSWORD}::::\n{UTF8_USER}:{{PLAIN}}{UTF8_PASSWORD}::::\n",
             encoding="utf-8",
         )
-        server = cls(root, _free_port(), _free_port(), cert)
+        imap_port, imaps_port = _free_ports(2)
+        server = cls(root, imap_port, imaps_port, cert)
         (root / "dovecot.conf").write_text(
             f"""
 protocols = imap
@@ -168,8 +183,9 @@ service anvil {{
                 continue
             client.logout()
             return
+        logs = self.logs()  # read before stop() removes the directory they live in
         self.stop()
-        raise RuntimeError(f"dovecot did not start:\n{self.logs()}")
+        raise RuntimeError(f"dovecot did not start:\n{logs}")
 
     def logs(self) -> str:
         parts = []
