@@ -20,7 +20,7 @@ import structlog
 
 from sokratos_worker import __version__
 from sokratos_worker.config import ConfigError, Settings, load_settings, unknown_variables
-from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked, WorkerError
 from sokratos_worker.handlers import HandlerFactory
 from sokratos_worker.logs import configure_logging
 from sokratos_worker.model import Queue
@@ -38,10 +38,11 @@ EXIT_TEMPFAIL = 75
 
 ENQUEUE_OUTPUT = (
     "Prints the new item id (or the existing id for a known --key), or 'spooled PATH' when"
-    " the database is unreachable (a worker imports it later). Exit 1 on invalid input, and"
-    " when the database refuses the item (migrations not applied, a role without"
-    " sokratos_producer): nothing is spooled then. Exit 75 when the database is unreachable"
-    " and the spool cannot be written: nothing was enqueued, try again later."
+    " the database is unreachable or another session keeps the queue table locked for 5 s"
+    " (a migration; the session is named on stderr): a worker imports it later. Exit 1 on"
+    " invalid input, and when the database refuses the item (migrations not applied, a role"
+    " without sokratos_producer): nothing is spooled then. Exit 75 when the database could"
+    " not take it and the spool cannot be written: nothing was enqueued, try again later."
 )
 EXIT_CONFIG = 78
 
@@ -163,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
-    failed = commands.add_parser("failed", help="inspect and replay failed_operations")
+    failed = commands.add_parser(
+        "failed",
+        help="inspect and replay failed_operations",
+        description="Inspect and replay the dead letters. A table another session keeps"
+        " locked for 5 s (a migration, a transaction left open) ends the command with exit 75,"
+        " naming that session and what was not done.",
+    )
     actions = failed.add_subparsers(dest="action", metavar="ACTION", required=True)
     flist = actions.add_parser("list", help="failures, newest first")
     flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
@@ -239,6 +246,9 @@ def main(
     except ConfigError as exc:
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except TableLocked as exc:
+        print(f"sokratos-worker: {exc}", file=sys.stderr)
+        return EXIT_TEMPFAIL
     except DatabaseUnavailable as exc:
         print(
             f"sokratos-worker: {exc}. Check SOKRATOS_DATABASE_URL and that PostgreSQL is running.",
@@ -383,7 +393,8 @@ def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
         # Exit 75, not 1: nothing is wrong with the input, and a later try may succeed.
         where = exc.filename or settings.spool_dir
         raise DatabaseUnavailable(
-            f"database unreachable and the spool cannot be written ({where}:"
+            f"the database could not take it (unreachable, or its queue table locked) and the"
+            f" spool cannot be written ({where}:"
             f" {exc.strerror or exc}): nothing was enqueued, try again later"
         ) from exc
     print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
@@ -417,8 +428,10 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
 def _enqueue_or_spool(
     settings: Settings, queue: Queue, payload: dict[str, Any], *, key: str | None
 ) -> Enqueued:
-    """Enqueue; spool only when no database can be reached (never for a refusal)."""
+    """Enqueue; spool only when no database can be reached or a queue table stays locked
+    (never for a refusal)."""
     from sokratos_worker import client  # noqa: PLC0415
+    from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS  # noqa: PLC0415
 
     try:
         with database_url(settings, wait=False) as url:
@@ -429,6 +442,7 @@ def _enqueue_or_spool(
                 key=key,
                 spool_dir=settings.spool_dir,
                 spool_for=settings.database_identity,
+                lock_timeout_ms=COMMAND_LOCK_TIMEOUT_MS,
             )
     except EmbeddedUnavailable:
         # No server at all: spooled, sanitized and checked as client.enqueue spools.
@@ -463,13 +477,19 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
 def _failed(args: argparse.Namespace, settings: Settings) -> int:
     from sokratos_worker.store import failures  # noqa: PLC0415
     from sokratos_worker.store.connection import connect  # noqa: PLC0415
+    from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
 
     problem = _retry_usage_problem(args) if args.action == "retry" else None
     if problem:
         print(f"sokratos-worker failed retry: error: {problem}", file=sys.stderr)
         return EXIT_FAILURE
-    # An operator at a terminal: say at once that the database is away (exit 75), no waiting.
-    with database_url(settings, wait=False) as url, connect(url) as conn:
+    # An operator at a terminal: say at once that the database is away (exit 75), no waiting,
+    # and after a few seconds who holds a table the command waits for.
+    with (
+        database_url(settings, wait=False) as url,
+        connect(url) as conn,
+        lock_waits_given_up(conn, f"failed {args.action}"),
+    ):
         if args.action == "list":
             rows = failures.list_failures(conn, op_type=args.op_type, limit=args.limit)
             for row in rows:
@@ -500,6 +520,7 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
 
 def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
     from sokratos_worker.store import failures  # noqa: PLC0415
+    from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
 
     ids = failures.retryable_ids(conn, op_type=args.op_type) if args.all else args.ids
     if args.all:
@@ -514,8 +535,14 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
         print("nothing to retry")
         return EXIT_OK
     code = EXIT_OK
-    for failure_id in ids:
-        result = failures.retry_failure(conn, failure_id)
+    for done, failure_id in enumerate(ids):
+        try:
+            with lock_waits_given_up(conn, f"failed retry {failure_id}"):
+                result = failures.retry_failure(conn, failure_id)
+        except TableLocked as exc:
+            left = ", ".join(str(i) for i in ids[done : done + 10])
+            more = f" and {len(ids) - done - 10} more" if len(ids) - done > 10 else ""
+            raise TableLocked(f"{exc} (not retried: {left}{more})") from exc
         print(f"{failure_id}: {result.message}")
         if result.item_id is None:
             code = EXIT_FAILURE

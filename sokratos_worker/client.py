@@ -6,17 +6,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
+import structlog
+
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
 from sokratos_worker.spool import spool_enqueue, storable_payload
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import connect, translated
+from sokratos_worker.store.locks import lock_waits_given_up
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,14 @@ def enqueue(
     source: str | None = None,
     spool_dir: Path | None = None,
     spool_for: str | None = None,
+    lock_timeout_ms: int | None = None,
 ) -> Enqueued:
     """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead
     (``spool_for``: ``Settings.database_identity``, so only a worker on it imports the file).
+
+    With ``lock_timeout_ms``, a queue table another session holds locked longer than that
+    (a migration, a transaction left open) counts as unreachable too: spooled, or
+    :class:`TableLocked` naming the session. Without it the enqueue waits for the lock.
 
     Raises :class:`InvalidPayload` naming the field when the payload is malformed, and
     psycopg's own errors for what the database refuses otherwise (missing migrations or
@@ -67,13 +78,25 @@ def enqueue(
         key = f"spool:{uuid.uuid4()}"
     try:
         with translated(), connect(conninfo, timeout=5.0) as conn:
-            return Enqueued(
-                item_id=store.enqueue(conn, queue, clean, idempotency_key=key, source=source)
+            gives_up = (
+                lock_waits_given_up(conn, f"enqueue into {queue.value}", lock_timeout_ms)
+                if lock_timeout_ms is not None
+                else contextlib.nullcontext()
             )
-    except DatabaseUnavailable:
+            with gives_up:
+                item_id = store.enqueue(conn, queue, clean, idempotency_key=key, source=source)
+            return Enqueued(item_id=item_id)
+    except DatabaseUnavailable as exc:
         if spool_dir is None:
             raise
+        if isinstance(exc, TableLocked):
+            log.warning("enqueue_table_locked", reason=str(exc), hint=_SPOOLED_UNTIL_RELEASED)
         return spool(spool_dir, queue, clean, key=key, source=source, spool_for=spool_for)
+
+
+_SPOOLED_UNTIL_RELEASED = (
+    "spooled instead: the worker imports it at a tick once the lock is released"
+)
 
 
 def spool(
@@ -120,12 +143,20 @@ def enqueue_triage(
     occurred_at: datetime | None = None,
     key: str | None = None,
     spool_dir: Path | None = None,
+    lock_timeout_ms: int | None = None,
 ) -> Enqueued:
-    """Enqueue a conversation exchange for triage."""
+    """Enqueue a conversation exchange for triage (the arguments as for :func:`enqueue`)."""
     payload = triage_payload(
         exchange, tools_used=tools_used, pipeline_id=pipeline_id, occurred_at=occurred_at
     )
-    return enqueue(conninfo, Queue.TRIAGE, payload, key=key, spool_dir=spool_dir)
+    return enqueue(
+        conninfo,
+        Queue.TRIAGE,
+        payload,
+        key=key,
+        spool_dir=spool_dir,
+        lock_timeout_ms=lock_timeout_ms,
+    )
 
 
 def enqueue_distillation(
@@ -134,6 +165,14 @@ def enqueue_distillation(
     *,
     key: str | None = None,
     spool_dir: Path | None = None,
+    lock_timeout_ms: int | None = None,
 ) -> Enqueued:
     """Enqueue an archived conversation (``messages`` or ``archive_text``) for distillation."""
-    return enqueue(conninfo, Queue.DISTILLATION, payload, key=key, spool_dir=spool_dir)
+    return enqueue(
+        conninfo,
+        Queue.DISTILLATION,
+        payload,
+        key=key,
+        spool_dir=spool_dir,
+        lock_timeout_ms=lock_timeout_ms,
+    )

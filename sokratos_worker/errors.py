@@ -4,6 +4,7 @@
 
     WorkerError
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
+    │   └── TableLocked              another session holds a table the command must write
     ├── LeaseLost                    another worker took the item over; settle refused
     └── ItemError                    this item's attempt failed (counts as an attempt)
         ├── InvalidPayload           never retried: straight to failed_operations
@@ -20,6 +21,11 @@ class WorkerError(Exception):
 
 class DatabaseUnavailable(WorkerError):
     """PostgreSQL cannot be reached or dropped the connection; try again later."""
+
+
+class TableLocked(DatabaseUnavailable):
+    """A command gave up waiting for a table another session holds locked; the message
+    names the session and how to end it."""
 
 
 class LeaseLost(WorkerError):

@@ -181,13 +181,10 @@ def _queue_lines(report: dict[str, Any]) -> list[str]:
 
 def _lock_line(lock: dict[str, Any]) -> str:
     """A table another session holds: who, since when, doing what, and how to end it."""
-    held = lock["in_transaction_s"]
     return (
-        f"locked: {lock['table']} by pid {lock['pid']}"
-        f" ({lock['application'] or 'no application name'}, {lock['state']}"
-        + (f", {held} s in its transaction" if held is not None else "")
-        + f"; {lock['query']!r}): workers wait for it and it reads as unknown here;"
-        f" a migration? else end it: SELECT pg_terminate_backend({lock['pid']})"
+        f"locked: {lock['table']} by {status_store.describe_holder(lock)}: workers wait for it"
+        " and it reads as unknown here; a migration? else end it:"
+        f" SELECT pg_terminate_backend({lock['pid']})"
     )
 
 

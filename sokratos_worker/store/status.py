@@ -218,18 +218,36 @@ def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
     return LockWait(tables=tuple(str(t[0]) for t in tables), blockers=blockers)
 
 
-def locked_tables(conn: psycopg.Connection) -> list[dict[str, Any]]:
-    """The worker's tables other sessions hold ACCESS EXCLUSIVE (what blocks even reads:
-    a migration's ALTER, LOCK TABLE, VACUUM FULL), and who holds them."""
+# Table lock modes that block reads too (a migration's ALTER, LOCK TABLE, VACUUM FULL).
+BLOCKS_READS = ("AccessExclusiveLock",)
+# Table lock modes that make an INSERT, UPDATE or DELETE wait (they conflict with ROW EXCLUSIVE).
+BLOCKS_WRITES = ("ShareLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessExclusiveLock")
+
+
+def locked_tables(
+    conn: psycopg.Connection, modes: Sequence[str] = BLOCKS_READS
+) -> list[dict[str, Any]]:
+    """The worker's tables other sessions hold in one of ``modes``, and who holds them."""
     rows = conn.execute(
-        f"""SELECT l.pid, {SESSION_COLUMNS}, c.relname::text
+        f"""SELECT DISTINCT l.pid, {SESSION_COLUMNS}, c.relname::text
               FROM pg_locks l
               JOIN pg_class c ON c.oid = l.relation
               LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-             WHERE l.granted AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
+             WHERE l.granted AND l.mode = ANY(%s) AND l.pid <> pg_backend_pid()
                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND c.relname = ANY(%s)
-             ORDER BY c.relname, l.pid""",
-        (list(WORKER_TABLES),),
+             ORDER BY 7, 1""",
+        (list(modes), list(WORKER_TABLES)),
     ).fetchall()
     return [{"table": str(r[6]), **session(r)} for r in rows]
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """``pid 812 (psql, idle in transaction, 340 s in its transaction; 'ALTER TABLE ...')``."""
+    held = holder["in_transaction_s"]
+    return (
+        f"pid {holder['pid']} ({holder['application'] or 'no application name'},"
+        f" {holder['state'] or 'state unknown'}"
+        + (f", {held} s in its transaction" if held is not None else "")
+        + f"; {holder['query']!r})"
+    )

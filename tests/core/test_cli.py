@@ -458,3 +458,85 @@ def test_a_missing_ca_file_exits_78_naming_the_field_and_the_path(
         assert proc.stderr.strip() == (
             f"sokratos-worker: invalid configuration: {field}: {missing!r} does not exist"
         )
+
+
+def test_enqueue_behind_a_locked_queue_spools_it_and_the_worker_imports_it_once(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A producer calling `enqueue` during a migration waited for as long as the lock."""
+    from sokratos_worker.spool import import_spool
+    from sokratos_worker.store.connection import Database
+
+    env = env_for(database_url, tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
+        holder = locker.info.backend_pid
+        proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
+        locked = count(db, "SELECT count(*) FROM pending_distillation")  # other tables readable
+        locker.rollback()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("spooled "), proc.stdout
+    (said,) = [
+        json.loads(line) for line in proc.stderr.splitlines() if "enqueue_table_locked" in line
+    ]
+    assert f"pending_triage is held by pid {holder} (a-migration," in said["reason"]
+    assert said["reason"].endswith(f"to end it now: SELECT pg_terminate_backend({holder})")
+    assert locked == 0 and count(db, "SELECT count(*) FROM pending_triage") == 0
+    spool = tmp_path / "d" / "spool"
+    database = Database(database_url, size=1)
+    try:
+        assert import_spool(spool, database) == 1
+        assert import_spool(spool, database) == 0
+    finally:
+        database.close()
+    exchanges = db.execute("SELECT payload->>'exchange' FROM pending_triage").fetchall()
+    assert exchanges == [("user: hi\nassistant: hello",)]
+
+
+def test_enqueue_behind_a_locked_queue_with_no_spool_exits_75_naming_the_holder(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "spool").write_text("a file where the spool directory should be")
+    env = env_for(database_url, tmp_path, SOKRATOS_DATA_DIR=str(data))
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        # SHARE blocks writes only (CREATE INDEX without CONCURRENTLY takes it).
+        locker.execute("LOCK TABLE pending_triage IN SHARE MODE")
+        holder = locker.info.backend_pid
+        proc = cli("enqueue", "triage", "--exchange", "user: hi\nassistant: hello", env=env)
+        locker.rollback()
+    assert proc.returncode == 75 and "Traceback" not in proc.stderr, proc.stderr
+    assert "its queue table locked" in proc.stderr and "nothing was enqueued" in proc.stderr
+    assert f"pending_triage is held by pid {holder} (a-migration," in proc.stderr
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+def test_failed_retry_behind_a_locked_queue_names_the_holder_and_retries_later_once(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    from sokratos_worker.model import Queue
+    from sokratos_worker.store import queue as store
+
+    enqueue_many(db, 2, behaviour="fail")
+    for item in store.claim(db, Queue.TRIAGE, owner="w", limit=2, lease_s=60):
+        store.dead_letter(db, item, owner="w", error="model said no")
+    ids = [r[0] for r in db.execute("SELECT id FROM failed_operations ORDER BY id").fetchall()]
+    env = env_for(database_url, tmp_path)
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_triage IN SHARE MODE")
+        holder = locker.info.backend_pid
+        listing = cli("failed", "list", env=env)  # reads are not blocked by SHARE
+        proc = cli("failed", "retry", "--all", env=env)
+        locker.rollback()
+    assert listing.returncode == 0 and "model said no" in listing.stdout
+    assert proc.returncode == 75 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"failed retry {ids[0]}: gave up after 5 s waiting for a lock" in proc.stderr
+    assert f"pending_triage is held by pid {holder} (a-migration," in proc.stderr
+    assert f"(not retried: {ids[0]}, {ids[1]})" in proc.stderr
+    assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NOT NULL") == 0
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+    again = cli("failed", "retry", "--all", env=env)
+    assert again.returncode == 0, again.stderr
+    assert count(db, "SELECT count(*) FROM pending_triage") == 2
+    assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NOT NULL") == 2

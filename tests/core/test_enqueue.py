@@ -16,7 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
-from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.errors import InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
 from sokratos_worker.spool import import_spool, pending_elsewhere, spool_enqueue, spool_problems
 from sokratos_worker.status import render_status
@@ -55,6 +55,31 @@ def test_the_producer_role_enqueues_through_the_client(
     assert count(db, "SELECT count(*) FROM pending_distillation WHERE id = %s", archive.item_id)
     with pytest.raises(InvalidPayload, match=r"payload\.messages"):
         enqueue_distillation(producer_url, {"messages": "not a list"})
+
+
+def test_a_producer_with_a_lock_timeout_is_told_who_holds_the_queue(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """Without a spool the caller gets TableLocked; with one, the enqueue is spooled."""
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE pending_distillation IN EXCLUSIVE MODE")
+        holder = locker.info.backend_pid
+        with pytest.raises(TableLocked, match=f"pending_distillation is held by pid {holder}"):
+            enqueue_distillation(database_url, {"archive_text": "a"}, lock_timeout_ms=200)
+        spooled = enqueue_distillation(
+            database_url, {"archive_text": "a"}, lock_timeout_ms=200, spool_dir=tmp_path
+        )
+        locker.rollback()
+    assert spooled.item_id is None and spooled.spooled is not None
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    database = Database(database_url, size=1)
+    try:
+        assert import_spool(tmp_path, database) == 1
+    finally:
+        database.close()
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 1
+    # Without a lock timeout the producer keeps the old behaviour: it waits, and gets in.
+    assert enqueue_distillation(database_url, {"archive_text": "b"}).item_id is not None
 
 
 def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None:

@@ -1,0 +1,56 @@
+"""Commands that give up waiting for a table another session holds, and say who holds it.
+
+A migration's ALTER or a transaction left open by hand can hold a queue table for minutes;
+``enqueue`` and ``failed retry`` would otherwise wait silently for as long as it lasts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from sokratos_worker.errors import TableLocked
+from sokratos_worker.store.status import BLOCKS_WRITES, describe_holder, locked_tables
+
+# How long a command waits for a lock before it gives up (the spool import waits as long).
+COMMAND_LOCK_TIMEOUT_MS = 5000
+
+
+@contextmanager
+def lock_waits_given_up(
+    conn: psycopg.Connection, doing: str, timeout_ms: int = COMMAND_LOCK_TIMEOUT_MS
+) -> Iterator[None]:
+    """Lock waits on ``conn`` end after ``timeout_ms`` in :class:`TableLocked`, which names
+    the sessions holding the worker's tables; ``doing`` says what was given up.
+
+    Use it outside any transaction on ``conn``: the holders are read after the rollback.
+    """
+    conn.execute(f"SET lock_timeout = {int(timeout_ms)}")
+    try:
+        yield
+    except pg_errors.LockNotAvailable as exc:
+        raise TableLocked(_locked_message(conn, doing, timeout_ms)) from exc
+
+
+def _locked_message(conn: psycopg.Connection, doing: str, timeout_ms: int) -> str:
+    waited = f"{doing}: gave up after {timeout_ms / 1000:g} s waiting for a lock"
+    try:
+        holders = locked_tables(conn, BLOCKS_WRITES)
+    except psycopg.Error:
+        holders = []
+    if not holders:
+        return (
+            f"{waited} another transaction holds on a row it needs (the same item or failure"
+            " in another session's open transaction?); try again when that transaction ends"
+        )
+    held = "; ".join(f"{h['table']} is held by {describe_holder(h)}" for h in holders)
+    ends = "; ".join(
+        f"SELECT pg_terminate_backend({pid})" for pid in sorted({h["pid"] for h in holders})
+    )
+    return (
+        f"{waited}: {held}. It is released when that transaction ends (a migration: try again"
+        f" when it is done); to end it now: {ends}"
+    )
