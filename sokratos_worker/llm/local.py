@@ -98,11 +98,23 @@ class LocalModelServer:
             timeout=self.request_timeout,
         )
 
-    def start(self) -> BackendConfig:
+    def start(self, attempts: int = 3) -> BackendConfig:
         """Start the server and wait until ``/v1/models`` answers."""
         if not llama_cpp_installed():
             raise LocalModelError(f"llama-cpp-python is not installed; {INSTALL_HINT}")
         path = model_path()
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(path)
+                break
+            except LocalModelError as exc:
+                # Another process took the free port before the server bound it: a new one.
+                if attempt == attempts or "address already in use" not in str(exc).lower():
+                    raise
+        log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
+        return self.backend
+
+    def _start_once(self, path: Path) -> None:
         self.port = free_port()
         command = [
             sys.executable,
@@ -134,8 +146,6 @@ class LocalModelServer:
             "local_model_starting", backend=LOCAL_BACKEND_NAME, port=self.port, model=path.name
         )
         self._wait_until_ready()
-        log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
-        return self.backend
 
     def stop(self) -> None:
         """Terminate the server (kill it after 10 s) and remove its log."""

@@ -112,12 +112,13 @@ def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(
         time.sleep(0.5)  # idle: the first tick has run
         enqueue_many(db, 1)
         started = time.monotonic()
-        assert wait_until(lambda: _done(db) == 1, timeout=10)
+        assert wait_until(lambda: _done(db) == 1, timeout=30)
         elapsed = time.monotonic() - started
     finally:
         proc.terminate()
         proc.wait(30)
-    assert elapsed < 2.0, f"took {elapsed:.2f}s: the NOTIFY wake-up did not work"
+    # Generous for a loaded machine (typically well under a second); the heartbeat is 60 s.
+    assert elapsed < 15.0, f"took {elapsed:.2f}s: the NOTIFY wake-up did not work"
 
 
 def test_an_idle_daemon_holds_a_connection_per_slot_and_its_listener(

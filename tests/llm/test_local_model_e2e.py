@@ -113,3 +113,25 @@ def test_generated_gbnf_grammar_constrains_a_real_model(local_server: LocalModel
         client.close()
     assert isinstance(result.value, Note)
     assert result.backend == "local-grammar"
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(monkeypatch: pytest.MonkeyPatch):
+    """free_port() can hand out a port another process binds first; the start tries anew."""
+    import socket
+
+    from sokratos_worker.llm import local
+
+    _require_local_extra()
+    real = local.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(local, "free_port", lambda: next(ports, None) or real())
+        with LocalModelServer(startup_timeout=120) as server:
+            assert server.port != taken.getsockname()[1]
+            client = FallbackChatClient([server.backend])
+            try:
+                assert client.probe() is True
+            finally:
+                client.close()
