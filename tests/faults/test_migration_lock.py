@@ -1,9 +1,12 @@
 """A migration holds the queue and bookkeeping tables (ACCESS EXCLUSIVE) under load and the
 worker is stopped meanwhile: the stop ends in bounded time (it used to wait for the lock),
-a new worker finishes the work once the lock is gone, nothing lost or doubled."""
+producers' enqueues meanwhile are spooled (they used to wait), and a new worker finishes the
+work once the lock is gone, the spooled items included, nothing lost or doubled."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from tests.faults.support import (
     tail,
     time_to_next_outcome,
 )
-from tests.support.daemon import wait_until
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.subprocess, pytest.mark.slow]
 
@@ -57,6 +60,10 @@ def test_a_stop_while_a_migration_holds_the_tables_ends_and_loses_nothing(
             time.sleep(3.0)  # settles and claims wait behind the lock: no outcome lands
             assert outcome_count(db) == stalled
             assert proc.poll() is None, "the worker died behind a lock: " + tail(log)
+            spooled = [
+                _enqueue_by_cli(env, f"toklockspool{i}", key=f"lockspool-{i}") for i in (0, 1)
+            ]
+            assert all(out.startswith("spooled ") for out in spooled), spooled
             asked = time.monotonic()
             assert stop(proc, timeout=60) == 0, tail(log)
             stop_s = time.monotonic() - asked
@@ -76,8 +83,14 @@ def test_a_stop_while_a_migration_holds_the_tables_ends_and_loses_nothing(
         again = start_worker(env, log)
         try:
             recover = time_to_next_outcome(db, stalled, restarted, timeout=60)
-            assert wait_until(lambda: outcome_count(db) >= len(keys), timeout=120), tail(log)
+            assert wait_until(lambda: outcome_count(db) >= len(keys) + 2, timeout=120), tail(log)
+            rows = db.execute(
+                "SELECT item_id FROM sokratos_idempotency_keys WHERE key LIKE 'lockspool-%'"
+            ).fetchall()
+            keys += [("pending_triage", int(row[0])) for row in rows]
+            assert len(rows) == 2
             fig = assert_exactly_once(db, keys)
+            assert not list((tmp_path / "data" / "spool").glob("*.json"))
         finally:
             assert stop(again) == 0, tail(log)
     report(
@@ -86,4 +99,17 @@ def test_a_stop_while_a_migration_holds_the_tables_ends_and_loses_nothing(
         recover,
         done_before=stalled,
         stop_s=round(stop_s, 2),
+        spooled_during_lock=len(spooled),
     )
+
+
+def _enqueue_by_cli(env: dict[str, str], tok: str, *, key: str) -> str:
+    """``sokratos-worker enqueue triage`` as a producer runs it; its stdout."""
+    text = exchange(tok, save=True)["exchange"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", "enqueue", "triage", "--exchange", text,
+         "--key", key],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
