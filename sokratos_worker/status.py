@@ -73,8 +73,13 @@ LOCK_TIMEOUT_MS = 2000
 def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, Any]) -> None:
     conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
     unknown: list[str] = []
+    # Tables already held are not read at all: one wait of 2 s each added up to 10 s or more.
+    held = {lock["table"] for lock in status_store.locked_tables(conn)}
 
-    def read(key: str, what: Callable[[], Any]) -> Any:
+    def read(key: str, table: str, what: Callable[[], Any]) -> Any:
+        if table in held:
+            unknown.append(key)
+            return None
         try:
             return what()
         except pg_errors.LockNotAvailable:
@@ -82,14 +87,24 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
             return None
 
     for q in Queue:
-        stats = read(q.value, partial(status_store.queue_stats, conn, (q,)))
+        stats = read(q.value, q.value, partial(status_store.queue_stats, conn, (q,)))
         report["queues"].update(stats or {})
-    report["failures_24h"] = read("failures_24h", lambda: status_store.failures_24h(conn)) or {}
-    report["outcomes"] = read("outcomes", lambda: status_store.outcome_counts(conn)) or {}
+    report["failures_24h"] = (
+        read("failures_24h", "failed_operations", lambda: status_store.failures_24h(conn)) or {}
+    )
+    report["outcomes"] = (
+        read("outcomes", "work_outcomes", lambda: status_store.outcome_counts(conn)) or {}
+    )
     stale_after_s = max(180.0, settings.heartbeat_interval * 3)
-    workers = read("workers", lambda: status_store.live_workers(conn, stale_after_s=stale_after_s))
+    workers = read(
+        "workers",
+        "worker_heartbeats",
+        lambda: status_store.live_workers(conn, stale_after_s=stale_after_s),
+    )
     report["workers"] = workers or []
-    report["email_accounts"] = read("email_accounts", lambda: _accounts(settings, conn)) or []
+    report["email_accounts"] = (
+        read("email_accounts", "email_checkpoints", lambda: _accounts(settings, conn)) or []
+    )
     if unknown:
         report["unknown_locked"] = unknown
         report["locked_tables"] = status_store.locked_tables(conn)
@@ -137,7 +152,10 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"embeddings: {report['embeddings']}")
         return "\n".join(lines)
     unknown = report.get("unknown_locked") or []
-    lines += [_lock_line(lock) for lock in report.get("locked_tables") or []]
+    lines += [
+        _lock_line(tables, holder)
+        for tables, holder in status_store.by_holder(report.get("locked_tables") or [])
+    ]
     failures = ", ".join(f"{k} {v}" for k, v in report["failures_24h"].items()) or "none"
     lines.append(
         f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"
@@ -179,12 +197,12 @@ def _queue_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _lock_line(lock: dict[str, Any]) -> str:
-    """A table another session holds: who, since when, doing what, and how to end it."""
+def _lock_line(tables: str, holder: dict[str, Any]) -> str:
+    """Tables another session holds: who, since when, doing what, and how to end it."""
     return (
-        f"locked: {lock['table']} by {status_store.describe_holder(lock)}: workers wait for it"
+        f"locked: {tables} by {status_store.describe_holder(holder)}: workers wait for it"
         " and it reads as unknown here; a migration? else end it:"
-        f" SELECT pg_terminate_backend({lock['pid']})"
+        f" SELECT pg_terminate_backend({holder['pid']})"
     )
 
 

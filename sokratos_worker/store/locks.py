@@ -13,7 +13,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from sokratos_worker.errors import TableLocked
-from sokratos_worker.store.status import BLOCKS_WRITES, describe_holder, locked_tables
+from sokratos_worker.store.status import BLOCKS_WRITES, by_holder, describe_holder, locked_tables
 
 # How long a command waits for a lock before it gives up (the spool import waits as long).
 COMMAND_LOCK_TIMEOUT_MS = 5000
@@ -46,10 +46,12 @@ def _locked_message(conn: psycopg.Connection, doing: str, timeout_ms: int) -> st
             f"{waited} another transaction holds on a row it needs (the same item or failure"
             " in another session's open transaction?); try again when that transaction ends"
         )
-    held = "; ".join(f"{h['table']} is held by {describe_holder(h)}" for h in holders)
-    ends = "; ".join(
-        f"SELECT pg_terminate_backend({pid})" for pid in sorted({h["pid"] for h in holders})
+    grouped = by_holder(holders)
+    held = "; ".join(
+        f"{tables} {'is' if ',' not in tables else 'are'} held by {describe_holder(holder)}"
+        for tables, holder in grouped
     )
+    ends = "; ".join(f"SELECT pg_terminate_backend({holder['pid']})" for _, holder in grouped)
     return (
         f"{waited}: {held}. It is released when that transaction ends (a migration: try again"
         f" when it is done); to end it now: {ends}"

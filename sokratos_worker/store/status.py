@@ -242,6 +242,16 @@ def locked_tables(
     return [{"table": str(r[6]), **session(r)} for r in rows]
 
 
+def by_holder(locks: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """``locked_tables`` rows as (the tables, comma-separated; their holder), one per session."""
+    tables: dict[int, list[str]] = {}
+    holders: dict[int, dict[str, Any]] = {}
+    for lock in locks:
+        tables.setdefault(lock["pid"], []).append(lock["table"])
+        holders.setdefault(lock["pid"], lock)
+    return [(", ".join(tables[pid]), holders[pid]) for pid in tables]
+
+
 def describe_holder(holder: dict[str, Any]) -> str:
     """``pid 812 (psql, idle in transaction, 340 s in its transaction; 'ALTER TABLE ...')``."""
     held = holder["in_transaction_s"]

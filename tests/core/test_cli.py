@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,12 +149,30 @@ def test_status_names_a_table_another_session_locks_instead_of_waiting(
     lines = human.stdout.splitlines()
     assert "pending_triage: unknown (its table is locked by another session: see 'locked')" in lines
     assert any(
-        line.startswith(f"locked: pending_triage by pid {holder} (a-migration,")
+        line.startswith(f"locked: pending_triage, worker_heartbeats by pid {holder} (a-migration,")
         and line.endswith(f"SELECT pg_terminate_backend({holder})")
         for line in lines
     ), human.stdout
     assert "workers: unknown (its table is locked by another session: see 'locked')" in lines
     assert "failures (24h): none" in lines
+
+
+def test_status_does_not_wait_for_tables_it_sees_locked(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """Each read used to wait its 2 s lock timeout: 12 s or more with every table held."""
+    from sokratos_worker.store.status import WORKER_TABLES
+
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute(f"LOCK TABLE {', '.join(WORKER_TABLES)} IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        proc = cli("status", env=env_for(database_url, tmp_path), timeout=60)
+        took = time.monotonic() - started
+        locker.rollback()
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("locked: ")]
+    assert line.startswith(f"locked: {', '.join(sorted(WORKER_TABLES))} by pid"), line
+    assert took < 8, f"status took {took:.1f} s behind the lock"
 
 
 def test_status_with_the_database_down_says_so(tmp_path: Path) -> None:
