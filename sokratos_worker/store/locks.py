@@ -13,10 +13,18 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from sokratos_worker.errors import TableLocked
-from sokratos_worker.store.status import BLOCKS_WRITES, by_holder, describe_holder, locked_tables
+from sokratos_worker.store.status import (
+    BLOCKS_WRITES,
+    WORKER_TABLES,
+    by_holder,
+    describe_holder,
+    locked_tables,
+)
 
 # How long a command waits for a lock before it gives up (the spool import waits as long).
 COMMAND_LOCK_TIMEOUT_MS = 5000
+# What an enqueue or a retry writes: a lock on any of these can be what it waited for.
+WRITTEN_TABLES = (*WORKER_TABLES, "sokratos_idempotency_keys")
 
 
 @contextmanager
@@ -38,7 +46,7 @@ def lock_waits_given_up(
 def _locked_message(conn: psycopg.Connection, doing: str, timeout_ms: int) -> str:
     waited = f"{doing}: gave up after {timeout_ms / 1000:g} s waiting for a lock"
     try:
-        holders = locked_tables(conn, BLOCKS_WRITES)
+        holders = locked_tables(conn, BLOCKS_WRITES, WRITTEN_TABLES)
     except psycopg.Error:
         holders = []
     if not holders:

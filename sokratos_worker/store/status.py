@@ -225,9 +225,11 @@ BLOCKS_WRITES = ("ShareLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessE
 
 
 def locked_tables(
-    conn: psycopg.Connection, modes: Sequence[str] = BLOCKS_READS
+    conn: psycopg.Connection,
+    modes: Sequence[str] = BLOCKS_READS,
+    tables: Sequence[str] = WORKER_TABLES,
 ) -> list[dict[str, Any]]:
-    """The worker's tables other sessions hold in one of ``modes``, and who holds them."""
+    """Which of ``tables`` other sessions hold in one of ``modes``, and who holds them."""
     rows = conn.execute(
         f"""SELECT DISTINCT l.pid, {SESSION_COLUMNS}, c.relname::text
               FROM pg_locks l
@@ -237,7 +239,7 @@ def locked_tables(
                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND c.relname = ANY(%s)
              ORDER BY 7, 1""",
-        (list(modes), list(WORKER_TABLES)),
+        (list(modes), list(tables)),
     ).fetchall()
     return [{"table": str(r[6]), **session(r)} for r in rows]
 

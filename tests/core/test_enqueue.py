@@ -80,6 +80,12 @@ def test_a_producer_with_a_lock_timeout_is_told_who_holds_the_queue(
     assert count(db, "SELECT count(*) FROM pending_distillation") == 1
     # Without a lock timeout the producer keeps the old behaviour: it waits, and gets in.
     assert enqueue_distillation(database_url, {"archive_text": "b"}).item_id is not None
+    # A keyed enqueue also writes the key table; a lock there is named the same way.
+    with psycopg.connect(database_url, application_name="a-migration") as locker:
+        locker.execute("LOCK TABLE sokratos_idempotency_keys IN SHARE MODE")
+        with pytest.raises(TableLocked, match="sokratos_idempotency_keys is held by pid"):
+            enqueue_triage(database_url, "user: hi", key="k1", lock_timeout_ms=200)
+        locker.rollback()
 
 
 def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None:
