@@ -199,10 +199,11 @@ def _queue_lines(report: dict[str, Any]) -> list[str]:
 
 def _lock_line(tables: str, holder: dict[str, Any]) -> str:
     """Tables another session holds: who, since when, doing what, and how to end it."""
+    them = "them" if "," in tables else "it"
     return (
-        f"locked: {tables} by {status_store.describe_holder(holder)}: workers wait for it"
-        " and it reads as unknown here; a migration? else end it:"
-        f" SELECT pg_terminate_backend({holder['pid']})"
+        f"locked: {tables} by {status_store.describe_holder(holder)}: workers wait for {them}"
+        f" and {them} read{'' if them == 'them' else 's'} as unknown here; a migration? else"
+        f" end it: SELECT pg_terminate_backend({holder['pid']})"
     )
 
 
