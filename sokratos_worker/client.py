@@ -24,6 +24,10 @@ from sokratos_worker.store.locks import lock_waits_given_up
 
 log = structlog.get_logger(__name__)
 
+_SPOOLED_UNTIL_RELEASED = (
+    "spooled instead: the worker imports it at a tick once the lock is released"
+)
+
 
 @dataclass(frozen=True)
 class Enqueued:
@@ -92,11 +96,6 @@ def enqueue(
         if isinstance(exc, TableLocked):
             log.warning("enqueue_table_locked", reason=str(exc), hint=_SPOOLED_UNTIL_RELEASED)
         return spool(spool_dir, queue, clean, key=key, source=source, spool_for=spool_for)
-
-
-_SPOOLED_UNTIL_RELEASED = (
-    "spooled instead: the worker imports it at a tick once the lock is released"
-)
 
 
 def spool(
