@@ -23,6 +23,7 @@ from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database, time_limited
 from sokratos_worker.store.failures import record_failure
+from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.sanitize import clean_text, sanitize_payload
 
 log = structlog.get_logger(__name__)
@@ -30,9 +31,10 @@ log = structlog.get_logger(__name__)
 # SQLSTATE classes that blame the value sent, not the database: data exceptions (22P05 a NUL
 # in jsonb, 22023 a missing field) and program limits (54000 an oversized jsonb).
 _REFUSED_CONTENT = ("22", "54")
-# An enqueue waits no longer than this behind a lock on the queue (a migration): the import
-# runs in the tick, and at start in the main thread, which must stay free to act on a stop.
-ENQUEUE_TIMEOUT_MS = 5000
+# An enqueue waits no longer than a command does behind a lock on the queue (a migration): the
+# import runs in the tick, and at start in the main thread, which must stay free to act on a
+# stop. A statement timeout, not the session's lock_timeout: the connection is the pool's.
+ENQUEUE_TIMEOUT_MS = COMMAND_LOCK_TIMEOUT_MS
 
 
 def storable_payload(payload: Any) -> dict[str, Any]:

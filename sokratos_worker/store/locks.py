@@ -21,7 +21,7 @@ from sokratos_worker.store.status import (
     locked_tables,
 )
 
-# How long a command waits for a lock before it gives up (the spool import waits as long).
+# How long a command (and the spool import) waits for a lock before it gives up.
 COMMAND_LOCK_TIMEOUT_MS = 5000
 # What an enqueue or a retry writes: a lock on any of these can be what it waited for.
 WRITTEN_TABLES = (*WORKER_TABLES, "sokratos_idempotency_keys")
@@ -34,7 +34,9 @@ def lock_waits_given_up(
     """Lock waits on ``conn`` end after ``timeout_ms`` in :class:`TableLocked`, which names
     the sessions holding the worker's tables; ``doing`` says what was given up.
 
-    Use it outside any transaction on ``conn``: the holders are read after the rollback.
+    It sets the session's ``lock_timeout``, so only on a connection of the caller's own, never
+    a pooled one (whose later statements would keep it), and outside any transaction on it:
+    the holders are read after the rollback.
     """
     conn.execute(f"SET lock_timeout = {int(timeout_ms)}")
     try:
