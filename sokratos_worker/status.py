@@ -115,7 +115,7 @@ def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
         return []
     from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
 
-    return account_statuses(conn, [a.name for a in settings.email_accounts])
+    return account_statuses(conn, [(a.name, a.mailbox) for a in settings.email_accounts])
 
 
 LOCKED = "its table is locked by another session: see 'locked'"

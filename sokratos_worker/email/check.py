@@ -6,7 +6,9 @@ before its triage is durably queued (Sokratos hazard 1) and the checkpoint never
 message that was not fetched (hazard 2). Messages are handled one by one, in UID order
 (hazard 3). A message that cannot be turned into a triage item (a parser failure, or a
 record the database refuses for its content) goes to failed_operations
-(:mod:`sokratos_worker.email.failed`) and the check carries on past it.
+(:mod:`sokratos_worker.email.failed`) and the check carries on past it; so does a message
+the server refuses on REFUSALS_BEFORE_PASSING consecutive checks (before that, it stops the
+check, after the mail before it was recorded).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import psycopg
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig, Settings
-from sokratos_worker.email.failed import record_failed_message
+from sokratos_worker.email.failed import (
+    REPAIR_HINT,
+    record_failed_message,
+    record_refused_message,
+)
 from sokratos_worker.email.imap import (
     FetchedMessage,
     ImapAborted,
@@ -31,10 +37,13 @@ from sokratos_worker.email.imap import (
     MailboxState,
     MessageRef,
     OpenSessions,
+    Refused,
+    plan_batches,
 )
 from sokratos_worker.email.parse import (
     HEADER_LIMIT_BYTES,
     format_email_summary,
+    keyed_by_hash,
     message_key,
     parse_email,
     truncate_bytes,
@@ -60,6 +69,14 @@ _CONTENT_SQLSTATE_CLASSES = ("22", "54")
 def refused_for_its_content(exc: BaseException) -> bool:
     """True when the database refused a message's record because of what the message holds."""
     return isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in _CONTENT_SQLSTATE_CLASSES
+
+
+# A message the server refuses on this many consecutive checks is recorded and passed.
+REFUSALS_BEFORE_PASSING = 3
+
+
+class MessageRefused(ImapError):
+    """The server refused one message; the check stops before it (names the UID)."""
 
 
 class MessageNotRecorded(WorkerError):
@@ -141,29 +158,73 @@ def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
     return cutoff is not None and internal_date is not None and internal_date < cutoff
 
 
-def _needs_body(headers: bytes) -> bool:
-    """Without a Message-ID the key hashes the body, so the whole message is fetched."""
+def _needs_body(account: str, headers: bytes) -> bool:
+    """When the key hashes the body (no Message-ID, or a key too long), fetch it all."""
     try:
-        return parse_email(headers).message_id is None
+        return keyed_by_hash(account, parse_email(headers))
     except Exception:  # the full fetch reports what is wrong with this message
         return True
 
 
 def _messages(
     session: ImapSession, refs: list[MessageRef], cutoff: datetime | None
-) -> Iterator[tuple[FetchedMessage, bool]]:
+) -> Iterator[tuple[FetchedMessage | Refused, bool]]:
     """``(message, old)`` in UID order; old mail is fetched as headers only when it can be.
 
     Old mail is only recorded as seen, so its body is needed just for the hash key of a
-    message without Message-ID: a ten-year-old mailbox is not downloaded in full.
+    message keyed by hash: a ten-year-old mailbox is not downloaded in full. A message the
+    server refuses comes as :class:`Refused`.
     """
+    name = session.account.name
     for old, group in itertools.groupby(refs, key=lambda r: _is_old(r.internal_date, cutoff)):
-        for batch in session.batches(list(group), headers_only=old):
-            for fetched in batch:
-                if old and _needs_body(fetched.raw):
-                    yield session.fetch([fetched.uid])[0], old
+        for uids in plan_batches(list(group), headers_only=old):
+            for item in session.fetch_each(uids, headers_only=old):
+                if old and isinstance(item, FetchedMessage) and _needs_body(name, item.raw):
+                    for full in session.fetch_each([item.uid]):
+                        yield full, old
                 else:
-                    yield fetched, old
+                    yield item, old
+
+
+def _refused(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    state: MailboxState,
+    ref: MessageRef,
+    answer: str,
+) -> None:
+    """Count the refusal; stop the check before it, or past the limit record it and go on."""
+    record = store.MessageRecord(
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=state.uidvalidity,
+        uid=ref.uid,
+        key="",
+        payload=None,
+    )
+    checks = store.note_refusal(conn, record)
+    if checks >= REFUSALS_BEFORE_PASSING:
+        record_refused_message(conn, account, state.uidvalidity, ref, answer=answer, checks=checks)
+        return
+    hint = (
+        f"{REPAIR_HINT}; it is tried again at the next check, and after"
+        f" {REFUSALS_BEFORE_PASSING} consecutive refusals recorded in failed_operations and"
+        " passed, so that the mail after it is not held back"
+    )
+    log.warning(
+        "email_message_refused",
+        account=account.name,
+        mailbox=account.mailbox,
+        uid=ref.uid,
+        refused_checks=checks,
+        answer=answer,
+        what_to_do=hint,
+    )
+    raise MessageRefused(
+        f"UID {ref.uid} (UIDVALIDITY {state.uidvalidity}) was refused by the server ({answer})"
+        f" on {checks} consecutive check(s); the check stops before it, and after"
+        f" {REFUSALS_BEFORE_PASSING} it is recorded in failed_operations and passed"
+    )
 
 
 def _record(
@@ -258,8 +319,14 @@ def check_account(
         # change processed_emails alone tells seen from unseen, whatever a message's date.
         first = checkpoint is None or not checkpoint.first_check_done
         cutoff = now - timedelta(seconds=lookback_s) if first else None
-        for message, old in _messages(session, session.refs_above(last_uid), cutoff):
-            _record(conn, account, state, message, old=old, counts=counts)
+        refs = session.refs_above(last_uid)
+        by_uid = {ref.uid: ref for ref in refs}
+        for message, old in _messages(session, refs, cutoff):
+            if isinstance(message, Refused):
+                _refused(conn, account, state, by_uid[message.uid], message.answer)
+                counts.failed += 1
+            else:
+                _record(conn, account, state, message, old=old, counts=counts)
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,
@@ -391,24 +458,26 @@ def probe_accounts(settings: Settings, *, timeout: float = 15.0) -> list[CheckLi
 
 
 def account_statuses(
-    conn: store.Connection, accounts: Sequence[str] | None = None
+    conn: store.Connection, accounts: Sequence[tuple[str, str]] | None = None
 ) -> list[dict[str, Any]]:
     """``status``'s ``email_accounts``: ``{"name", "last_check_at", "last_error"}`` per account.
 
     Also ``mailbox`` and ``last_error_at``; timestamps are ISO-8601 strings or None. With
-    ``accounts`` (the configured names), accounts never checked are listed too, and rows of
-    accounts no longer configured are left out.
+    ``accounts`` (the configured ``(name, mailbox)`` pairs), each account shows the row of
+    its configured mailbox (a row left by a mailbox configured before is not shown), accounts
+    never checked are listed too, and rows of accounts no longer configured are left out.
+    Without it, every row is listed.
     """
-    rows = {row["account"]: row for row in store.account_rows(conn)}
-    names = list(accounts) if accounts is not None else list(rows)
+    rows = {(row["account"], row["mailbox"]): row for row in store.account_rows(conn)}
+    wanted = list(accounts) if accounts is not None else list(rows)
     out: list[dict[str, Any]] = []
-    for name in names:
-        row = rows.get(name, {})
+    for name, mailbox in wanted:
+        row = rows.get((name, mailbox), {})
         checked, failed = row.get("checked_at"), row.get("last_error_at")
         out.append(
             {
                 "name": name,
-                "mailbox": row.get("mailbox"),
+                "mailbox": mailbox,
                 "last_check_at": checked.isoformat() if checked else None,
                 "last_error": row.get("last_error"),
                 "last_error_at": failed.isoformat() if failed else None,

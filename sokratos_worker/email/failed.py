@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig
-from sokratos_worker.email.imap import FetchedMessage
+from sokratos_worker.email.imap import FetchedMessage, MessageRef
 from sokratos_worker.store import email as store
 from sokratos_worker.store.connection import translated
 from sokratos_worker.store.failures import record_failure
@@ -51,6 +51,81 @@ def what_to_do(account: EmailAccountConfig, uidvalidity: int, uid: int) -> str:
     )
 
 
+# What to do about a message the server cannot return, before and after it is passed.
+REPAIR_HINT = (
+    "the server could not return this message (a damaged mail store, a file it cannot read):"
+    " see the server's log and repair the mailbox (Dovecot: doveadm force-resync)"
+)
+
+
+def refused_what_to_do(account: EmailAccountConfig, uidvalidity: int, uid: int) -> str:
+    """The operator's next step for a message the server refused and that was passed."""
+    return f"{REPAIR_HINT}; then {what_to_do(account, uidvalidity, uid)}"
+
+
+def record_refused_message(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    uidvalidity: int,
+    ref: MessageRef,
+    *,
+    answer: str,
+    checks: int,
+) -> int:
+    """Record a message the server refused on ``checks`` checks in failed_operations and move
+    the checkpoint past it, in one transaction; the row's id."""
+    error = clean_text(
+        f"email account {account.name!r}: UID {ref.uid} (UIDVALIDITY {uidvalidity}) was"
+        f" refused by the server on {checks} consecutive checks: {answer}"
+    )
+    hint = refused_what_to_do(account, uidvalidity, ref.uid)
+    context: dict[str, Any] = {
+        "account": account.name,
+        "mailbox": account.mailbox,
+        "uidvalidity": uidvalidity,
+        "uid": ref.uid,
+        "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
+        "size": ref.size,
+        "server_answer": clean_text(answer),
+        "refused_checks": checks,
+        "what_to_do": hint,
+    }
+    record = _no_record(account, uidvalidity, ref.uid)
+    with translated(), conn.transaction():
+        failure_id = record_failure(
+            conn,
+            op_type=OP_TYPE,
+            label=f"{account.name} UID {ref.uid}",
+            error=error,
+            context=context,
+        )
+        store.advance_checkpoint(conn, record)
+        store.clear_refusal(conn, record)
+    log.error(
+        "email_message_failed",
+        account=account.name,
+        mailbox=account.mailbox,
+        uid=ref.uid,
+        refused_checks=checks,
+        failure_id=failure_id,
+        error=error,
+        what_to_do=hint,
+    )
+    return failure_id
+
+
+def _no_record(account: EmailAccountConfig, uidvalidity: int, uid: int) -> store.MessageRecord:
+    """The checkpoint's move past ``uid``, without a processed mark."""
+    return store.MessageRecord(
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=uidvalidity,
+        uid=uid,
+        key="",
+        payload=None,
+    )
+
+
 def record_failed_message(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -74,14 +149,7 @@ def record_failed_message(
         "headers": _headers(message.raw),
         "what_to_do": hint,
     }
-    record = store.MessageRecord(
-        account=account.name,
-        mailbox=account.mailbox,
-        uidvalidity=uidvalidity,
-        uid=message.uid,
-        key="",
-        payload=None,
-    )
+    record = _no_record(account, uidvalidity, message.uid)
     with translated(), conn.transaction():
         failure_id = record_failure(
             conn,

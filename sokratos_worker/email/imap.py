@@ -26,8 +26,12 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
+import structlog
+
 from sokratos_worker.config import EmailAccountConfig
 from sokratos_worker.errors import WorkerError
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 # How often a name lookup in progress checks whether its session was cut.
@@ -45,6 +49,15 @@ _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
 
 class ImapError(WorkerError):
     """Connecting, TLS, logging in or talking to one account's server failed."""
+
+
+class ImapRefused(ImapError):
+    """The server refused a UID FETCH (NO, or BYE and a closed connection) without the network
+    failing: a message it cannot return (a damaged mail store). ``answer`` is its reply."""
+
+    def __init__(self, message: str, answer: str) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class ImapAborted(ImapError):
@@ -202,6 +215,55 @@ class FetchedMessage:
     raw: bytes
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A message whose single UID FETCH the server refused; ``answer`` is the server's reply."""
+
+    uid: int
+    answer: str
+
+
+def plan_batches(refs: list[MessageRef], *, headers_only: bool = False) -> Iterator[list[int]]:
+    """The UIDs of ``refs`` in order, in batches bounded by count and by bytes."""
+    batch: list[int] = []
+    size = 0
+    for ref in refs:
+        if batch and (len(batch) >= BATCH_MESSAGES or size + ref.size > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(ref.uid)
+        size += 0 if headers_only else ref.size
+    if batch:
+        yield batch
+
+
+def _fetched(data: list[Any]) -> dict[int, FetchedMessage]:
+    """The messages in a UID FETCH answer, by UID."""
+    found: dict[int, FetchedMessage] = {}
+    for index, item in enumerate(data):
+        if not isinstance(item, tuple):
+            continue
+        prefix, raw = item[0], item[1]
+        following = data[index + 1] if index + 1 < len(data) else b""
+        # Some servers send UID or INTERNALDATE after the literal: look on both sides.
+        meta = prefix + (following if isinstance(following, bytes) else b"")
+        uid = _UID.search(meta)
+        if uid is None:
+            continue
+        date = _INTERNALDATE.search(meta)
+        found[int(uid.group(1))] = FetchedMessage(
+            uid=int(uid.group(1)),
+            internal_date=parse_internaldate(date.group(1)) if date else None,
+            raw=raw,
+        )
+    return found
+
+
+def _answer(data: list[Any]) -> str:
+    """A server's reply text (bytes joined and decoded)."""
+    return b" ".join(d for d in data if isinstance(d, bytes)).decode("utf-8", "replace").strip()
+
+
 def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
     """System trust store, or ``ca_file``; ``tls_verify=false`` turns verification off."""
     context = ssl.create_default_context(cafile=account.ca_file)
@@ -286,6 +348,7 @@ class ImapSession:
         self._sessions = sessions if sessions is not None else OpenSessions()
         self._watch = SessionWatch(self.deadline)
         self._conn: imaplib.IMAP4 | None = None
+        self._state: MailboxState | None = None
 
     def __enter__(self) -> ImapSession:
         self._sessions.add(self._watch)
@@ -293,6 +356,15 @@ class ImapSession:
         if self._watch.cut_reason is not None:
             self.close()
             raise ImapAborted(f"not connecting to {self._where()}: the worker is stopping")
+        try:
+            self._open()
+        except ImapError:
+            self.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        """Connect, upgrade to TLS when configured, and log in."""
         step = "connecting to"
         try:
             self._conn = self._connect()
@@ -302,9 +374,21 @@ class ImapSession:
             step = "login to"
             self._login(self._conn)
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError) as exc:
-            self.close()
             raise self._failure(f"{step} {self._where()} failed", exc) from None
-        return self
+
+    def _reopen(self) -> None:
+        """A new connection after the server closed this one, on the same mailbox epoch."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._log_out(conn)
+        epoch = self._state
+        self._open()
+        state = self.examine()
+        if epoch is not None and state.uidvalidity != epoch.uidvalidity:
+            raise ImapError(
+                f"{self._where()}: UIDVALIDITY changed from {epoch.uidvalidity} to"
+                f" {state.uidvalidity} while reconnecting; the next check reads the mailbox again"
+            )
 
     def _failure(self, what: str, exc: BaseException) -> ImapError:
         """The error to raise for ``exc``; a cut session says why it was cut instead."""
@@ -429,8 +513,14 @@ class ImapSession:
 
     def _check(self, typ: str, data: list[object], what: str) -> None:
         if typ != "OK":
-            detail = b" ".join(d for d in data if isinstance(d, bytes)).decode("utf-8", "replace")
-            raise ImapError(f"{what} on {self._where()} failed: {typ} {detail}".strip())
+            raise ImapError(f"{what} on {self._where()} failed: {typ} {_answer(data)}".strip())
+
+    def _bye(self) -> str | None:
+        """The server's BYE text when it closed the connection itself (not a cut session)."""
+        if self._watch.cut_reason is not None or self._conn is None:
+            return None
+        bye = self._conn.untagged_responses.get("BYE")
+        return _answer(list(bye)) if bye else None
 
     def examine(self) -> MailboxState:
         """Open the account's mailbox read-only and read its UIDVALIDITY."""
@@ -443,7 +533,8 @@ class ImapSession:
         if not validity or not isinstance(validity[0], bytes):
             raise ImapError(f"{self._where()} reported no UIDVALIDITY")
         exists = data[0] if data and isinstance(data[0], bytes) else b"0"
-        return MailboxState(uidvalidity=int(validity[0]), exists=int(exists or b"0"))
+        self._state = MailboxState(uidvalidity=int(validity[0]), exists=int(exists or b"0"))
+        return self._state
 
     def refs_above(self, last_uid: int) -> list[MessageRef]:
         """UIDs and sizes of every message with a UID above ``last_uid``, in UID order."""
@@ -473,51 +564,93 @@ class ImapSession:
         """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.
 
         ``headers_only`` fetches just the header block (for mail that is only recorded as seen).
+        A message expunged since the listing is left out (logged); one that exists but was
+        not returned raises :class:`ImapError`, and a refused FETCH :class:`ImapRefused`.
         """
         if not uids:
             return []
-        section = "BODY.PEEK[HEADER]" if headers_only else "BODY.PEEK[]"
-        try:
-            typ, data = self.conn.uid(
-                "FETCH", ",".join(map(str, uids)), f"(UID INTERNALDATE {section})"
-            )
-            self._check(typ, list(data), "UID FETCH")
-        except (imaplib.IMAP4.error, OSError, EOFError) as exc:
-            raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
-        found: dict[int, FetchedMessage] = {}
-        for index, item in enumerate(data):
-            if not isinstance(item, tuple):
-                continue
-            prefix, raw = item[0], item[1]
-            following = data[index + 1] if index + 1 < len(data) else b""
-            # Some servers send UID or INTERNALDATE after the literal: look on both sides.
-            meta = prefix + (following if isinstance(following, bytes) else b"")
-            uid = _UID.search(meta)
-            if uid is None:
-                continue
-            date = _INTERNALDATE.search(meta)
-            found[int(uid.group(1))] = FetchedMessage(
-                uid=int(uid.group(1)),
-                internal_date=parse_internaldate(date.group(1)) if date else None,
-                raw=raw,
-            )
+        found = _fetched(self._uid_fetch(uids, headers_only=headers_only))
         missing = [uid for uid in uids if uid not in found]
         if missing:
-            # Never skip silently (Sokratos hazard 2): the check stops before these UIDs.
-            raise ImapError(f"UID FETCH on {self._where()} returned no body for UIDs {missing}")
-        return [found[uid] for uid in uids]
+            self._skip_vanished(missing)
+        return [found[uid] for uid in uids if uid in found]
 
-    def batches(
-        self, refs: list[MessageRef], *, headers_only: bool = False
-    ) -> Iterator[list[FetchedMessage]]:
-        """Fetch ``refs`` in order, in batches bounded by count and by bytes."""
-        batch: list[int] = []
-        size = 0
-        for ref in refs:
-            if batch and (len(batch) >= BATCH_MESSAGES or size + ref.size > BATCH_BYTES):
-                yield self.fetch(batch, headers_only=headers_only)
-                batch, size = [], 0
-            batch.append(ref.uid)
-            size += 0 if headers_only else ref.size
-        if batch:
-            yield self.fetch(batch, headers_only=headers_only)
+    def _uid_fetch(self, uids: list[int], *, headers_only: bool) -> list[Any]:
+        """The raw answer to one UID FETCH; raises ImapRefused for a NO or a server's BYE."""
+        section = "BODY.PEEK[HEADER]" if headers_only else "BODY.PEEK[]"
+        where = f"UID FETCH {_uid_set(uids)} on {self._where()}"
+        try:
+            typ, data = self.conn.uid("FETCH", _uid_set(uids), f"(UID INTERNALDATE {section})")
+        except (imaplib.IMAP4.error, OSError, EOFError) as exc:
+            bye = self._bye()
+            if bye is None:
+                raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
+            self._reopen()  # the server closed the connection: later messages need a new one
+            raise ImapRefused(f"{where} was refused: BYE {bye}", f"BYE {bye}") from None
+        if typ == "NO":
+            answer = f"NO {_answer(list(data))}".strip()
+            raise ImapRefused(f"{where} was refused: {answer}", answer)
+        self._check(typ, list(data), "UID FETCH")
+        return list(data)
+
+    def _skip_vanished(self, missing: list[int]) -> None:
+        """Log the UIDs expunged since the listing; raise for any the server still has."""
+        present = self._existing(missing)
+        for uid in missing:
+            if uid not in present:
+                log.info(
+                    "email_message_vanished",
+                    account=self.account.name,
+                    mailbox=self.account.mailbox,
+                    uid=uid,
+                )
+        unreturned = [uid for uid in missing if uid in present]
+        if unreturned:
+            # Never skip silently (Sokratos hazard 2): the check stops before these UIDs.
+            raise ImapError(
+                f"UID FETCH on {self._where()} returned no body for UIDs {unreturned},"
+                " which are still in the mailbox"
+            )
+
+    def _existing(self, uids: list[int]) -> set[int]:
+        """Which of ``uids`` are still in the mailbox (UID SEARCH)."""
+        try:
+            typ, data = self.conn.uid("SEARCH", "UID", _uid_set(uids))
+            self._check(typ, list(data), "UID SEARCH")
+        except (imaplib.IMAP4.error, OSError, EOFError) as exc:
+            raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
+        found = {int(n) for line in data if isinstance(line, bytes) for n in line.split()}
+        return found & set(uids)
+
+    def fetch_each(
+        self, uids: list[int], *, headers_only: bool = False
+    ) -> Iterator[FetchedMessage | Refused]:
+        """The messages of one batch in UID order; a refused batch is fetched one at a time.
+
+        So one message the server cannot return does not hold back the others: each refused
+        single UID is yielded as :class:`Refused` (unless it was expunged meanwhile).
+        """
+        try:
+            messages = self.fetch(uids, headers_only=headers_only)
+        except ImapRefused as exc:
+            if len(uids) > 1:
+                log.warning(
+                    "email_batch_refused",
+                    account=self.account.name,
+                    uids=_uid_set(uids),
+                    answer=exc.answer,
+                    what_to_do="nothing: fetching its messages one at a time",
+                )
+                for uid in uids:
+                    yield from self.fetch_each([uid], headers_only=headers_only)
+            elif uids[0] in self._existing(uids):
+                yield Refused(uid=uids[0], answer=exc.answer)
+            else:
+                self._skip_vanished(uids)
+            return
+        yield from messages
+
+
+def _uid_set(uids: list[int]) -> str:
+    """An IMAP sequence set of UIDs."""
+    return ",".join(map(str, uids))

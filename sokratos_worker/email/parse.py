@@ -13,12 +13,13 @@ import email
 import email.header
 import email.utils
 import hashlib
+import html
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from email import policy
 from email.message import Message
-from html.parser import HTMLParser
+from email.policy import EmailPolicy
+from typing import Any
 
 from sokratos_worker.store.sanitize import clean_text
 
@@ -35,7 +36,21 @@ _BLOCK_TAGS = frozenset(
     {"p", "div", "br", "tr", "li", "h1", "h2", "h3", "h4", "h5", "h6", "table", "ul", "ol"}
     | {"blockquote", "pre", "hr", "section", "article", "header", "footer"}
 )
-_SKIP_TAGS = frozenset({"script", "style", "head", "title"})
+# A regular expression instead of html.parser, which is quadratic on unclosed tags (400 KB
+# took minutes). Every alternative stops at the next "<" or runs to the end once, so one
+# pass is linear: comments, skipped elements with their content, tags, other markup.
+_HTML_TOKEN = re.compile(
+    r"<!--.*?(?:-->|\Z)"
+    r"|<(?P<skip>script|style|head|title)\b[^<>]*>.*?(?:</(?P=skip)\s*>|\Z)"
+    r"|</?(?P<tag>[a-z][a-z0-9-]*)(?:[^<>\"']|\"[^\"<]*\"|'[^'<]*')*>?"
+    r"|<[!?/][^<>]*>?",
+    re.DOTALL | re.IGNORECASE,
+)
+# Only BODY_LIMIT_BYTES of text are used: the start of a huge HTML part is enough.
+HTML_LIMIT_CHARS = 256 * 1024
+# The email package parses structured headers (Content-Type, Content-Disposition) in time
+# that grows faster than their length (100 KB took 9 s): longer values are cut first.
+PARSED_HEADER_LIMIT = 4096
 # An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
 _ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
 
@@ -74,52 +89,57 @@ def truncate_bytes(text: str, limit: int) -> str:
     return encoded[:limit].decode("utf-8", errors="ignore") + "..."
 
 
-class _HtmlText(HTMLParser):
-    """Text content of an HTML document: tags dropped, blocks on their own lines."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
-        self._skip = 0
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag in _SKIP_TAGS:
-            self._skip += 1
-        elif tag in _BLOCK_TAGS:
-            self.parts.append("\n")
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in _SKIP_TAGS:
-            self._skip = max(0, self._skip - 1)
-        elif tag in _BLOCK_TAGS:
-            self.parts.append("\n")
-
-    def handle_data(self, data: str) -> None:
-        if not self._skip:
-            self.parts.append(data)
+def _html_text(markup: str) -> str:
+    """The data between tags and comments, entities decoded, block tags as line breaks."""
+    parts: list[str] = []
+    pos = 0
+    for match in _HTML_TOKEN.finditer(markup):
+        parts.append(html.unescape(markup[pos : match.start()]))
+        tag = match.group("tag")
+        if tag and tag.lower() in _BLOCK_TAGS:
+            parts.append("\n")
+        pos = match.end()
+    parts.append(html.unescape(markup[pos:]))
+    return "".join(parts)
 
 
 def html_to_text(markup: str) -> str:
-    """Readable text from HTML using only the standard library's parser."""
-    parser = _HtmlText()
-    try:
-        parser.feed(markup)
-        parser.close()
-    except Exception:  # html.parser is lenient, but a crash must not escape
-        return re.sub(r"<[^>]*>", " ", markup)
-    text = "".join(parser.parts)
+    """Readable text from HTML: tags, comments, scripts and styles dropped; linear time."""
+    text = _html_text(markup[:HTML_LIMIT_CHARS])
     lines = (re.sub(r"[ \t\r\f\v\xa0]+", " ", line).strip() for line in text.split("\n"))
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
+class _BoundedPolicy(EmailPolicy):
+    """``policy.default``, but a header value is cut to PARSED_HEADER_LIMIT before parsing.
+
+    Only the email package's parsed headers are cut (the MIME structure); the headers of the
+    payload are read raw (:func:`_header`), so keys and addresses are unchanged.
+    """
+
+    def header_fetch_parse(self, name: str, value: str) -> Any:
+        if len(value) > PARSED_HEADER_LIMIT and not hasattr(value, "name"):
+            value = value[:PARSED_HEADER_LIMIT]
+        return super().header_fetch_parse(name, value)
+
+
+_POLICY = _BoundedPolicy()
+
+
 def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
-    """Decode with the declared charset; an unknown one falls back to UTF-8 with replacement."""
+    """Decode with the declared charset; an unusable one falls back to UTF-8 with replacement."""
     name = (charset or "utf-8").strip().strip('"').lower() or "utf-8"
     try:
         return data.decode(name, errors="replace")
     except LookupError:
         notes.append(f"unknown charset {name!r}: decoded as UTF-8 with replacement characters")
-        return data.decode("utf-8", errors="replace")
+    # Codecs that are not text encodings (idna, punycode, undefined) or a name with NUL.
+    except (UnicodeError, ValueError) as exc:
+        notes.append(
+            f"charset {name!r} cannot decode text ({type(exc).__name__}):"
+            " decoded as UTF-8 with replacement characters"
+        )
+    return data.decode("utf-8", errors="replace")
 
 
 def _unescape(text: str, notes: list[str]) -> str:
@@ -283,7 +303,7 @@ def parse_email(raw: bytes) -> ParsedEmail:
     """Parse one message; never raises, records what was wrong in ``notes``."""
     notes: list[str] = []
     try:
-        msg = email.message_from_bytes(raw, policy=policy.default)
+        msg = email.message_from_bytes(raw, policy=_POLICY)
     except Exception as exc:  # the email package should not raise, but never crash
         text = raw.decode("utf-8", errors="replace")
         return ParsedEmail(
@@ -308,6 +328,8 @@ def parse_email(raw: bytes) -> ParsedEmail:
     if not body and html:
         body = html_to_text(html)
         notes.append("HTML-only message: text made from text/html")
+        if len(html) > HTML_LIMIT_CHARS:
+            notes.append(f"HTML part cut to its first {HTML_LIMIT_CHARS} characters")
     message_id = _header(msg, "Message-ID", notes).strip() or None
     date_raw = _header(msg, "Date", notes)
     date = _parse_date(date_raw)
@@ -330,12 +352,15 @@ def parse_email(raw: bytes) -> ParsedEmail:
     )
 
 
+def keyed_by_hash(account: str, parsed: ParsedEmail) -> bool:
+    """True when the key hashes the message (no Message-ID, or a key over KEY_LIMIT)."""
+    return not parsed.message_id or len(f"{account}:{parsed.message_id}") > KEY_LIMIT
+
+
 def message_key(account: str, parsed: ParsedEmail) -> str:
     """The processed_emails key: ``<account>:<Message-ID>``, else ``<account>:sha256:<hex>``."""
-    if parsed.message_id:
-        key = f"{account}:{parsed.message_id}"
-        if len(key) <= KEY_LIMIT:
-            return key
+    if not keyed_by_hash(account, parsed):
+        return f"{account}:{parsed.message_id}"
     digest = hashlib.sha256()
     for part in (parsed.date_raw, parsed.from_, parsed.subject):
         digest.update(part.encode("utf-8", errors="replace") + b"\x00")

@@ -24,9 +24,11 @@ __all__ = [
     "MessageRecord",
     "account_rows",
     "advisory_lock",
+    "clear_refusal",
     "connect",
     "finish_check",
     "load_checkpoint",
+    "note_refusal",
     "prune_processed_emails",
     "record_error",
     "record_message",
@@ -77,7 +79,8 @@ def reset_checkpoint(conn: Connection, account: str, mailbox: str, uidvalidity: 
             "INSERT INTO email_checkpoints (account, mailbox, uidvalidity, last_uid)"
             " VALUES (%s, %s, %s, 0)"
             " ON CONFLICT (account, mailbox) DO UPDATE"
-            " SET uidvalidity = EXCLUDED.uidvalidity, last_uid = 0, checked_at = NULL",
+            " SET uidvalidity = EXCLUDED.uidvalidity, last_uid = 0, checked_at = NULL,"
+            " refused_uid = NULL, refused_checks = 0",
             (account, mailbox, uidvalidity),
         )
 
@@ -96,19 +99,34 @@ def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
     return bool(row and row[0])
 
 
-def _enqueue(conn: Connection, record: MessageRecord) -> int:
-    """The triage item, keyed by account and message so a replay returns the same id."""
+def _key_known(conn: Connection, idempotency_key: str) -> bool:
+    """True when sokratos_enqueue_triage would return an existing item for the key."""
+    row = conn.execute(
+        "SELECT 1 FROM sokratos_idempotency_keys WHERE queue = 'pending_triage' AND key = %s",
+        (idempotency_key,),
+    ).fetchone()
+    return row is not None
+
+
+def _enqueue(conn: Connection, record: MessageRecord) -> tuple[int, bool]:
+    """The triage item, keyed by account and message so a replay returns the same id.
+
+    Returns ``(item_id, created)``: the function returns the existing id for a known key
+    (mail triaged before its processed row was pruned) without saying so, hence the lookup.
+    """
     assert record.payload is not None  # noqa: S101 - callers only enqueue with a payload
+    idempotency_key = f"email:{record.key}"
+    known = _key_known(conn, idempotency_key)
     row = conn.execute(
         "SELECT sokratos_enqueue_triage(%s::jsonb, %s, 'email')",
-        (json.dumps(record.payload, ensure_ascii=False), f"email:{record.key}"),
+        (json.dumps(record.payload, ensure_ascii=False), idempotency_key),
     ).fetchone()
     assert row is not None  # noqa: S101 - the function always returns a row
     item_id = int(row[0])
     conn.execute(
         "UPDATE processed_emails SET item_id = %s WHERE message_id = %s", (item_id, record.key)
     )
-    return item_id
+    return item_id, not known
 
 
 def advance_checkpoint(conn: Connection, record: MessageRecord) -> None:
@@ -129,13 +147,14 @@ def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int |
     """Processed mark, triage item and checkpoint in one transaction.
 
     Returns ``(new, item_id)``: ``new`` is False when the key was already processed (a
-    duplicate Message-ID or a re-fetch after a crash or UIDVALIDITY change).
+    duplicate Message-ID or a re-fetch after a crash or UIDVALIDITY change), or when its
+    triage item already existed (``item_id`` is then that item's).
     """
     item_id: int | None = None
     with translated(), conn.transaction():
         new = _insert_processed(conn, record)
         if new and record.payload is not None:
-            item_id = _enqueue(conn, record)
+            item_id, new = _enqueue(conn, record)
         advance_checkpoint(conn, record)
     return new, item_id
 
@@ -143,7 +162,7 @@ def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int |
 def finish_check(
     conn: Connection, account: str, mailbox: str, uidvalidity: int, now: datetime
 ) -> None:
-    """A complete check: stamp checked_at and clear the last error."""
+    """A complete check: stamp checked_at, clear the last error and any refused UID."""
     with translated():
         conn.execute(
             "INSERT INTO email_checkpoints"
@@ -151,9 +170,41 @@ def finish_check(
             " VALUES (%s, %s, %s, %s, true)"
             " ON CONFLICT (account, mailbox) DO UPDATE SET uidvalidity = EXCLUDED.uidvalidity,"
             " checked_at = EXCLUDED.checked_at, last_error = NULL, last_error_at = NULL,"
-            " first_check_done = true",
+            " first_check_done = true, refused_uid = NULL, refused_checks = 0",
             (account, mailbox, uidvalidity, now),
         )
+
+
+def note_refusal(conn: Connection, record: MessageRecord) -> int:
+    """Count one more check on which the server refused ``record.uid``; returns the count.
+
+    Consecutive refusals of the same UID in the same UIDVALIDITY add up; another UID starts
+    again at 1. Committed at once (autocommit), since the check fails right after.
+    """
+    with translated():
+        row = conn.execute(
+            "INSERT INTO email_checkpoints"
+            " (account, mailbox, uidvalidity, last_uid, refused_uid, refused_checks)"
+            " VALUES (%s, %s, %s, 0, %s, 1)"
+            " ON CONFLICT (account, mailbox) DO UPDATE SET"
+            " refused_checks = CASE WHEN email_checkpoints.refused_uid = EXCLUDED.refused_uid"
+            "   AND email_checkpoints.uidvalidity IS NOT DISTINCT FROM EXCLUDED.uidvalidity"
+            "   THEN email_checkpoints.refused_checks + 1 ELSE 1 END,"
+            " refused_uid = EXCLUDED.refused_uid,"
+            " uidvalidity = COALESCE(email_checkpoints.uidvalidity, EXCLUDED.uidvalidity)"
+            " RETURNING refused_checks",
+            (record.account, record.mailbox, record.uidvalidity, record.uid),
+        ).fetchone()
+    return int(row[0]) if row else 1
+
+
+def clear_refusal(conn: Connection, record: MessageRecord) -> None:
+    """Forget the refused UID (it was recorded and passed); inside the caller's transaction."""
+    conn.execute(
+        "UPDATE email_checkpoints SET refused_uid = NULL, refused_checks = 0"
+        " WHERE account = %s AND mailbox = %s",
+        (record.account, record.mailbox),
+    )
 
 
 def record_error(conn: Connection, account: str, mailbox: str, error: str, now: datetime) -> None:
@@ -202,7 +253,12 @@ def prune_processed_emails(conn: Connection, ttl_days: int) -> int:
     A worker row goes only when its account's checkpoint is past it (same mailbox and
     UIDVALIDITY, ``last_uid >= uid``, and a completed check), or when it belongs to an older
     UIDVALIDITY epoch the current one has completely re-checked: a pruned key can then never
-    be fetched again. Rows without an account (Sokratos's own) go by age alone, as in Sokratos.
+    be fetched again. A worker row of mail seen without triage (``item_id`` NULL: older than
+    the lookback on an account's first check) is never pruned: after a UIDVALIDITY change it
+    alone keeps that mail from being triaged, and only a first check makes such rows, so
+    they are bounded. A triaged row may go: its item's idempotency key
+    (sokratos_idempotency_keys) keeps a second item out. Rows without an account
+    (Sokratos's own) go by age alone, as in Sokratos.
     """
     if ttl_days <= 0:
         return 0
@@ -210,7 +266,7 @@ def prune_processed_emails(conn: Connection, ttl_days: int) -> int:
         cur = conn.execute(
             "DELETE FROM processed_emails p"
             " WHERE p.seen_at < now() - make_interval(days => %s)"
-            " AND (p.account IS NULL OR EXISTS ("
+            " AND (p.account IS NULL OR p.item_id IS NOT NULL AND EXISTS ("
             "   SELECT 1 FROM email_checkpoints c"
             "   WHERE c.account = p.account AND c.mailbox = p.mailbox"
             "     AND c.checked_at IS NOT NULL"

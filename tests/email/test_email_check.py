@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import socket
 import uuid
@@ -13,6 +15,7 @@ import mails
 import psycopg
 import pytest
 from dovecot import UTF8_PASSWORD, UTF8_USER, AccountFactory, Dovecot, make_settings
+from refusing_proxy import RefusingProxy
 from structlog.testing import capture_logs
 
 from sokratos_worker.email import (
@@ -21,7 +24,7 @@ from sokratos_worker.email import (
     probe_accounts,
     prune_processed_emails,
 )
-from sokratos_worker.email.imap import encode_mailbox
+from sokratos_worker.email.imap import ImapSession, encode_mailbox
 from sokratos_worker.email.parse import message_key, parse_email
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
@@ -386,7 +389,6 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after", "poison"]
 
 
-
 def _refuse_triage(db: Any, *, sqlstate: str, subject: str | None) -> None:
     """A trigger that makes PostgreSQL refuse triage items (only ``subject``'s, if given)."""
     when = "true" if subject is None else f"NEW.payload->>'subject' = '{subject}'"
@@ -505,20 +507,23 @@ def test_a_broken_account_does_not_stop_a_good_one(
     assert broken_error.startswith("login to ") and "AUTHENTICATIONFAILED" in broken_error
     assert "IMAP error:" in broken_error and "app password" in broken_error
     gone_error = checkpoint(db, "gone")[3] or ""  # type: ignore[index]
-    assert gone_error.startswith("connecting to 127.0.0.1:1 ") and "Connection refused" in gone_error
+    assert (
+        gone_error.startswith("connecting to 127.0.0.1:1 ") and "Connection refused" in gone_error
+    )
     failures = [e for e in logs if e["event"] == "email_check_failed"]
     assert {e["account"] for e in failures} == {"broken", "gone"}
     assert secret not in repr(logs)
     assert secret not in repr(db.execute("SELECT * FROM email_checkpoints").fetchall())
 
-    statuses = {s["name"]: s for s in account_statuses(db, ["broken", "gone", "home", "new"])}
+    configured = [(name, mailbox) for name in ("broken", "gone", "home", "new")]
+    statuses = {s["name"]: s for s in account_statuses(db, configured)}
     assert statuses["broken"]["last_error"]
     assert statuses["broken"]["last_check_at"] is None
     assert statuses["home"]["last_error"] is None
     assert statuses["home"]["last_check_at"] is not None
     assert statuses["new"] == {
         "name": "new",
-        "mailbox": None,
+        "mailbox": mailbox,
         "last_check_at": None,
         "last_error": None,
         "last_error_at": None,
@@ -666,3 +671,260 @@ def test_the_least_privilege_worker_role_checks_mail_and_prunes(
     assert checkpoint(db)[1:4:2] == (3, None)  # type: ignore[index]
     with psycopg.connect(as_worker, autocommit=True) as conn:
         assert prune_processed_emails(conn, 0) == 0
+
+
+def rebuild(dovecot: Dovecot, mailbox: str, raws: list[bytes], when: datetime | None) -> None:
+    """The mailbox is recreated with the same mail (a server migration, a restore): new
+    UIDVALIDITY, same messages."""
+    old = dovecot.uidvalidity(mailbox)
+    dovecot.delete_mailbox(mailbox)
+    dovecot.create_mailbox(mailbox)
+    for raw in raws:
+        dovecot.append(mailbox, raw, when=when)
+    assert dovecot.uidvalidity(mailbox) != old
+
+
+def test_mail_seen_without_triage_is_never_pruned_so_a_uidvalidity_change_does_not_triage_it(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """contract §2 (older mail is recorded as seen, not triaged) and durability.md Email (a
+    UIDVALIDITY change does not re-triage mail already seen), with the processed_emails TTL."""
+    decade_ago = NOW - timedelta(days=3650)
+    old = [mails.plain(subject=f"decade-old {n}") for n in range(2)]
+    for raw in old:
+        dovecot.append(mailbox, raw, when=decade_ago)
+    settings = make_settings(account(), email_initial_lookback=86400)
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert (report.enqueued, report.seen_without_triage) == (0, 2)
+
+    db.execute("UPDATE processed_emails SET seen_at = now() - interval '100 days'")
+    assert prune_processed_emails(db, 90) == 0  # the only record that they were seen
+    assert [p[2] for p in processed(db)] == [None, None]
+
+    rebuild(dovecot, mailbox, old, decade_ago)
+    [report] = check_due_accounts(settings, database_url, now=NOW + timedelta(days=100))
+    assert report.uidvalidity_reset
+    assert (report.enqueued, report.duplicates) == (0, 2)
+    assert items(db) == []
+
+
+def test_a_triaged_message_whose_processed_row_was_pruned_counts_as_a_duplicate(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """The idempotency key keeps a second item out; the report must not count one."""
+    raw = mails.plain(subject="triaged long ago")
+    dovecot.append(mailbox, raw)
+    settings = make_settings(account())
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert report.enqueued == 1
+    db.execute("UPDATE processed_emails SET seen_at = now() - interval '100 days'")
+    assert prune_processed_emails(db, 90) == 1  # a triaged row may go
+    rebuild(dovecot, mailbox, [raw], None)
+    with capture_logs() as logs:
+        [report] = check_due_accounts(settings, database_url, now=NOW + timedelta(days=100))
+    assert len(items(db)) == 1
+    assert (report.fetched, report.enqueued, report.duplicates) == (1, 0, 1)
+    [finished] = [e for e in logs if e["event"] == "email_check_finished"]
+    assert (finished["enqueued"], finished["duplicates"]) == (0, 1)
+
+
+def test_old_mail_with_a_long_message_id_gets_the_key_a_full_fetch_gives(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """A key over KEY_LIMIT hashes the body, so old mail needs its body fetched too."""
+    long_id = "<" + "x" * 250 + "@example.org>"
+    raw = mails.plain(subject="old mail, long id", message_id=long_id)
+    month_ago = NOW - timedelta(days=30)
+    dovecot.append(mailbox, raw, when=month_ago)
+    settings = make_settings(account(), email_initial_lookback=86400)
+    [report] = check_due_accounts(settings, database_url, now=NOW)
+    assert report.seen_without_triage == 1
+    assert [p[0] for p in processed(db)] == [message_key("home", parse_email(raw))]
+
+    rebuild(dovecot, mailbox, [raw], month_ago)
+    [report] = check_due_accounts(settings, database_url, now=later(10))
+    assert report.uidvalidity_reset
+    assert (report.enqueued, report.duplicates) == (0, 1)
+    assert items(db) == []
+
+
+def test_mail_with_an_odd_charset_in_its_subject_is_triaged(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    dovecot.append(mailbox, mails.plain(subject="=?idna?q?hello?="))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=NOW)
+    assert (report.enqueued, report.failed) == (1, 0)
+    [item] = items(db)
+    assert item["payload"]["subject"] == "hello"
+    assert any("idna" in n for n in item["payload"]["notes"])
+
+
+def test_status_shows_the_configured_mailbox_of_an_account(
+    dovecot: Dovecot, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """After the account's mailbox is changed, status must show the configured mailbox's
+    row (here failing), not the old mailbox's."""
+    old = f"zz{uuid.uuid4().hex[:8]}"
+    dovecot.create_mailbox(old)
+    dovecot.append(old, mails.plain())
+    [report] = check_due_accounts(make_settings(account(mailbox=old)), database_url, now=NOW)
+    assert report.ok
+    new = f"aa{uuid.uuid4().hex[:8]}"  # configured now, but does not exist on the server
+    [report] = check_due_accounts(make_settings(account(mailbox=new)), database_url, now=later(10))
+    assert not report.ok
+    [status] = account_statuses(db, [("home", new)])
+    assert (status["mailbox"], status["last_error"]) == (new, report.error)
+    assert status["last_check_at"] is None
+
+
+class _Logout:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.logout()
+
+
+def test_a_message_expunged_during_the_check_is_skipped_and_logged(
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: Any,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another client deletes a message after the UID listing: ordinary IMAP life, not a
+    failed check."""
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    listing = ImapSession.refs_above
+
+    def list_then_another_client_expunges(self: ImapSession, last_uid: int) -> Any:
+        refs = listing(self, last_uid)
+        client = dovecot.client()
+        with contextlib.closing(_Logout(client)):
+            assert client.select(mailbox)[0] == "OK"
+            client.uid("STORE", "2", "+FLAGS", "(\\Deleted)")
+            client.expunge()
+        return refs
+
+    monkeypatch.setattr(ImapSession, "refs_above", list_then_another_client_expunges)
+    with capture_logs() as logs:
+        [report] = check_due_accounts(make_settings(account()), database_url, now=NOW)
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["one", "three"]
+    [vanished] = [e for e in logs if e["event"] == "email_message_vanished"]
+    assert (vanished["account"], vanished["uid"]) == ("home", 2)
+    assert checkpoint(db)[1] == 3  # type: ignore[index]
+
+
+def _make_unreadable(dovecot: Dovecot, mailbox: str, uid: int) -> None:
+    """A damaged mail store: the message file of ``uid`` cannot be read by the server."""
+    maildir = dovecot.root / "mail" / "alice" / "Maildir" / f".{mailbox}"
+    uidlist = (maildir / "dovecot-uidlist").read_text().splitlines()[1:]
+    [name] = [line.split(":", 1)[1] for line in uidlist if line.split()[0] == str(uid)]
+    [path] = list(maildir.glob(f"*/{name.split(':')[0]}*"))
+    os.chmod(path, 0)
+
+
+def test_a_message_the_server_cannot_return_is_passed_after_three_checks(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """durability.md Bad input: bad input never stops other items. Mail before the bad one
+    is recorded at once; the bad one stops each check until its third consecutive refusal,
+    then goes to failed_operations and the checkpoint passes it."""
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    _make_unreadable(dovecot, mailbox, 2)
+    settings = make_settings(account())
+    for n in range(2):
+        with capture_logs() as logs:
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+        assert not report.ok
+        assert report.error is not None and "UID 2 " in report.error
+        assert f"on {n + 1} consecutive check(s)" in report.error
+        [refused] = [e for e in logs if e["event"] == "email_message_refused"]
+        assert (refused["account"], refused["uid"], refused["refused_checks"]) == ("home", 2, n + 1)
+        assert "failed_operations" in refused["what_to_do"]
+        assert [i["payload"]["subject"] for i in items(db)] == ["one"]
+        assert checkpoint(db)[1:4:2] == (1, report.error)  # type: ignore[index]
+
+    with capture_logs() as logs:
+        [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert report.ok, report.error
+    assert (report.enqueued, report.failed) == (1, 1)
+    assert [i["payload"]["subject"] for i in items(db)] == ["one", "three"]
+    assert checkpoint(db)[1:4:2] == (3, None)  # type: ignore[index]
+    [(op_type, label, error, context)] = db.execute(
+        "SELECT op_type, label, error_message, context_data FROM failed_operations"
+    ).fetchall()
+    assert (op_type, label) == ("email_message", "home UID 2")
+    assert "refused by the server on 3 consecutive checks" in error
+    validity = dovecot.uidvalidity(mailbox)
+    assert {k: context[k] for k in ("account", "mailbox", "uidvalidity", "uid")} == {
+        "account": "home",
+        "mailbox": mailbox,
+        "uidvalidity": validity,
+        "uid": 2,
+    }
+    assert context["size"] > 0 and context["internal_date"]
+    assert "Internal error" in context["server_answer"]
+    assert "UPDATE email_checkpoints SET last_uid = 1" in context["what_to_do"]
+    [failed] = [e for e in logs if e["event"] == "email_message_failed"]
+    assert (failed["account"], failed["uid"], failed["refused_checks"]) == ("home", 2, 3)
+    assert db.execute("SELECT refused_uid, refused_checks FROM email_checkpoints").fetchone() == (
+        None,
+        0,
+    )
+
+
+def test_a_refusal_count_restarts_for_another_uid(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    _make_unreadable(dovecot, mailbox, 2)
+    settings = make_settings(account())
+    check_due_accounts(settings, database_url, now=later(0))
+    check_due_accounts(settings, database_url, now=later(10))
+    assert db.execute("SELECT refused_uid, refused_checks FROM email_checkpoints").fetchone() == (
+        2,
+        2,
+    )
+    _make_unreadable(dovecot, mailbox, 3)
+    db.execute("UPDATE email_checkpoints SET last_uid = 2")  # as if UID 2 had been read
+    [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert report.error is not None and "UID 3 " in report.error
+    assert db.execute("SELECT refused_uid, refused_checks FROM email_checkpoints").fetchone() == (
+        3,
+        1,
+    )
+
+
+def test_a_batch_refused_with_no_is_fetched_one_by_one_and_the_refused_message_passed(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """A server that answers NO for a message it cannot return: the mail before and after it
+    in the batch is not held back by it for more than three checks."""
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    with RefusingProxy(dovecot.imap_port, refused={2}) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        with capture_logs() as logs:
+            [report] = check_due_accounts(settings, database_url, now=later(0))
+        assert report.error is not None and "UID 2 " in report.error
+        assert "NO [SERVERBUG]" in report.error
+        assert [e["event"] for e in logs if "refused" in e["event"]] == [
+            "email_batch_refused",
+            "email_message_refused",
+        ]
+        assert [i["payload"]["subject"] for i in items(db)] == ["one"]
+        for n in (1, 2):
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["one", "three"]
+    [context] = db.execute("SELECT context_data FROM failed_operations").fetchone()
+    assert (context["uid"], context["refused_checks"]) == (2, 3)
+    assert context["server_answer"].startswith("NO [SERVERBUG]")

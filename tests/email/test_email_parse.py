@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from datetime import UTC, datetime
+from pathlib import Path
 
 import mails
 import pytest
@@ -11,11 +15,15 @@ from hypothesis import strategies as st
 
 from sokratos_worker.email.parse import (
     BODY_LIMIT_BYTES,
+    HTML_LIMIT_CHARS,
     format_email_summary,
+    html_to_text,
     message_key,
     parse_email,
     truncate_bytes,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plain_message_fields_and_summary_format() -> None:
@@ -191,3 +199,80 @@ def test_nul_bytes_are_removed_and_noted() -> None:
     parsed = parse_email(mails.plain(body="a\x00b"))
     assert parsed.body == "ab"
     assert "NUL bytes removed" in parsed.notes
+
+
+@pytest.mark.parametrize(
+    "subject", ["=?idna?q?hello?=", "=?undefined?q?hello?=", "=?punycode?q?caf=E9?="]
+)
+def test_an_odd_charset_in_a_header_gives_a_note_not_an_exception(subject: str) -> None:
+    """Codecs that are not text encodings raise UnicodeError, not LookupError."""
+    parsed = parse_email(mails.plain(subject=subject))
+    assert parsed.from_ == "Bob Example <bob@example.org>"
+    assert any("decoded as UTF-8" in n for n in parsed.notes)
+
+
+def test_a_charset_name_with_nul_gives_a_note_not_an_exception() -> None:
+    parsed = parse_email(mails.plain(subject="=?utf\x00-8?q?hello?="))
+    assert parsed.subject == "hello"
+    assert any("decoded as UTF-8" in n for n in parsed.notes)
+
+
+def _parses_within(raw: bytes, tmp_path: Path, seconds: float) -> None:
+    """parse_email of ``raw`` in a subprocess that must end within ``seconds``."""
+    path = tmp_path / "mail.eml"
+    path.write_bytes(raw)
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from sokratos_worker.email.parse import parse_email
+        parse_email(Path({str(path)!r}).read_bytes())
+        """
+    )
+    try:
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, timeout=seconds, check=True, capture_output=True
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"parse_email of a {len(raw)}-byte message took more than {seconds} s")
+
+
+@pytest.mark.parametrize("markup", [b"<a", b"<a b=c ", b"<a x='", b"<!--", b"<script>"])
+def test_html_only_message_with_unclosed_tags_parses_in_bounded_time(
+    markup: bytes, tmp_path: Path
+) -> None:
+    """html.parser was quadratic on unclosed tags: 400 KB took more than 10 s."""
+    body = markup * (400_000 // len(markup))
+    raw = (
+        b"From: spam@example.org\r\nTo: alice@example.org\r\nSubject: x\r\n"
+        b"Message-ID: <quadratic@example.org>\r\nMIME-Version: 1.0\r\n"
+        b"Content-Type: text/html; charset=utf-8\r\n\r\n" + body + b"\r\n"
+    )
+    _parses_within(raw, tmp_path, 10)
+
+
+def test_a_huge_content_type_header_parses_in_bounded_time(tmp_path: Path) -> None:
+    """The email package's header parser took 9 s on a 100 KB Content-Type."""
+    raw = (
+        b"From: a@example.org\r\nContent-Type: text/plain; " + b"a=b; " * 20_000 + b"\r\n"
+        b"Message-ID: <long-type@example.org>\r\n\r\nhello\r\n"
+    )
+    _parses_within(raw, tmp_path, 10)
+    assert parse_email(raw).body == "hello"
+
+
+def test_a_huge_html_part_is_cut_with_a_note() -> None:
+    markup = "<p>start</p>" + "x" * HTML_LIMIT_CHARS + "<p>end</p>"
+    parsed = parse_email(
+        b"From: a@example.org\r\nMIME-Version: 1.0\r\n"
+        b"Content-Type: text/html; charset=utf-8\r\n\r\n" + markup.encode()
+    )
+    assert parsed.body.startswith("start") and "end" not in parsed.body
+    assert any("HTML part cut" in n for n in parsed.notes)
+
+
+def test_html_text_keeps_text_and_drops_markup() -> None:
+    markup = (
+        "<p title='a>b'>Hi &amp; <b>bye</b></p><!-- hidden --><div>x<br/>y</div>"
+        " a < b <SCRIPT type=x>var a = '<p>';</script >z <style>p {}</style>"
+    )
+    assert html_to_text(markup) == "Hi & bye\n\nx\ny\na < b z"

@@ -1,0 +1,80 @@
+"""A proxy in front of the test Dovecot that answers ``NO`` to a UID FETCH of chosen UIDs.
+
+Some servers refuse a message they cannot return with a tagged ``NO`` (Dovecot closes the
+connection with ``BYE`` instead); everything else is relayed to Dovecot unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+from collections.abc import Callable
+
+_FETCH = re.compile(rb"^(\S+) UID FETCH ([0-9,:]+) \(.*BODY", re.IGNORECASE)
+
+
+def _uids(uid_set: bytes) -> set[int]:
+    """The UIDs of a sequence set without ``*`` (``1,3:5``)."""
+    found: set[int] = set()
+    for part in uid_set.split(b","):
+        low, _, high = part.partition(b":")
+        found.update(range(int(low), int(high or low) + 1))
+    return found
+
+
+class RefusingProxy:
+    """Use as a context manager; connect to ``port``; ``refused`` holds the UIDs to refuse."""
+
+    def __init__(self, upstream_port: int, refused: set[int]) -> None:
+        self.upstream_port = upstream_port
+        self.refused = refused
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> RefusingProxy:
+        self._spawn(self._accept_forever)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sock in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_forever(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed by __exit__
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, upstream]
+            self._spawn(self._copy, upstream, client)
+            self._spawn(self._commands, client, upstream)
+
+    @staticmethod
+    def _copy(source: socket.socket, target: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                target.sendall(data)
+
+    def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Relay the client's command lines, answering a refused FETCH itself."""
+        with contextlib.suppress(OSError, ValueError):
+            for line in client.makefile("rb"):
+                match = _FETCH.match(line)
+                if match and _uids(match.group(2)) & self.refused:
+                    client.sendall(match.group(1) + b" NO [SERVERBUG] cannot read the message\r\n")
+                else:
+                    upstream.sendall(line)
