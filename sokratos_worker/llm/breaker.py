@@ -1,9 +1,11 @@
 """A per-backend circuit breaker whose half-open state always ends.
 
 Closed → open after ``threshold`` consecutive failures; after the cool-down one caller is
-let through as the half-open probe; its success closes the circuit, its failure re-opens it
-with the cool-down doubled (capped). Unlike Sokratos's breaker (behaviour reference §6.3),
-a probe that never reports back is treated as failed once its deadline passes.
+admitted as the half-open trial; its success closes the circuit, its failure re-opens it
+with the cool-down doubled (capped). Only the trial's failure re-opens: calls that were
+already in flight when the circuit went half-open only count. Unlike Sokratos's breaker
+(behaviour reference §6.3), a trial that never reports back is treated as failed once its
+deadline passes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 import structlog
 
@@ -24,6 +26,14 @@ class Circuit(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+class Admission(Enum):
+    """What :meth:`CircuitBreaker.admit` lets a caller do."""
+
+    SKIP = "skip"  # open (or a trial is out): no request
+    CALL = "call"  # closed: an ordinary call
+    TRIAL = "trial"  # this caller alone tests the half-open circuit
 
 
 class CircuitBreaker:
@@ -79,24 +89,23 @@ class CircuitBreaker:
             return max(0.0, self._opened_at + self._cooldown - self._clock())
 
     def allow(self) -> bool:
-        """True when a call may go ahead; the caller that turns it half-open is the probe."""
+        """True when a call may go ahead (see :meth:`admit`)."""
+        return self.admit() is not Admission.SKIP
+
+    def admit(self) -> Admission:
+        """CALL while closed; TRIAL for the one caller that turns the circuit half-open."""
         with self._lock:
             self._expire_probe()
             if self._state is Circuit.CLOSED:
-                return True
+                return Admission.CALL
             if self._state is Circuit.HALF_OPEN:
-                return False  # one probe at a time; everyone else fails fast
+                return Admission.SKIP  # one trial at a time; everyone else fails fast
             if self._clock() - self._opened_at < self._cooldown:
-                return False
+                return Admission.SKIP
             self._state = Circuit.HALF_OPEN
             self._probe_started = self._clock()
             log.info("circuit_half_open", backend=self.name)
-            return True
-
-    def is_probe(self) -> bool:
-        """True while a half-open probe is out (the caller uses the probe deadline)."""
-        with self._lock:
-            return self._state is Circuit.HALF_OPEN
+            return Admission.TRIAL
 
     def record_success(self) -> None:
         """Close the circuit and reset the cool-down."""
@@ -108,13 +117,14 @@ class CircuitBreaker:
             self._cooldown = self.base_cooldown
             self.last_error = ""
 
-    def record_failure(self, reason: str = "") -> None:
-        """Count a failure; open at the threshold, re-open a failed probe with a longer wait."""
+    def record_failure(self, reason: str = "", *, trial: bool = False) -> None:
+        """Count a failure; open at the threshold, re-open after a failed ``trial``."""
         with self._lock:
             self.last_error = reason
             self._failures += 1
             if self._state is Circuit.HALF_OPEN:
-                self._reopen(reason)
+                if trial:  # a call sent before the circuit went half-open proves nothing now
+                    self._reopen(reason)
             elif self._state is Circuit.CLOSED and self._failures >= self.threshold:
                 self._open(reason)
 
@@ -144,4 +154,4 @@ class CircuitBreaker:
             self._reopen(self.last_error)
 
 
-__all__ = ["Circuit", "CircuitBreaker"]
+__all__ = ["Admission", "Circuit", "CircuitBreaker"]

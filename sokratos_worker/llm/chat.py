@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from sokratos_worker.config import BackendConfig
-from sokratos_worker.llm.breaker import CircuitBreaker
+from sokratos_worker.llm.breaker import Admission, CircuitBreaker
 from sokratos_worker.llm.gbnf import schema_to_gbnf
 from sokratos_worker.llm.http import (
     ClientPerThread,
@@ -72,7 +72,7 @@ class RetryPolicy:
     backoff_base: float = 0.5
     backoff_max: float = 8.0
     retry_after_max: float = 30.0  # a longer Retry-After moves on to the next backend now
-    probe_timeout: float = 15.0  # a half-open probe's and a health probe's deadline
+    probe_timeout: float = 15.0  # the health probe's deadline (also the half-open trial)
     breaker_threshold: int = 3
     breaker_cooldown: float = 120.0
     breaker_max_cooldown: float = 600.0
@@ -254,10 +254,11 @@ class FallbackChatClient:
         tried: list[BackendAttempt] = []
         kinds: list[str] = []
         for backend in self._backends:
-            if not backend.breaker.allow():
-                tried.append(BackendAttempt(backend.name, "skipped", "circuit_open"))
+            reason = self._skip_reason(backend)
+            if reason:
+                tried.append(BackendAttempt(backend.name, "skipped", reason))
                 kinds.append("skipped")
-                log.info("llm_backend_skipped", backend=backend.name, reason="circuit_open")
+                log.info("llm_backend_skipped", backend=backend.name, reason=reason)
                 continue
             started = time.perf_counter()
             try:
@@ -301,6 +302,21 @@ class FallbackChatClient:
             )
         raise self._failure(tuple(tried), kinds, purpose)
 
+    def _skip_reason(self, backend: _Backend) -> str:
+        """Why this call skips ``backend`` (its circuit), or an empty string to go ahead."""
+        admission = backend.breaker.admit()
+        if admission is Admission.CALL:
+            return ""
+        if admission is Admission.SKIP:
+            return "circuit_open"
+        # The half-open trial is the one-token probe, not the item's request: the request then
+        # keeps the backend's own timeout, so a slow CPU backend can close its circuit again.
+        if self._probe_one(backend):
+            backend.breaker.record_success()
+            return ""
+        backend.breaker.record_failure("half-open probe failed", trial=True)
+        return "circuit_open: half-open probe failed"
+
     def probe(self) -> bool:
         """True when a backend answers a one-token chat request now; ends its circuit's wait.
 
@@ -343,9 +359,8 @@ class FallbackChatClient:
         purpose: str,
     ) -> tuple[T, _Answer]:
         """Ask, validate, and once more with the validation error if the reply is invalid."""
-        is_probe = backend.breaker.is_probe()
         body = request_body(backend.config, response_model, messages, max_tokens)
-        answer = self._post(backend, body, purpose, is_probe)
+        answer = self._post(backend, body, purpose)
         try:
             return self._parse(backend, response_model, answer, purpose)
         except ReplyInvalid as exc:
@@ -368,7 +383,7 @@ class FallbackChatClient:
                 {"role": "user", "content": feedback},
             ]
             body = request_body(backend.config, response_model, repair, max_tokens)
-            second = self._post(backend, body, purpose, is_probe)
+            second = self._post(backend, body, purpose)
             try:
                 value, _ = self._parse(backend, response_model, second, purpose)
             except ReplyInvalid:
@@ -390,14 +405,10 @@ class FallbackChatClient:
             log.warning("llm_value_clamped", backend=backend.name, purpose=purpose, fields=clamped)
         return value, answer
 
-    def _post(
-        self, backend: _Backend, body: dict[str, Any], purpose: str, is_probe: bool
-    ) -> _Answer:
-        """POST with the bounded retry loop; a half-open probe gets one short attempt."""
-        attempts = 1 if is_probe else self.policy.attempts
-        timeout = backend.probe_timeout if is_probe else backend.config.timeout
+    def _post(self, backend: _Backend, body: dict[str, Any], purpose: str) -> _Answer:
+        """POST with the bounded retry loop, each attempt with the backend's timeout."""
         retrying = Retrying(
-            stop=self._stop(attempts),
+            stop=self._stop(self.policy.attempts),
             wait=self._wait,
             retry=retry_if_exception_type(_Transient),
             sleep=self._sleep,
@@ -407,18 +418,20 @@ class FallbackChatClient:
         for attempt in retrying:
             with attempt:
                 number = attempt.retry_state.attempt_number
-                answer = self._post_once(backend, body, purpose, number, timeout)
+                answer = self._post_once(backend, body, purpose, number)
         assert answer is not None  # noqa: S101 - reraise=True: the loop either returns or raises
         return answer
 
     def _post_once(
-        self, backend: _Backend, body: dict[str, Any], purpose: str, attempt: int, timeout: float
+        self, backend: _Backend, body: dict[str, Any], purpose: str, attempt: int
     ) -> _Answer:
         if not backend.slots.acquire(timeout=backend.config.timeout):
             raise _Busy
         started = time.perf_counter()
         try:
-            response = backend.clients.get().post(backend.chat_url, json=body, timeout=timeout)
+            response = backend.clients.get().post(
+                backend.chat_url, json=body, timeout=backend.config.timeout
+            )
         except httpx.TimeoutException as exc:
             self._log_failed(backend, attempt, started, purpose, reason="timeout", status=None)
             raise _Transient("timeout") from exc
@@ -496,23 +509,19 @@ class FallbackChatClient:
     def _failure(
         self, tried: tuple[BackendAttempt, ...], kinds: list[str], purpose: str
     ) -> Exception:
-        """The error for a call no backend answered validly (durability.md's attempt table)."""
+        """The error for a call no backend answered validly (durability.md's attempt table).
+
+        Refused or unreachable everywhere is the configuration's or an outage only when the
+        health probe right after agrees: a refusal or a crash that only this request gets
+        (a WAF rule, a 404 "no endpoints" for a long prompt) must use the item's attempt,
+        or the item would be given back and claimed again for ever.
+        """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
-        if all(k == "refused" for k in kinds):
-            return LLMBackendsMisconfigured(
-                f"every LLM backend refused the request ({summary}): check each backend's"
-                " api_key and model ('sokratos-worker check')",
-                tried=tried,
-            )
         if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
-            sent = any(k == "unreachable" for k in kinds)
-            if not self.probe() or not sent:
-                limited = all(a.reason.startswith("http_429") for a in tried)
-                what = (
-                    "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
-                )
-                return NoBackendReachable(f"{what} ({summary})", tried=tried)
+            sent = any(k != "skipped" for k in kinds)
+            if not sent or not self.probe():
+                return _not_the_items_fault(tried, kinds, summary)
             # The servers are up again or were all along: this request itself broke them.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 
@@ -565,6 +574,21 @@ class FallbackChatClient:
         )
 
 
+def _not_the_items_fault(
+    tried: tuple[BackendAttempt, ...], kinds: list[str], summary: str
+) -> Exception:
+    """Misconfigured when every backend refused, else unreachable (both give the attempt back)."""
+    if all(k == "refused" for k in kinds):
+        return LLMBackendsMisconfigured(
+            f"every LLM backend refused the request ({summary}): check each backend's"
+            " api_key and model ('sokratos-worker check')",
+            tried=tried,
+        )
+    limited = all(a.reason.startswith("http_429") for a in tried)
+    what = "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
+    return NoBackendReachable(f"{what} ({summary})", tried=tried)
+
+
 def _server_says(response: httpx.Response) -> str:
     """``: <the error message>`` of an OpenAI-style error body (bounded), or nothing."""
     try:
@@ -604,10 +628,11 @@ def _answer_from(payload: Any) -> _Answer:
     if isinstance(payload, dict):
         choices = payload.get("choices") or []
         if choices and isinstance(choices[0], dict):
-            message = choices[0].get("message") or {}
-            content = (message.get("content") or "").strip()
+            message = choices[0].get("message")
+            message = message if isinstance(message, dict) else {}
+            content = _text(message.get("content"), "content")
             if not content:
-                content = (message.get("reasoning_content") or "").strip()
+                content = _text(message.get("reasoning_content"), "reasoning_content")
             truncated = choices[0].get("finish_reason") == "length"
         raw_usage = payload.get("usage")
         usage = raw_usage if isinstance(raw_usage, dict) else {}
@@ -617,6 +642,19 @@ def _answer_from(payload: Any) -> _Answer:
         _int(usage.get("completion_tokens")),
         truncated,
     )
+
+
+def _text(value: Any, field: str) -> str:
+    """A message field as text: a string, or the joined text parts of a content-parts list
+    (Mistral's form); anything else is an invalid reply, so the next backend is tried."""
+    if value is None or isinstance(value, str):
+        return (value or "").strip()
+    if isinstance(value, list):
+        parts = [p for p in value if isinstance(p, dict) and p.get("type", "text") == "text"]
+        texts = [p.get("text") for p in parts]
+        if texts and all(isinstance(t, str) for t in texts):
+            return "".join(str(t) for t in texts).strip()
+    raise ReplyInvalid(f"the reply's {field} is neither text nor a list of text parts")
 
 
 def _int(value: Any) -> int | None:

@@ -29,11 +29,7 @@ class ReplyInvalid(ValueError):
 
 def parse_reply(model: type[T], text: str) -> tuple[T, list[str]]:
     """The validated value and the dotted paths of any numbers that were clamped."""
-    cleaned = clean_llm_json(text)
-    try:
-        data: Any = json.loads(cleaned)
-    except ValueError as exc:
-        raise ReplyInvalid(f"the reply is not a JSON object ({exc})") from exc
+    data = _load(text)
     if not isinstance(data, dict):
         raise ReplyInvalid("the reply must be one JSON object")
     clamped: list[str] = []
@@ -48,6 +44,38 @@ def parse_reply(model: type[T], text: str) -> tuple[T, list[str]]:
                 _clamp(data, error["loc"], error["ctx"], error["type"])
                 clamped.append(".".join(str(p) for p in error["loc"]))
     raise ReplyInvalid("the reply could not be brought into range")
+
+
+def _load(text: str) -> Any:
+    """The reply parsed strictly, else after cleaning: cleaning a reply that already is JSON
+    could cut a string that mentions a code fence or ``</think>`` apart."""
+    try:
+        strict = _json(text)
+    except ValueError:
+        strict = None
+    if isinstance(strict, dict):
+        return strict
+    try:
+        return _json(clean_llm_json(text))
+    except ValueError as exc:
+        raise ReplyInvalid(f"the reply is not a JSON object ({exc})") from exc
+
+
+def _json(text: str) -> Any:
+    """``json.loads`` without NaN and Infinity, which JSON does not have and which would slip
+    past every range check (NaN compares false with any bound)."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(literal: str) -> float:
+    number = float(literal)
+    if not math.isfinite(number):
+        raise ValueError(f"{literal} is out of a float's range")
+    return number
 
 
 def _clamp(data: Any, loc: tuple[int | str, ...], ctx: dict[str, Any], kind: str) -> None:

@@ -13,6 +13,7 @@ from sokratos_worker.pipelines.archive import Archive, archive_from_payload
 from sokratos_worker.pipelines.schemas import Distillation, Fact
 from sokratos_worker.pipelines.text import byte_len, chunk_text
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
+from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
 log = structlog.get_logger(__name__)
 
@@ -22,6 +23,8 @@ DISTILL_MAX_BYTES = 16000
 # of archive memories. Past this the item is refused whole into failed_operations.
 MAX_ARCHIVE_BYTES = 32 * DISTILL_MAX_BYTES
 DISTILL_MAX_TOKENS = 2048
+# A halved window is never shorter than this: one UTF-8 character is at most 4 bytes.
+MIN_HALF_BYTES = 4
 ARCHIVE_SALIENCE = 3.0
 ARCHIVE_TAG = "conversation_archive"
 
@@ -53,7 +56,8 @@ class DistillationHandler:
             return ()  # an invalid payload is kept whole in failed_operations instead
         if archive.empty:
             return ()
-        chunks = chunk_text(archive.text.strip())
+        # min_bytes=1: the archive must keep every message, short ones too (no scrap rule).
+        chunks = chunk_text(archive.text.strip(), min_bytes=1)
         vectors = self._embed_best_effort(item, chunks)
         model = self.embedder.model if self.embedder is not None and vectors else None
         return tuple(
@@ -111,7 +115,7 @@ class DistillationHandler:
             log.info("distillation_input_halved", item_id=item.id, bytes=byte_len(text))
             facts: list[Fact] = []
             backend = ""
-            for half in chunk_text(text, max(1, byte_len(text) // 2), min_bytes=1):
+            for half in chunk_text(text, max(MIN_HALF_BYTES, byte_len(text) // 2), min_bytes=1):
                 found, backend = self._distil_window(item, half, halve=False)
                 facts.extend(found)
             return facts, backend
@@ -127,6 +131,7 @@ class DistillationHandler:
         existing: list[int] = []
         known = 0
         unchecked = 0  # facts saved without a contradiction verdict
+        escaped = 0  # facts whose text held NUL or lone surrogates
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
         for fact in facts:
             key = fact.text.strip().lower()
@@ -153,6 +158,7 @@ class DistillationHandler:
             memories.extend(plan.memories)
             supersessions.extend(plan.supersessions)
             unchecked += plan.contradiction_failed is not None
+            escaped += plan.escaped
         log.info(
             "distillation_planned",
             item_id=item.id,
@@ -170,6 +176,8 @@ class DistillationHandler:
         detail = f"{len(seen) - known - len(existing)} new facts of {len(facts)}"
         if unchecked:
             detail += f"; contradiction check failed for {unchecked}: nothing superseded"
+        if escaped:
+            detail += f"; the model's reply for {escaped}: {ESCAPED_NOTE}"  # contract: noted
         return Effects(
             Outcome.SAVED,
             detail=detail,

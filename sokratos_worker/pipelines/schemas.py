@@ -26,8 +26,9 @@ def _clamper(name: str, low: float, high: float) -> BeforeValidator:
             number = float(value)
         except ValueError:
             return value
-        if math.isnan(number):
-            return value
+        if not math.isfinite(number):
+            # json.loads takes NaN and Infinity; NaN would pass every threshold comparison.
+            raise ValueError("must be a finite number")
         clamped = min(high, max(low, number))
         if clamped != number:
             log.info("value_clamped", field=name, value=number, low=low, high=high)

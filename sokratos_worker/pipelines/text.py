@@ -32,6 +32,15 @@ def _rune_start(data: bytes, cut: int) -> int:
     return cut
 
 
+def _first_char_len(data: bytes) -> int:
+    """The byte length of the first character: a window must hold at least one whole
+    character, or a limit below its length would cut nothing and loop for ever."""
+    end = 1
+    while end < len(data) and (data[end] & 0xC0) == 0x80:
+        end += 1
+    return end
+
+
 def prefix_bytes(text: str, limit: int) -> str:
     """At most ``limit`` bytes of ``text``, never splitting a character, no ellipsis."""
     data = text.encode("utf-8")
@@ -70,7 +79,7 @@ def chunk_text(
         if len(rest) <= max_bytes:
             window = rest
         else:
-            window = rest[: _rune_start(rest, max_bytes)]
+            window = rest[: _rune_start(rest, max_bytes) or _first_char_len(rest)]
             newline = window.rfind(b"\n")
             if newline > 0:
                 window = window[: newline + 1]

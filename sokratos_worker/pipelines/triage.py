@@ -24,6 +24,7 @@ from sokratos_worker.pipelines.text import (
 )
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
 from sokratos_worker.store.memories import MemoryReader
+from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
 log = structlog.get_logger(__name__)
 
@@ -171,6 +172,8 @@ class TriageHandler:
             detail += (
                 f"; contradiction check failed ({plan.contradiction_failed}): nothing superseded"
             )
+        if plan.escaped:
+            detail += f"; the model's reply: {ESCAPED_NOTE}"  # contract: escaping is noted
         return Effects(
             Outcome.SAVED,
             detail=detail,

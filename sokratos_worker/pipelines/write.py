@@ -6,6 +6,7 @@ settle commits in one transaction with the item's deletion (behaviour §2, §3).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from sokratos_worker.store.memories import (
     NEAR_DUPLICATE_DISTANCE,
     MemoryReader,
 )
+from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +57,7 @@ class WritePlan:
     known_fact: bool = False
     contradiction_backend: str | None = None
     contradiction_failed: str | None = None  # why no verdict came (saved all the same)
+    escaped: bool = False  # the model's text held NUL or lone surrogates, escaped to be stored
 
 
 def cosine_distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -62,6 +65,16 @@ def cosine_distance(a: Sequence[float], b: Sequence[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return 1.0 - dot / norms if norms else 1.0
+
+
+def storable(draft: MemoryDraft) -> tuple[MemoryDraft, bool]:
+    """The draft with NUL and lone surrogates escaped, and whether any were: a model's
+    ``\\u0000`` is valid JSON, but PostgreSQL text cannot hold it and the insert would fail."""
+    text = clean_text(draft.text)
+    tags = tuple(clean_text(tag) for tag in draft.tags)
+    if text == draft.text and tags == draft.tags:
+        return draft, False
+    return dataclasses.replace(draft, text=text, tags=tags), True
 
 
 class MemoryWriter:
@@ -90,10 +103,11 @@ class MemoryWriter:
         which are written in the same transaction and so are not in the table yet.
         Embedding outages propagate (the attempt is given back); a failed verdict does not.
         """
+        draft, escaped = storable(draft)
         chunks = chunk_text(draft.text)
         if self.embedder is None:
             bare = [(chunk, None) for chunk in chunks]
-            return WritePlan(memories=self._rows(item, draft, bare, first_chunk))
+            return WritePlan(memories=self._rows(item, draft, bare, first_chunk), escaped=escaped)
         first = self._embed(chunks[0])
         vec = first[0][1]
         if fact_dedupe and (
@@ -116,6 +130,7 @@ class MemoryWriter:
             supersessions=supersessions,
             contradiction_backend=backend,
             contradiction_failed=failed,
+            escaped=escaped,
         )
 
     def _embed(self, text: str) -> list[tuple[str, list[float]]]:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 from pydantic import BaseModel
 
-from sokratos_worker.llm.breaker import Circuit, CircuitBreaker
+from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
 from sokratos_worker.llm.chat import FallbackChatClient
-from sokratos_worker.llm.types import NoBackendReachable
+from sokratos_worker.llm.types import ChatFailed, NoBackendReachable
 from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from tests.llm.conftest import FakeClock, backend
 
@@ -59,8 +59,8 @@ def test_failed_probe_doubles_the_cooldown_up_to_the_cap(clock: FakeClock):
     waits = []
     for _ in range(5):
         clock.advance(cb.retry_in())
-        assert cb.allow()
-        cb.record_failure("still down")
+        assert cb.admit() is Admission.TRIAL
+        cb.record_failure("still down", trial=True)
         waits.append(cb.cooldown)
     assert waits == [240, 480, 600, 600, 600]
     assert cb.state is Circuit.OPEN
@@ -79,6 +79,23 @@ def test_probe_that_never_reports_expires(clock: FakeClock):
     assert cb.cooldown == 240
     clock.advance(240)
     assert cb.allow()
+
+
+def test_only_the_trial_decides_a_half_open_circuit(clock: FakeClock):
+    """A call already in flight when the circuit went half-open is not the trial: its failure
+    counts but neither re-opens the circuit nor doubles the cool-down."""
+    cb = breaker(clock)
+    for _ in range(3):
+        cb.record_failure()
+    clock.advance(120)
+    assert cb.admit() is Admission.TRIAL
+    assert cb.admit() is Admission.SKIP  # one trial at a time
+    cb.record_failure("a call sent before the cool-down ended")
+    assert cb.state is Circuit.HALF_OPEN
+    assert cb.cooldown == 120
+    cb.record_success()  # the trial
+    assert cb.state is Circuit.CLOSED
+    assert cb.admit() is Admission.CALL
 
 
 def test_client_breaker_skips_open_backend_and_probes_with_timeout(
@@ -105,17 +122,42 @@ def test_client_breaker_skips_open_backend_and_probes_with_timeout(
     assert a.count() == 9  # open: a is skipped without a request
 
     clock.advance(120)
-    a.on("/v1/chat/completions", lambda r: Reply.hang(10))
+    a.on(PROBE, lambda r: Reply.hang(10))
     result = client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
     assert result.backend == "b"
-    assert result.tried[0].reason == "timeout"
-    assert a.count() == 10  # the probe is a single short attempt
+    assert result.tried[0].reason == "circuit_open: half-open probe failed"
+    assert (a.count(), a.count(PROBE)) == (9, 1)  # the trial is the short health probe
     assert client.breaker("a").state is Circuit.OPEN
     assert client.breaker("a").cooldown == 240
 
     clock.advance(240)
+    a.on(PROBE, lambda r: Reply.chat("OK"))
     a.on("/v1/chat/completions", json_responder({"ok": True}))
     assert ask() == "a"
+    assert client.breaker("a").state is Circuit.CLOSED
+
+
+def test_circuit_closes_again_on_a_backend_slower_than_the_probe_timeout(
+    servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
+):
+    """The half-open trial is the one-token probe; the item's request keeps the backend's own
+    timeout, so a CPU backend (a minute per answer, well inside its 120 s timeout, far over
+    the 15 s probe timeout) closes its circuit again instead of re-opening it for ever.
+    Scaled down: probe timeout 0.3 s, answers in 0.6 s, backend timeout 5 s."""
+    a = servers()
+    a.script(*[Reply.error(500, "model reloading")] * 3)  # one failed call opens (threshold 1)
+    a.on("/v1/chat/completions", lambda r: Reply.chat({"ok": True}, delay=0.6))
+    client = make_client(backend(a, "a", timeout=5), probe_timeout=0.3, breaker_threshold=1)
+
+    def ask() -> str:
+        return client.complete(
+            response_model=Ok, system="s", user="u", max_tokens=8, purpose="t"
+        ).backend
+
+    with pytest.raises(ChatFailed):
+        ask()  # the outage opens the circuit; the probe right after ends its cool-down
+    assert client.breaker("a").state is Circuit.OPEN
+    assert [ask() for _ in range(3)] == ["a", "a", "a"]
     assert client.breaker("a").state is Circuit.CLOSED
 
 

@@ -283,6 +283,32 @@ def test_reply_cleaning_think_tags_fences_trailing_commas(
     assert a.count() == 1
 
 
+@pytest.mark.parametrize("marker", ["```python", "</think>"])
+def test_valid_json_mentioning_a_fence_or_think_tag_is_accepted_as_is(
+    servers: Servers, make_client: MakeClient, marker: str
+):
+    """Strict JSON first: cleaning a reply that already is JSON would cut the string apart."""
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.chat({"save": True, "salience": 4, "why": marker}))
+    result = ask(make_client(backend(a, "a")))
+    assert result.value == Verdict(save=True, salience=4)
+    assert a.count() == 1
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_non_finite_number_is_an_invalid_reply_not_clamped(
+    servers: Servers, make_client: MakeClient, number: str
+):
+    """json.loads takes NaN and Infinity; NaN compares false with every bound, so it would
+    pass the range check (and every threshold) and be saved."""
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.chat(f'{{"save": true, "salience": {number}}}'))
+    result = ask(make_client(backend(a, "a"), backend(b, "b")))
+    assert result.backend == "b"
+    assert result.tried[0].reason.startswith("invalid_reply")
+    assert a.count() == 2  # the repair was asked for too
+
+
 def test_out_of_range_numbers_are_clamped(servers: Servers, make_client: MakeClient):
     a = servers()
     a.script(Reply.chat({"save": False, "salience": 42}))
@@ -297,6 +323,40 @@ def test_reasoning_content_is_used_when_content_is_empty(servers: Servers, make_
     body["choices"][0]["message"]["reasoning_content"] = json.dumps(GOOD)
     a.script(Reply(json_body=body))
     assert ask(make_client(backend(a, "a"))).value.save is True
+
+
+def test_content_parts_are_joined_into_the_reply(servers: Servers, make_client: MakeClient):
+    """Mistral-style content: a list of parts; the text parts are the reply."""
+    a = servers()
+    body = Reply.chat("").json_body
+    parts = [
+        {"type": "thinking", "thinking": [{"type": "text", "text": "hmm"}]},
+        {"type": "text", "text": '{"save": true, '},
+        {"type": "text", "text": '"salience": 5}'},
+    ]
+    body["choices"][0]["message"]["content"] = parts
+    a.script(Reply(json_body=body))
+    result = ask(make_client(backend(a, "a")))
+    assert (result.backend, result.value) == ("a", Verdict(save=True, salience=5))
+
+
+@pytest.mark.parametrize(
+    "content", [[{"type": "image_url", "image_url": {"url": "x"}}], {"text": "{}"}, 7]
+)
+def test_content_without_text_is_an_invalid_reply_of_that_backend(
+    servers: Servers, make_client: MakeClient, content: object
+):
+    """Not an AttributeError escaping complete(): the next backend is tried, the breaker told."""
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    body = Reply.chat("").json_body
+    body["choices"][0]["message"]["content"] = content
+    a.on("/v1/chat/completions", lambda r: Reply(json_body=body))
+    client = make_client(backend(a, "a"), backend(b, "b"))
+    client.breaker("a").record_failure("earlier")  # one failure: the answer must reset it
+    result = ask(client)
+    assert result.backend == "b"
+    assert result.tried[0].reason.startswith("invalid_reply")
+    assert client.breaker("a").consecutive_failures == 0
 
 
 @pytest.mark.parametrize(
@@ -365,13 +425,38 @@ def test_a_server_that_lists_its_models_but_fails_every_completion_is_down(
 
 
 def test_all_refused_is_misconfigured(servers: Servers, make_client: MakeClient):
+    """A wrong key or model refuses the health probe too: the configuration is at fault."""
     a, b = servers(), servers()
     a.on("/v1/chat/completions", lambda r: Reply.error(401, "bad key"))
+    a.on(PROBE, lambda r: Reply.error(401, "bad key"))
     b.on("/v1/chat/completions", lambda r: Reply.error(404, "model not found"))
+    b.on(PROBE, lambda r: Reply.error(404, "model not found"))
     with pytest.raises(LLMBackendsMisconfigured) as caught:
         ask(make_client(backend(a, "a"), backend(b, "b")))
     assert isinstance(caught.value, BackendsMisconfigured)
     assert (a.count(), b.count()) == (1, 1)
+    assert (a.count(PROBE), b.count(PROBE)) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Reply.error(403, "Request blocked by WAF rule 942100", type="forbidden"),
+        Reply.error(404, "No endpoints found that can handle the requested parameters."),
+    ],
+    ids=["waf-403", "openrouter-404"],
+)
+def test_a_refusal_only_this_request_gets_is_the_items_failure(
+    servers: Servers, make_client: MakeClient, refusal: Reply
+):
+    """The health probe (same key, same model) succeeds: the refusal is this request's, so the
+    attempt counts (ChatFailed), instead of being given back and the item claimed for ever."""
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: refusal)
+    with pytest.raises(ChatFailed) as caught:
+        ask(make_client(backend(a, "a")))
+    assert not isinstance(caught.value, ContextTooLong)
+    assert (a.count(), a.count(PROBE)) == (1, 1)
 
 
 def test_api_key_is_sent_as_bearer(servers: Servers, make_client: MakeClient):

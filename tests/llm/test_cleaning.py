@@ -78,6 +78,20 @@ def test_parse_reply_rejects_other_errors_without_echoing_values():
         parse_reply(Scored, "[1, 2]")
 
 
+def test_parse_reply_takes_valid_json_as_it_is_before_cleaning():
+    raw = '{"score": 0.5, "count": 2, "label": "see ```json {} ``` or </think> here"}'
+    value, _ = parse_reply(Scored, raw)
+    assert value.label == "see ```json {} ``` or </think> here"
+    fenced = '```json\n{"score": 0.5, "count": 2, "label": "x",}\n```'
+    assert parse_reply(Scored, fenced)[0].label == "x"  # not JSON: cleaned, then parsed
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_parse_reply_rejects_non_finite_numbers(number: str):
+    with pytest.raises(ReplyInvalid):
+        parse_reply(Scored, f'{{"score": {number}, "count": 2, "label": "x"}}')
+
+
 @pytest.mark.parametrize(
     ("status", "body", "verdict"),
     [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import psycopg
@@ -242,6 +244,61 @@ def test_final_failure_archives_the_raw_text(
     } == {(3.0, ("conversation_archive",), "conversation_archive", "general", 8)}
     assert all(len(r["summary"].encode()) <= 1200 for r in rows)
     assert chat.calls == []  # no distillation, no contradiction check
+
+
+def test_final_failure_archive_keeps_every_message(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    """No 50-byte scrap rule for the raw archive: a short message between two long ones (a
+    piece under 50 bytes after the hard cut) is kept too."""
+    messages = [
+        {"role": "user", "content": "A" * 1190},
+        {"role": "user", "content": "ok Oslo"},
+        {"role": "assistant", "content": "B" * 1300},
+    ]
+    handler = distill_handler(database, chat, embedder)
+    memories = handler.final_failure_memories(distill_item({"messages": messages}))
+    joined = "\n".join(m.summary for m in memories)
+    assert "user: ok Oslo" in joined
+    assert joined.count("A") == 1190 and joined.count("B") == 1300
+
+
+_TINY_WINDOW_CHILD = """
+from datetime import UTC, datetime
+from sokratos_worker.config import BackendConfig
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.model import Item, Queue
+from sokratos_worker.pipelines.distill import DistillationHandler
+from sokratos_worker.testing.scripted_llm import Reply, ScriptedLLM
+
+ctx = Reply.error(400, "the request exceeds the available context size",
+                  type="exceed_context_size_error")
+with ScriptedLLM(chat=lambda r: ctx) as srv:
+    chat = FallbackChatClient([BackendConfig(name="s", url=srv.url, model="m", timeout=5)])
+    item = Item(queue=Queue.DISTILLATION, id=1, payload={"archive_text": "a\\U0001F600"},
+                attempt=1, source="distillation", idempotency_key=None,
+                created_at=datetime(2026, 3, 14, tzinfo=UTC))
+    try:
+        DistillationHandler(None, chat, None).handle(item)
+    except Exception as exc:
+        print("raised", type(exc).__name__, srv.count())
+"""
+
+
+def test_context_too_long_for_a_tiny_window_ending_in_a_wide_character_fails_not_hangs() -> None:
+    """Halving a 5-byte window whose last character is 4 bytes wide once looped for ever in
+    chunk_text (CPU-bound, its lease renewed): it is halved once, then ContextTooLong."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _TINY_WINDOW_CHILD],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("DistillationHandler.handle hung halving the window (killed after 30 s)")
+    assert "raised ContextTooLong 2" in done.stdout, done.stderr
 
 
 def test_final_failure_archive_survives_an_embedding_outage(

@@ -237,3 +237,62 @@ def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(
     assert [memory_rows(db)[0]["summary"]] == [fact]
     assert len(memory_ids) == 1
     assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+
+
+def _enqueue_exchange(db: psycopg.Connection) -> int:
+    exchange = "user: I moved to Graz last week with my family\nassistant: Welcome to Graz!"
+    return _enqueue(
+        db, "SELECT sokratos_enqueue_triage(%s::jsonb)", json.dumps({"exchange": exchange})
+    )
+
+
+def _triage_outcome(db: psycopg.Connection, item: int) -> tuple[Any, ...] | None:
+    return db.execute(
+        "SELECT outcome, detail FROM work_outcomes WHERE queue = 'pending_triage' AND item_id = %s",
+        (item,),
+    ).fetchone()
+
+
+def test_a_nan_salience_is_never_saved(db: psycopg.Connection, database_url: str) -> None:
+    """NaN clears every threshold (NaN < t is False) and PostgreSQL sorts it above every
+    number: a reply scoring NaN is an invalid reply, so the item fails instead."""
+    reply = json.dumps(_verdict(123456789, SAVED_SUMMARY)).replace("123456789", "NaN")
+    item = _enqueue_exchange(db)
+    with ScriptedLLM(chat=lambda r: Reply.chat(reply)) as server:
+        _drain(database_url, server)
+    assert memory_rows(db) == []
+    assert (_triage_outcome(db, item) or ("?",))[0] == "failed"
+
+
+def test_a_nul_in_the_models_summary_is_escaped_noted_and_saved(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Contract: bytes PostgreSQL cannot store are escaped and noted, never a failed item."""
+    reply = _verdict(7, "The user moved to Graz.\u0000")
+    reply["tags"] = ["graz\udcff"]
+    item = _enqueue_exchange(db)
+    with ScriptedLLM(chat=lambda r: Reply.chat(json.dumps(reply))) as server:
+        _drain(database_url, server)
+    outcome = _triage_outcome(db, item)
+    assert outcome is not None and outcome[0] == "saved", outcome
+    assert "escaped" in outcome[1]
+    [memory] = memory_rows(db)
+    assert memory["summary"] == "The user moved to Graz.\\u0000"
+    assert memory["tags"] == ["conversation", "graz\\udcff"]
+
+
+def test_a_request_refused_only_for_this_item_uses_its_attempts(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Every request of this item gets 403 (a WAF rule) while the health probe, same key and
+    model, succeeds: the attempt counts and the item reaches failed_operations, instead of
+    being given back, claiming paused and resumed, and the item sent again for ever."""
+    item = _enqueue_exchange(db)
+    waf = Reply.error(403, "Request blocked by WAF rule 942100", type="forbidden")
+    with ScriptedLLM(chat=lambda r: waf) as server:
+        _drain(database_url, server)
+        sent = server.count()
+    assert sent == 1
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (1,)
+    assert (_triage_outcome(db, item) or ("?",))[0] == "failed"

@@ -52,6 +52,15 @@ def test_triage_rejects_what_cannot_be_repaired(reply: dict[str, object]) -> Non
         TriageVerdict.model_validate(reply)
 
 
+@pytest.mark.parametrize("score", [float("nan"), float("inf"), float("-inf"), "NaN"])
+def test_a_non_finite_salience_is_rejected_not_clamped(score: object) -> None:
+    """NaN < threshold is False: a NaN salience would clear every threshold and be saved."""
+    with pytest.raises(ValidationError, match="finite"):
+        TriageVerdict.model_validate({"salience_score": score, "summary": "s"})
+    with pytest.raises(ValidationError, match="finite"):
+        Distillation.model_validate({"facts": [{"text": "a", "salience": score}]})
+
+
 def test_an_empty_summary_is_a_valid_reply() -> None:
     # Nothing worth keeping, and said so: the triage skips it below the threshold (Sokratos
     # decodes it the same way) instead of retrying and dead-lettering a valid answer.

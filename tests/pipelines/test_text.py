@@ -73,6 +73,18 @@ def test_chunk_text_drops_short_tails_but_never_everything() -> None:
     assert chunk_text(spaced) == ["tiny"]
 
 
+def test_chunk_text_takes_a_whole_character_when_the_limit_is_smaller_than_it() -> None:
+    """A limit below a character's length must still make progress, one character a chunk."""
+    assert chunk_text("a😀", 2, min_bytes=1) == ["a", "😀"]
+    assert chunk_text("😀€", 1, min_bytes=1) == ["😀", "€"]
+
+
+@given(st.text(alphabet=ALL_WIDTHS + "\n", max_size=60), st.integers(1, 8))
+def test_chunk_text_keeps_every_character_at_any_limit(text: str, limit: int) -> None:
+    chunks = chunk_text(text, limit, min_bytes=1)
+    assert "".join("".join(chunks).split()) == "".join(text.split())  # whitespace aside
+
+
 @given(st.text(alphabet=ALL_WIDTHS + "\n", min_size=1201, max_size=5000))
 def test_chunks_are_bounded_and_valid(text: str) -> None:
     for chunk in chunk_text(text):

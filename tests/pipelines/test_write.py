@@ -66,6 +66,24 @@ def test_long_text_becomes_chunks_with_consecutive_origins(
     assert {r["pipeline_id"] for r in memory_rows(db)} == {3}
 
 
+@pytest.mark.parametrize("with_embedder", [True, False])
+def test_nul_and_lone_surrogates_in_the_models_text_are_escaped_and_reported(
+    db: psycopg.Connection, database: Database, embedder: FakeEmbedder, with_embedder: bool
+) -> None:
+    """A model's "\\u0000" is valid JSON but PostgreSQL text cannot hold it: escaped (and
+    reported, so the outcome can say so) instead of failing the insert on every attempt."""
+    reader = MemoryReader(database, embedding_model=embedder.model)
+    writer = MemoryWriter(reader, FakeChat(), embedder if with_embedder else None)
+    draft = dataclasses.replace(DRAFT, text="Moved to Graz.\x00", tags=("a\udcffb",))
+    plan = writer.plan(make_item({}), draft)
+    assert plan.escaped
+    [memory] = plan.memories
+    assert (memory.summary, memory.tags) == ("Moved to Graz.\\u0000", ("a\\udcffb",))
+    apply(db, Effects(Outcome.SAVED, memories=plan.memories))
+    assert memory_rows(db)[0]["summary"] == "Moved to Graz.\\u0000"
+    assert not writer.plan(make_item({}, item_id=9), DRAFT).escaped
+
+
 def test_an_embedding_of_the_wrong_dimension_fails_the_attempt(
     database: Database, embedder: FakeEmbedder
 ) -> None:
