@@ -179,9 +179,10 @@ def run_once(worker: Worker) -> int:
     items were left waiting, which a timer-driven unit would otherwise never see.
     """
     worker.install_signals()  # a stopped timer unit must not leave its items leased
-    worker.tick(email=False)
+    imported = worker.tick_without_report(email=False)
     _check_email_watching_signals(worker)
     worker.notice_signal()  # (a signal during the email checks: claim nothing)
+    log.info("run_once_draining", spool_imported=imported, budget_s=worker.settings.tick_budget)
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10
     stopping = False
@@ -199,7 +200,7 @@ def run_once(worker: Worker) -> int:
     released = worker.runner.shutdown(
         0 if worker.stop_requested else worker.settings.shutdown_grace
     )
-    worker._report(0)
+    worker.report(imported)  # the tick's one tick_finished (contract §6)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     if worker.stop_requested:
         log.info("run_once_stopped", released=released)

@@ -115,6 +115,13 @@ class Worker:
 
     def tick(self, *, email: bool = True) -> None:
         """One heartbeat: spool import, due email checks, heartbeat row, report, wake."""
+        self.report(self.tick_without_report(email=email))
+        if self.runner.state == State.RUNNING:  # other states say why on their own
+            self.notifier.status(self._running_status())
+
+    def tick_without_report(self, *, email: bool = True) -> int:
+        """The tick up to its report; returns the spool files imported. ``run --once`` reports
+        after its drain: one tick_finished with the import and the drain's counts."""
         imported = self._safely(
             "spool_import",
             lambda: import_spool(
@@ -125,9 +132,7 @@ class Worker:
             self.check_email()
         self.runner.wake(notified=False)
         self._record_heartbeat()
-        self._report(imported or 0)
-        if self.runner.state == State.RUNNING:  # other states say why on their own
-            self.notifier.status(self._running_status())
+        return int(imported or 0)
 
     def _running_status(self) -> str:
         if (waiting := self._lock_wait) is not None:
@@ -236,7 +241,8 @@ class Worker:
         chat = self.context.chat
         return list(chat.states()) if chat is not None else []
 
-    def _report(self, imported: int) -> None:
+    def report(self, imported: int) -> None:
+        """The tick's ``tick_finished``: what it did per queue since the last report."""
         stats = self.runner.take_stats()
         recent = self._safely("recent_failures", self._recent_failures) or []
         log.info(

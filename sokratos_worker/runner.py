@@ -107,6 +107,7 @@ class Runner:
         self._notified = False
         self._paused_until = 0.0
         self._pause_delay = 5.0
+        self._budget_ends = float("inf")  # run --once: no claims after SOKRATOS_TICK_BUDGET
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
         self._rotation = 0
@@ -118,6 +119,8 @@ class Runner:
 
     def start(self, *, drain_only: bool = False, budget_s: float | None = None) -> None:
         """Start the slot threads, the lease renewer and the dispatcher."""
+        if budget_s is not None:
+            self._budget_ends = time.monotonic() + budget_s
         for index in range(self.settings.concurrency):
             self._spawn(self._slot_loop, f"slot-{index}")
         self._spawn(self._renew_loop, "lease-renewer")
@@ -181,18 +184,20 @@ class Runner:
     # -- dispatcher ------------------------------------------------------------------
 
     def _dispatch_loop(self, drain_only: bool, budget_s: float | None) -> None:
-        started = time.monotonic()
         db_delay = 0.2
         try:
             while not self._stop_claiming.is_set():
                 self._progress()
-                if budget_s is not None and time.monotonic() - started > budget_s:
+                if self._budget_spent():
                     log.info("tick_budget_spent", budget_s=budget_s)
                     break
                 if self._paused() and drain_only:
                     log.info("drain_ended_paused", reason=self.state_detail)
                     break  # run --once: a paused tick ends instead of waiting out its budget
                 if self._paused():
+                    # A wake while paused would end every wait at once (a busy loop); the
+                    # resume wakes the dispatcher itself.
+                    self._wake.clear()
                     self._wait(min(1.0, max(0.05, self._paused_until - time.monotonic())))
                     self._maybe_resume()
                     continue
@@ -230,6 +235,10 @@ class Runner:
                 while self.inflight_count() and time.monotonic() < deadline:
                     time.sleep(0.02)
                 self._stopped.set()
+
+    def _budget_spent(self) -> bool:
+        """``run --once`` claims nothing once its SOKRATOS_TICK_BUDGET is spent (contract §1)."""
+        return time.monotonic() > self._budget_ends
 
     def _idle_timeout(self, next_in: float | None, drain_only: bool) -> float:
         if drain_only:
@@ -426,17 +435,30 @@ class Runner:
             self.database.lend_if_wanted()  # not kept through the handler if others wait
             effects = handler.handle(item)
         except Exception as exc:
-            self._finished(item, started, self._fail(item, exc, handler, bound))
+            self._failed(item, started, exc, handler, bound)
             return None
         try:
             next_item, kind = self._settle_success(item, effects, bound, started)
         except Exception as exc:
             # A write the database refuses (constraint, range, dimension) is a failed attempt;
             # it used to kill the slot thread and leave the item leased and renewed forever.
-            self._finished(item, started, self._fail(item, exc, handler, bound))
+            self._failed(item, started, exc, handler, bound)
             return None
         self._finished(item, started, kind)
         return next_item
+
+    def _failed(
+        self,
+        item: Item,
+        started: float,
+        exc: BaseException,
+        handler: Handler,
+        bound: structlog.BoundLogger,
+    ) -> None:
+        """Settle a failed attempt, then wake the dispatcher: only a success claims the slot's
+        next item with its settle, and the backlog used to wait up to 5 s for the free slot."""
+        self._finished(item, started, self._fail(item, exc, handler, bound))
+        self.wake(notified=False)
 
     def _finished(self, item: Item, started: float, kind: str) -> None:
         if self._on_item_done is not None:
@@ -447,7 +469,8 @@ class Runner:
     ) -> tuple[Item | None, str]:
         """Returns the next item claimed with the settle, and how the attempt ended."""
         item = self._latest_claim(item)
-        want_next = not (self._stop_claiming.is_set() or self._paused())
+        # Past the tick's budget the items in flight finish, but none is claimed after them.
+        want_next = not (self._stop_claiming.is_set() or self._paused() or self._budget_spent())
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
             return store.settle_success(
@@ -601,6 +624,7 @@ class Runner:
                     error=error,
                     backend=backend,
                     memories=with_memories,
+                    last_attempt=self._last_attempt(item),
                 ),
                 bound,
             )
@@ -619,6 +643,11 @@ class Runner:
                 " replay it with 'sokratos-worker failed retry ID' once the cause is fixed",
             )
             return write(())
+
+    def _last_attempt(self, item: Item) -> int:
+        """The attempt a dead letter records: a claim that only found the last attempt dead
+        is not an attempt of its own (durability.md), so the attempt that died is named."""
+        return item.attempt - 1 if item.attempt > self.settings.max_attempts else item.attempt
 
     @staticmethod
     def _archive(
@@ -639,8 +668,16 @@ class Runner:
             with self.database.connection() as conn:
                 outcome = store.outcome_of(conn, item)
                 exists, owner = store.lease_owner(conn, item)
-        except DatabaseUnavailable:
-            outcome, exists, owner = None, True, "unknown"
+        except DatabaseUnavailable as exc:
+            # Only the refusal is known: not who holds the item now, nor whether it is done.
+            bound.warning(
+                "settle_refused_owner_unknown",
+                error=str(exc),
+                hint="this settle changed nothing (the item's lease or attempt was no longer"
+                " this worker's); the database could not be asked who holds it now. Whoever"
+                " does finishes it, else its lease expires and it runs again",
+            )
+            return LEASE_LOST
         if outcome is not None:
             bound.info("item_already_settled", outcome=outcome)
             with self._lock:

@@ -125,24 +125,11 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         return 0
     imported = 0
     for path in files:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            queue, payload, key, source = _parse(record)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            _reject(path, database, f"unreadable spool file: {exc}", None)
+        loaded = _load(path, database)
+        if loaded is None:
             continue
-        meant_for = record.get("database")
-        if identity and isinstance(meant_for, str) and meant_for != identity:
-            if path.name not in _SAID_ELSEWHERE:
-                _SAID_ELSEWHERE.add(path.name)
-                log.warning(
-                    "spool_file_for_another_database",
-                    path=str(path),
-                    meant_for=meant_for,
-                    this_worker=identity,
-                    hint="left in the spool: a worker on that database (same data directory)"
-                    " imports it",
-                )
+        record, (queue, payload, key, source) = loaded
+        if _meant_elsewhere(path, record, identity):
             continue
         try:
             with database.connection() as conn, time_limited(conn, ENQUEUE_TIMEOUT_MS):
@@ -168,12 +155,59 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
                 raise
             _reject(path, database, _refusal(exc), record)
             continue
-        path.unlink()
+        if not _delete_imported(path):
+            continue
         imported += 1
         log.info("spool_imported", queue=queue.value, item_id=item_id, path=path.name)
     if imported:
         _fsync_dir(spool_dir)
     return imported
+
+
+def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:
+    """The file's record and its fields; None when it is gone or was rejected as unreadable."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return record, _parse(record)
+    except FileNotFoundError:
+        _taken(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _reject(path, database, f"unreadable spool file: {exc}", None)
+    return None
+
+
+def _meant_elsewhere(path: Path, record: Any, identity: str | None) -> bool:
+    """True for a file meant for another database than ``identity`` (said once)."""
+    meant_for = record.get("database")
+    if not (identity and isinstance(meant_for, str) and meant_for != identity):
+        return False
+    if path.name not in _SAID_ELSEWHERE:
+        _SAID_ELSEWHERE.add(path.name)
+        log.warning(
+            "spool_file_for_another_database",
+            path=str(path),
+            meant_for=meant_for,
+            this_worker=identity,
+            hint="left in the spool: a worker on that database (same data directory) imports it",
+        )
+    return True
+
+
+def _delete_imported(path: Path) -> bool:
+    """Delete a file whose enqueue committed; False when another importer deleted it first
+    (its enqueue here was a no-op: the key was already known)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        _taken(path)
+        return False
+    return True
+
+
+def _taken(path: Path) -> None:
+    """Another importer (the start tick and a heartbeat, or a second process on this data
+    directory) took the file after the listing: it is not a failure, and not ours to count."""
+    log.debug("spool_file_taken_by_another_import", path=path.name)
 
 
 def _parse(record: Any) -> tuple[Queue, Any, str, str | None]:
@@ -213,6 +247,9 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
     if context is None:
         try:
             context = {"raw": clean_text(path.read_text("utf-8", "replace"))}
+        except FileNotFoundError:
+            _taken(path)
+            return
         except OSError as exc:
             readable, context = False, {"raw": None, "kept_as": f"{path}.unreadable"}
             error = f"{error} ({exc.strerror})"
@@ -220,10 +257,13 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
         record_failure(
             conn, op_type="spool_import", label=path.name, error=clean_text(error), context=context
         )
-    if readable:
-        path.unlink()
-    else:
-        path.rename(f"{path}.unreadable")
+    try:
+        if readable:
+            path.unlink(missing_ok=True)
+        else:
+            path.rename(f"{path}.unreadable")
+    except FileNotFoundError:
+        _taken(path)  # (the failure is recorded all the same: the file could not be read)
     log.error("spool_file_rejected", path=path.name, error=error)
 
 

@@ -59,9 +59,12 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
     source = _source(queue)
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
     return {
+        # The payload as text: the dead letter parses it itself, and keeps the text when
+        # it cannot be written back as JSON (see _failure_context).
         "delete_fenced": sql.SQL(
             "DELETE FROM {table} AS t WHERE {fence}"
-            " RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempt_errors"
+            " RETURNING t.id, t.payload::text, t.idempotency_key, {source}, t.attempt_errors,"
+            " to_jsonb(now())"
         ).format(table=table, fence=fence, source=source),
         "retry": sql.SQL(
             """UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL,
@@ -459,30 +462,31 @@ def dead_letter(
     error: str,
     backend: str | None = None,
     memories: tuple[NewMemory, ...] = (),
+    last_attempt: int | None = None,
 ) -> SettleResult:
     """failed_operations row (whole payload, every attempt's error) + outcome + delete.
 
     With ``memories`` (distillation's raw archive) they are saved in the same transaction
-    and the outcome is ``archived`` instead of ``failed``.
+    and the outcome is ``archived`` instead of ``failed``. ``last_attempt`` is the attempt the
+    record ends with when it is not the claim's own: a claim that only found the last attempt
+    dead is not an attempt (durability.md), so the attempt that died is recorded instead.
     """
     error = clean_text(error)
+    attempt = item.attempt if last_attempt is None else last_attempt
     _parse_safely(conn)
     try:
         with conn.transaction():
             row = conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
             if row is None:
                 raise _Fenced
-            _, payload, key, source, history = row
-            attempts = [*(history or []), {"attempt": item.attempt, "error": error}]
-            if backend:
-                attempts[-1]["backend"] = backend
+            _, payload_text, key, source, history, now = row
+            attempts = [*(history or []), _history_entry(attempt, error, backend, now)]
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
             memory_ids = write_effects(conn, Effects(outcome, memories=memories)).memory_ids
             context = {
                 "queue": item.queue.value,
                 "item_id": item.id,
                 "source": source,
-                "payload": payload,
                 "attempts": attempts,
             }
             failed = conn.execute(
@@ -491,11 +495,11 @@ def dead_letter(
                     "op_type": item.op_type,
                     "label": f"{item.queue.value} item {item.id}",
                     "error": error,
-                    "context": Jsonb(context),
+                    "context": _failure_context(context, payload_text),
                     "queue": item.queue.value,
                     "item_id": item.id,
                     "key": key,
-                    "attempt": item.attempt,
+                    "attempt": attempt,
                 },
             ).fetchone()
             conn.execute(
@@ -508,7 +512,7 @@ def dead_letter(
                     "outcome": outcome.value,
                     "memory_ids": list(memory_ids),
                     "detail": error,
-                    "attempt": item.attempt,
+                    "attempt": attempt,
                     "backend": backend,
                 },
             )
@@ -517,6 +521,28 @@ def dead_letter(
     return SettleResult(
         settled=True, memory_ids=memory_ids, failure_id=int(failed[0]) if failed else None
     )
+
+
+def _history_entry(attempt: int, error: str, backend: str | None, at: str) -> dict[str, Any]:
+    """The last attempt's entry, shaped like the ones a retry appends (contract §3); ``at``
+    is the database's time, rendered as jsonb renders the retries' times."""
+    entry: dict[str, Any] = {"at": at, "attempt": attempt, "error": error}
+    if backend:
+        entry["backend"] = backend
+    return entry
+
+
+def _failure_context(context: dict[str, Any], payload_text: str) -> Jsonb:
+    """``context_data`` with the payload; a payload Python cannot write back once nested in
+    the context (a few levels under its recursion limit) is kept as text, as a claim keeps one
+    too deep to read, so the dead letter never fails and the item never loops."""
+    whole = {**context, "payload": _safe_loads(payload_text)}
+    try:
+        text = json.dumps(whole)
+    except (RecursionError, ValueError):
+        whole["payload"] = {UNPARSABLE_KEY: payload_text}
+        text = json.dumps(whole)
+    return Jsonb(whole, dumps=lambda _obj: text)
 
 
 def outcome_of(conn: psycopg.Connection, item: Item) -> str | None:

@@ -198,6 +198,31 @@ def test_run_once_drains_ready_items_and_exits_0(
     assert final["recent_failures"][0]["count"] == 1
 
 
+def test_run_once_logs_one_tick_finished_that_counts_the_spool_import(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """contract §6: one tick_finished per tick; `run --once` is one tick. It logged two: one
+    before the drain (no counts), the last with the counts but spool_imported=0."""
+    from sokratos_worker.model import Queue
+    from sokratos_worker.spool import spool_enqueue
+
+    env = daemon_env(database_url, tmp_path)
+    spool_enqueue(
+        tmp_path / "data" / "spool",
+        Queue.TRIAGE,
+        {"exchange": "user: my sister moved to Porto\nassistant: noted"},
+        idempotency_key="spooled-1",
+        source=None,
+    )
+    log = tmp_path / "daemon.log"
+    assert start_daemon(env, log, "--once").wait(60) == 0, log.read_text()[-3000:]
+    ticks = [e for e in _events(log) if e["event"] == "tick_finished"]
+    assert _done(db) == 1
+    assert [(t["spool_imported"], t["queues"]) for t in ticks] == [
+        (1, {"pending_triage": {"claimed": 1, "saved": 1}})
+    ]
+
+
 def test_daemon_speaks_sd_notify_and_serves_metrics(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
@@ -395,7 +420,7 @@ def test_run_once_behind_a_locked_queue_table_ends_at_its_budget_or_a_stop(
         assert start_daemon(env, budget_log, "--once").wait(120) == 75, budget_log.read_text()
         stop_log = tmp_path / "stop.log"
         proc = start_daemon({**env, "SOKRATOS_TICK_BUDGET": "5m"}, stop_log, "--once")
-        assert wait_until(lambda: "tick_finished" in stop_log.read_text(), timeout=60)
+        assert wait_until(lambda: "run_once_draining" in stop_log.read_text(), timeout=60)
         assert _stopped_in(proc, stop_log) < 60  # the grace (2 s) and the bookkeeping
         locker.rollback()
     for log in (budget_log, stop_log):

@@ -314,3 +314,45 @@ def test_a_spool_file_is_imported_only_into_the_database_it_was_meant_for(
         database.close()
     assert pending_elsewhere(spool, ours) == {}
     assert count(db, "SELECT count(*) FROM pending_triage WHERE idempotency_key = 'elsewhere'") == 1
+
+
+def test_a_spool_file_another_importer_took_after_the_listing_is_not_a_failure(
+    tmp_path: Path, db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """contract §6: every tick imports the spool idempotently. A file another importer (the
+    start tick and the first heartbeat, or two processes on one data directory) took between
+    the listing and the read became an 'unreadable' failure, and its rename raised."""
+    from sokratos_worker import spool
+
+    good = spool_enqueue(
+        tmp_path,
+        Queue.TRIAGE,
+        {"exchange": "user: hi\nassistant: hello"},
+        idempotency_key="k1",
+        source=None,
+    )
+    corrupt = tmp_path / "00000000T000000000000-corrupt.json"
+    corrupt.write_text("{not json", encoding="utf-8")
+    listed = spool._spooled
+
+    def listed_then_taken(directory: Path) -> list[Path]:
+        files = listed(directory)
+        monkeypatch.setattr(spool, "_spooled", listed)
+        other = Database(database_url, size=2)
+        try:
+            assert import_spool(tmp_path, other) == 1  # the other importer, in between
+        finally:
+            other.close()
+        return files
+
+    monkeypatch.setattr(spool, "_spooled", listed_then_taken)
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(tmp_path, database) == 0  # nothing left that was ours to import
+    finally:
+        database.close()
+    assert not good.exists() and not corrupt.exists()
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    # The corrupt file is one failure (the other importer's), the good one none.
+    rows = db.execute("SELECT label FROM failed_operations").fetchall()
+    assert rows == [(corrupt.name,)], rows

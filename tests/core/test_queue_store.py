@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import psycopg
 import pytest
 
@@ -106,6 +108,40 @@ def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payloa
     assert op_type == "conversation_triage" and attempts == 3 and failed_item == item_id
     assert context["payload"]["exchange"].startswith("user: item 0")
     assert [a["error"] for a in context["attempts"]] == ["boom 1", "boom 2", "boom 3"]
+    assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'failed'") == 1
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+def test_every_attempt_in_a_dead_letters_history_has_an_at(db: psycopg.Connection) -> None:
+    # contract §3: context_data.attempts is [{"at", "error", "backend"?}]; the last had no "at".
+    enqueue_many(db, 1, behaviour="fail")
+    (first,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert store.schedule_retry(db, first, owner="w", error="first", delay_s=0)
+    (last,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert store.dead_letter(db, last, owner="w", error="last", backend="b").settled
+    row = db.execute("SELECT context_data->'attempts' FROM failed_operations").fetchone()
+    assert row is not None
+    first_entry, last_entry = row[0]
+    assert (first_entry["error"], last_entry["error"]) == ("first", "last")
+    assert last_entry["backend"] == "b"
+    at = [datetime.fromisoformat(e["at"]) for e in (first_entry, last_entry)]
+    assert at[0] <= at[1] and at[1].tzinfo is not None
+
+
+def test_a_dead_letter_keeps_a_payload_too_deep_to_write_back_as_its_text(
+    db: psycopg.Connection,
+) -> None:
+    # Readable by json.loads, but not writable by json.dumps once nested in the context:
+    # the dead letter raised RecursionError, and the item looped for ever.
+    depth = 985
+    text = '{"x": ' + "[" * depth + "]" * depth + "}"
+    db.execute("INSERT INTO pending_triage (payload) VALUES (%s::jsonb)", (text,))
+    stored = db.execute("SELECT payload::text FROM pending_triage").fetchone()
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert store.dead_letter(db, item, owner="w", error="boom").settled
+    row = db.execute("SELECT context_data->'payload' FROM failed_operations").fetchone()
+    assert row is not None and stored is not None
+    assert row[0] == {store.UNPARSABLE_KEY: stored[0]}
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'failed'") == 1
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
 

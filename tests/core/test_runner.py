@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import psycopg
@@ -107,6 +108,132 @@ def test_item_whose_last_attempt_died_is_dead_lettered_without_running(
     [event] = [e for e in logs if e["event"] == "item_dead_lettered"]
     assert event["failure_id"] == row[2]
     assert f"'sokratos-worker failed retry {row[2]}'" in event["hint"]
+
+
+def test_a_worker_died_dead_letter_records_the_attempt_that_died(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # durability.md: the claim that finds the last attempt dead is not an attempt ('—'); it
+    # used to record 4 attempts with MAX_ATTEMPTS 3, and no history entry for the one that died.
+    enqueue_many(db, 1)
+    db.execute(
+        "UPDATE pending_triage SET attempts = 3, lease_owner = 'dead',"
+        " lease_expires_at = now() - interval '1 s'"
+    )
+    _drain(database_url, ScriptedHandler(), _settings(max_attempts=3))
+    row = db.execute("SELECT attempts, context_data->'attempts' FROM failed_operations").fetchone()
+    assert row is not None
+    attempts, history = row
+    assert attempts == 3 and count(db, "SELECT attempts FROM work_outcomes") == 3
+    assert [(a["attempt"], a["error"]) for a in history] == [
+        (3, "worker died during the last attempt")
+    ]
+    assert "at" in history[0]
+
+
+def _nest(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _insert_nested(db: psycopg.Connection, depth: int) -> int:
+    row = db.execute(
+        "INSERT INTO pending_triage (payload) VALUES (%s::jsonb) RETURNING id",
+        ('{"behaviour": "invalid", "x": ' + _nest(depth) + "}",),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_an_item_nested_near_pythons_limit_still_reaches_one_outcome(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # json.loads reads these, but json.dumps could not write the dead letter's context around
+    # them (RecursionError): the item stayed leased and was never settled.
+    ids = {_insert_nested(db, depth): depth for depth in range(940, 1000, 2)}
+    _drain(database_url, ScriptedHandler(), _settings(max_attempts=1))
+    left = db.execute("SELECT id, attempts, lease_owner FROM pending_triage ORDER BY id").fetchall()
+    assert not [(ids[i], attempts, owner) for i, attempts, owner in left]
+    assert count(db, "SELECT count(DISTINCT item_id) FROM work_outcomes") == len(ids)
+    assert count(db, "SELECT count(*) FROM failed_operations") == len(ids)
+    kept_as_text = count(
+        db,
+        "SELECT count(*) FROM failed_operations WHERE context_data->'payload' ? '__unparsable_json__'",
+    )
+    assert kept_as_text > 0  # those Python cannot write back keep their text
+
+
+def test_a_deep_item_whose_dead_letter_failed_no_longer_loops_in_a_running_worker(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # Every lease expiry claimed it again and the 'worker died' dead letter failed the same way.
+    for depth in (976, 978, 980):
+        _insert_nested(db, depth)
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=_settings(max_attempts=1, lease=1.5, concurrency=3),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="test",
+    )
+    runner.start()
+    started = time.monotonic()
+    while count(db, "SELECT count(*) FROM pending_triage") and time.monotonic() - started < 9:
+        time.sleep(0.05)
+    runner.request_stop()
+    runner.shutdown(1)
+    database.close()
+    assert db.execute("SELECT id, attempts FROM pending_triage").fetchall() == []
+    assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'failed'") == 3
+
+
+def test_run_once_budget_also_stops_slots_claiming_their_next_item(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # contract: SOKRATOS_TICK_BUDGET is the longest one tick drains. The slots went on claiming
+    # their next item in each settle after the dispatcher had stopped at the budget.
+    enqueue_many(db, 400, behaviour="sleep:0.05")
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=_settings(concurrency=1, shutdown_grace=4),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="test",
+    )
+    started = time.monotonic()
+    runner.start(drain_only=True, budget_s=1.0)
+    assert runner.wait_drained(60)
+    drained_s = time.monotonic() - started
+    runner.shutdown(4)
+    database.close()
+    claimed = count(db, "SELECT count(*) FROM work_outcomes") + count(
+        db, "SELECT count(*) FROM pending_triage WHERE attempts > 0"
+    )
+    # ~20 items fit in 1 s at 50 ms each; the one in flight at the budget may finish.
+    assert drained_s < 2.0 and claimed < 40, (round(drained_s, 1), claimed)
+
+
+def test_a_slot_freed_by_a_failure_claims_again_without_waiting(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # A retry, give-back or dead letter claims nothing with its settle (only a success does),
+    # and nothing woke the dispatcher: the backlog waited up to 5 s per batch.
+    enqueue_many(db, 8, behaviour="invalid")
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=_settings(concurrency=2),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="test",
+    )
+    started = time.monotonic()
+    runner.start()
+    while count(db, "SELECT count(*) FROM pending_triage") and time.monotonic() - started < 30:
+        time.sleep(0.05)
+    took = time.monotonic() - started
+    runner.request_stop()
+    runner.shutdown(1)
+    database.close()
+    assert took < 3.0, f"8 instant dead letters on 2 slots took {took:.1f} s"
 
 
 def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(

@@ -5,9 +5,13 @@ from __future__ import annotations
 import time
 
 import psycopg
+import pytest
+import structlog
+from structlog.testing import capture_logs
 
+from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import Runner
+from sokratos_worker.runner import LEASE_LOST, RETRY, Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
@@ -178,3 +182,28 @@ def test_an_orphaned_lease_of_this_process_is_given_back(
     row = db.execute("SELECT outcome, attempts FROM work_outcomes").fetchone()
     assert row == ("saved", 1), row  # the lost claim's attempt was given back
     assert orphan.attempt == 1 and done == [("pending_triage", "saved")]
+
+
+def test_a_refused_settle_with_the_database_away_does_not_claim_a_new_owner(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It logged lease_lost "another worker took the item over" (new_owner="unknown") when all
+    # that was known was that the settle changed nothing and the database had gone away.
+    enqueue_many(db, 1)
+    (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=60)
+    database = Database(database_url, size=2)
+    runner = _runner(database, [])
+
+    def unreachable() -> None:
+        raise DatabaseUnavailable("connection refused")
+
+    monkeypatch.setattr(database, "connection", unreachable)
+    try:
+        with capture_logs() as logs:
+            kind = runner._report_fenced(item, structlog.get_logger().bind(), released=RETRY)
+    finally:
+        monkeypatch.undo()
+        database.close()
+    assert kind == LEASE_LOST
+    events = [e["event"] for e in logs]
+    assert "lease_lost" not in events and "settle_refused_owner_unknown" in events, logs
