@@ -567,9 +567,11 @@ class Worker:
                 " (a migration, a long transaction) or the backlog very large?",
             )
             return
-        except Exception:
+        except DatabaseUnavailable:
             metrics.set_database_up(False)
             return
+        # (up again: nothing else sets it back while an idle runner sees no state change)
+        metrics.set_database_up(True)
         metrics.set_queues(queues)
         metrics.set_failures(failures)
 

@@ -39,6 +39,7 @@ log = structlog.get_logger(__name__)
 
 TOO_LARGE = "too large"
 MIN_SPLIT_BYTES = 100
+_NUMBERS = (int, float)  # what a vector component may be (a bool is neither here)
 
 
 class HttpEmbedder:
@@ -183,18 +184,20 @@ class HttpEmbedder:
     def _vectors(self, response: httpx.Response, expected: int) -> list[list[float]]:
         try:
             payload: Any = response.json()
-            data = sorted(payload["data"], key=lambda d: d.get("index", 0))
+            data = payload["data"]
             raw = [d["embedding"] for d in data]
+            indices = [d.get("index") for d in data]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise EmbeddingReplyInvalid("embedding response is not in the OpenAI format") from exc
         if len(raw) != expected:
             raise EmbeddingReplyInvalid(
                 f"embedding server returned {len(raw)} vectors for {expected}"
             )
-        return [self._checked(vector) for vector in raw]
+        return [self._checked(vector) for vector in _in_index_order(raw, indices)]
 
     def _checked(self, vector: Any) -> list[float]:
-        if not isinstance(vector, list) or not all(isinstance(x, int | float) for x in vector):
+        # (type(), not isinstance(): JSON's true and false are not components)
+        if not isinstance(vector, list) or not all(type(x) in _NUMBERS for x in vector):
             # llama-cpp-python's server returns per-token vectors for a chat model.
             raise EmbeddingReplyInvalid("embedding is not a flat list of numbers (no pooling?)")
         if len(vector) != self.dim:
@@ -202,14 +205,42 @@ class HttpEmbedder:
                 f"embedding model {self.model!r} returned {len(vector)} dimensions, "
                 f"SOKRATOS_EMBEDDING_DIM is {self.dim}"
             )
-        return l2_normalise([float(x) for x in vector])
+        try:
+            return l2_normalise([float(x) for x in vector])
+        except OverflowError as exc:  # an integer of hundreds of digits
+            raise EmbeddingReplyInvalid("embedding server returned a non-finite vector") from exc
+
+
+def _in_index_order(vectors: list[Any], indices: list[Any]) -> list[Any]:
+    """Each vector in the slot its ``index`` names; the reply's order when none has one.
+
+    A proxy can answer with repeated indices (LiteLLM mixing cached and fresh inputs):
+    sorting would then hand one text another's vector, so anything but each index of
+    ``range(len(vectors))`` exactly once is refused.
+    """
+    if all(index is None for index in indices):
+        return vectors
+    slots: list[Any] = [None] * len(vectors)
+    taken = [False] * len(vectors)
+    for vector, index in zip(vectors, indices, strict=True):
+        if type(index) is not int or not 0 <= index < len(vectors) or taken[index]:
+            raise EmbeddingReplyInvalid(
+                f"embedding server returned the indices {indices!r} for {len(vectors)} inputs"
+            )
+        slots[index] = vector
+        taken[index] = True
+    return slots
 
 
 def l2_normalise(vector: Sequence[float]) -> list[float]:
-    """The unit vector in ``vector``'s direction; a zero vector is an error."""
-    norm = math.sqrt(sum(x * x for x in vector))
-    if norm == 0.0 or not math.isfinite(norm):
+    """The unit vector in ``vector``'s direction; a zero or non-finite vector is an error."""
+    if not all(map(math.isfinite, vector)) or max(map(abs, vector), default=0.0) == 0.0:
         raise EmbeddingReplyInvalid("embedding server returned a zero or non-finite vector")
+    norm = math.sqrt(sum(x * x for x in vector))
+    if norm == 0.0 or math.isinf(norm):
+        # The squares under- or overflowed (components near 1e-160 or 1e154): scale first.
+        scale = max(map(abs, vector))
+        return l2_normalise([x / scale for x in vector])
     return [x / norm for x in vector]
 
 

@@ -15,14 +15,20 @@ httpcore does; tests/llm/test_transport.py runs the same tests against both.
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import select
 import socket
 import ssl
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import httpx
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 
 def _ssl_context(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
@@ -49,6 +55,12 @@ def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
 
+# A read may end this fraction of the read timeout past the deadline: the socket's timeout
+# is changed (a system call) only when a wait could overshoot more, so a prompt answer
+# costs none.
+DEADLINE_SLACK = 0.05
+
+
 class ResponseTooLarge(httpx.RemoteProtocolError):
     """The server sent more than ``MAX_RESPONSE_BYTES``."""
 
@@ -56,8 +68,9 @@ class ResponseTooLarge(httpx.RemoteProtocolError):
 class StdlibTransport(httpx.BaseTransport):
     """HTTP/1.1 with keep-alive over ``http.client``; thread-safe.
 
-    The read timeout bounds each wait for data and also the whole response: a server that
-    dribbles its answer a byte at a time cannot hold a slot for longer than that.
+    The read timeout bounds the whole response (status line, headers and body), not only
+    each wait for data: a server that dribbles its answer a byte at a time cannot hold a
+    slot for longer than that.
     """
 
     def __init__(
@@ -180,12 +193,13 @@ class StdlibTransport(httpx.BaseTransport):
     ) -> _Received:
         assert conn.sock is not None  # noqa: S101 - still connected after the send
         _set_timeout(conn.sock, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        conn.response_class = _response_class(timeout)
         try:
             response = conn.getresponse()
-            return _Received(response, self._read_body(response, conn.sock, timeout, deadline))
+            return _Received(response, self._read_body(response))
         except TimeoutError as exc:
-            raise httpx.ReadTimeout("waiting for the response timed out") from exc
+            # (each wait is cut at the deadline: any timeout means the whole call took that)
+            raise httpx.ReadTimeout(f"the response took longer than {timeout}s") from exc
         except http.client.HTTPException as exc:
             # RemoteDisconnected, IncompleteRead, BadStatusLine, LineTooLong, ...
             raise httpx.RemoteProtocolError(
@@ -194,35 +208,20 @@ class StdlibTransport(httpx.BaseTransport):
         except OSError as exc:
             raise httpx.ReadError(f"reading the response failed: {exc}") from exc
 
-    def _read_body(
-        self,
-        response: http.client.HTTPResponse,
-        sock: socket.socket,
-        timeout: float | None,
-        deadline: float | None,
-    ) -> bytes:
-        """The body, read as it arrives, within the deadline and the size limit."""
+    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
+        """The body, read as it arrives, within the size limit (the deadline is the reads')."""
         limit = self._max_response_bytes
         if response.length is not None and response.length > limit:
             raise ResponseTooLarge(f"the response is {response.length} bytes, over {limit}")
         chunks: list[bytes] = []
         size = 0
-        while True:
-            if deadline is not None and timeout is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise httpx.ReadTimeout(f"the response took longer than {timeout:g}s")
-                if left < timeout / 2:  # (late only: each change is a system call)
-                    _set_timeout(sock, left)
-            chunk = response.read1(65536)
-            if not chunk:
-                if response.length:  # the connection ended before the announced length
-                    raise http.client.IncompleteRead(b"".join(chunks), response.length)
-                break
+        while chunk := response.read1(65536):
             size += len(chunk)
             if size > limit:
                 raise ResponseTooLarge(f"the response is over {limit} bytes")
             chunks.append(chunk)
+        if response.length:  # the connection ended before the announced length
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
         if not response.isclosed():
             response.read()  # a body of known length, read to its end: release the connection
         return b"".join(chunks)
@@ -259,6 +258,65 @@ class _Received:
         self.body_sent = True
         self.content = content
         self.headers = response.getheaders()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each cut so that none ends past one deadline.
+
+    Status line, ``100 Continue`` answers, headers and body all come through here: a server
+    that dribbles any of them a byte at a time cannot hold the call past the read timeout.
+    """
+
+    def __init__(self, raw: io.RawIOBase, sock: socket.socket, timeout: float) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sock = sock
+        self._slack = timeout * DEADLINE_SLACK
+        self._deadline = time.monotonic() + timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int | None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the response's deadline has passed")
+        waits = self._sock.gettimeout()
+        if waits is None or waits > left + self._slack:
+            self._sock.settimeout(left)  # (a system call: only when a wait could overshoot)
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` that reads through a :class:`_DeadlineReader`."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        debuglevel: int = 0,
+        method: str | None = None,
+        url: str | None = None,
+        *,
+        timeout: float,
+    ) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        # Nothing is read yet: the buffer's socket reader is taken over, not copied.
+        self.fp = io.BufferedReader(_DeadlineReader(self.fp.detach(), sock, timeout))
+
+
+def _response_class(timeout: float | None) -> type[http.client.HTTPResponse]:
+    """What ``getresponse()`` builds: one whose reads end by ``timeout`` from now."""
+    if timeout is None:
+        return http.client.HTTPResponse
+    # (http.client only calls it, as it would a class)
+    return cast(
+        "type[http.client.HTTPResponse]", functools.partial(_DeadlineResponse, timeout=timeout)
+    )
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:

@@ -88,6 +88,9 @@ KEEPALIVES = {
     "keepalives_idle": 30,
     "keepalives_interval": 10,
     "keepalives_count": 3,
+    # Keepalives stay silent while sent data is unacknowledged (a claim sent into a network
+    # cut would wait ~15 minutes of retransmissions): give up after the same minute then.
+    "tcp_user_timeout": (30 + 10 * 3) * 1000,
 }
 
 

@@ -121,13 +121,19 @@ def record_heartbeat(
     state: str,
     detail: dict[str, Any],
 ) -> None:
-    """Upsert this worker's row in worker_heartbeats."""
+    """Upsert this worker's row in worker_heartbeats; a row already 'stopped' is final.
+
+    A tick still running when the process stops must not write its state over the last
+    heartbeat: ``status`` would list an exited process as live. A worker id is never
+    reused (host, pid and a random suffix), so no later process is locked out by this.
+    """
     conn.execute(
         """INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,
                                           state, detail)
            VALUES (%s, %s, %s, %s, now(), %s, %s)
            ON CONFLICT (worker_id) DO UPDATE SET last_tick_at = now(), state = EXCLUDED.state,
-               detail = EXCLUDED.detail""",
+               detail = EXCLUDED.detail
+           WHERE worker_heartbeats.state <> 'stopped'""",
         (worker_id, hostname, pid, version, state, Jsonb(detail)),
     )
 

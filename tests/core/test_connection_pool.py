@@ -8,10 +8,16 @@ from contextlib import ExitStack
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database, wait_for_database
+from sokratos_worker.store.connection import (
+    Database,
+    connect,
+    wait_for_database,
+    with_keepalives,
+)
 from tests.support.db import count, enqueue_many
 
 
@@ -176,3 +182,15 @@ def test_a_held_connection_is_lent_between_uses_when_another_thread_waits(
                 conn.execute("SELECT 1")
     finally:
         database.close()
+
+
+def test_connections_give_up_on_unacknowledged_data_as_keepalives_do(database_url: str) -> None:
+    """Keepalives stay silent while sent data waits for its ACK: tcp_user_timeout covers that
+    minute too, and a URL's own settings win."""
+    with connect(database_url) as conn:
+        params = conn.info.get_parameters()
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert params["keepalives_idle"] == "30"
+    assert params["tcp_user_timeout"] == "60000"  # idle 30 s + 3 probes 10 s apart
+    own = conninfo_to_dict(with_keepalives("host=db.example tcp_user_timeout=5000"))
+    assert own["tcp_user_timeout"] == "5000" and own["keepalives_idle"] == "30"

@@ -11,6 +11,7 @@ from sokratos_worker.llm.embeddings import HttpEmbedder, split_text
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
+    EmbeddingReplyInvalid,
     EmbeddingsMisconfigured,
     EmbeddingsUnavailable,
 )
@@ -136,6 +137,75 @@ def test_4xx_and_bad_payloads_are_failures(servers: Servers, embedders):
     for reply, message in cases:
         srv.script(reply, path="/v1/embeddings")  # this input only; the probe after it is fine
         with pytest.raises(EmbeddingFailed, match=message):
+            embedder.embed(["x"])
+
+
+def _indexed(vectors: list[list[float]], indices: list[object]) -> Reply:
+    """An embeddings reply with these ``index`` values (``...``: the item has none)."""
+    data = [
+        {"object": "embedding", "embedding": v} | ({} if i is ... else {"index": i})
+        for v, i in zip(vectors, indices, strict=True)
+    ]
+    return Reply(json_body={"object": "list", "data": data, "model": "embed"})
+
+
+TEXTS = ["first text", "second text", "third text", "fourth text"]
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [[0, 0, 2, 1], [0, 1, 2, 4], [0, 1, ..., 2], [0, True, 2, 3], ["0", 1, 2, 3], [0, 1, 2, -1]],
+    ids=["duplicate", "out-of-range", "missing", "bool", "string", "negative"],
+)
+def test_indices_that_do_not_name_each_input_once_are_refused(
+    servers: Servers, embedders, indices: list[object]
+):
+    """LiteLLM's proxy has answered a batch with indices [0, 0, 2, 1]: sorting by index then
+    hands the third text the fourth's vector. Refused, as a wrong count is, never guessed."""
+
+    def respond(request: Request) -> Reply:
+        inputs = request.body["input"]
+        if len(inputs) == 1:  # the health probe: a well-formed answer
+            return Reply.embeddings([hash_embedding(inputs[0], 8)])
+        return _indexed([hash_embedding(t, 8) for t in inputs], indices)
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    with pytest.raises(EmbeddingReplyInvalid, match="indices"):
+        embedders(srv.url, dim=8).embed(TEXTS)
+
+
+@pytest.mark.parametrize("with_index", [True, False], ids=["shuffled", "no-index"])
+def test_each_vector_goes_to_the_text_its_index_names(
+    servers: Servers, embedders, with_index: bool
+):
+    def respond(request: Request) -> Reply:
+        vectors = [hash_embedding(t, 8) for t in request.body["input"]]
+        if not with_index:
+            return _indexed(vectors, [...] * len(vectors))  # the reply's order, then
+        order = [3, 0, 2, 1]
+        return _indexed([vectors[i] for i in order], list(order))
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    vectors = embedders(srv.url, dim=8).embed(TEXTS)
+    for text, vector in zip(TEXTS, vectors, strict=True):
+        assert vector == pytest.approx(hash_embedding(text, 8), abs=1e-12), text
+
+
+def test_huge_and_tiny_components_are_normalised_and_booleans_refused(servers: Servers, embedders):
+    srv = servers(embed_dim=4)  # (the health probe is answered well: the items' problem)
+    embedder = embedders(srv.url)
+    for vector, unit in [([1e154] * 4, [0.5] * 4), ([3e-170, 4e-170, 0, 0], [0.6, 0.8, 0, 0])]:
+        srv.script(Reply.embeddings([vector]), path="/v1/embeddings")
+        assert embedder.embed(["x"])[0] == pytest.approx(unit)
+    for reply, message in [
+        (Reply.embeddings([[True, False, 0, 0]]), "flat list of numbers"),
+        (Reply.embeddings([[10**400, 0, 0, 0]]), "non-finite"),
+        (Reply.embeddings([[1e308, 1e308, float("inf"), 0]]), "non-finite"),
+    ]:
+        srv.script(reply, path="/v1/embeddings")
+        with pytest.raises(EmbeddingReplyInvalid, match=message):
             embedder.embed(["x"])
 
 

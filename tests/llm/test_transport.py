@@ -83,6 +83,13 @@ class _Handler(socketserver.BaseRequestHandler):
             return True
         if path == "/trickle":
             return _trickle(sock)
+        if path.startswith("/slow-headers/"):  # this many header bytes, 0.1 s apart
+            count = int(path.rpartition("/")[2])
+            return _dribble(sock, [b"HTTP/1.1 200 OK\r\nX-Slow: ", *[b"a"] * count, b"\r\n"])
+        if path == "/late":
+            threading.Event().wait(0.6)
+        if path == "/continues":  # "100 Continue" every 0.1 s
+            return _dribble(sock, [b"HTTP/1.1 100 Continue\r\n\r\n"] * 30)
         if path.startswith("/big/"):
             return _big(sock, path)
         if path == "/status/503":
@@ -106,6 +113,19 @@ def _trickle(sock: socket.socket) -> bool:
             sock.sendall(b"x")
         except OSError:
             return False
+    return True
+
+
+def _dribble(sock: socket.socket, pieces: list[bytes]) -> bool:
+    """``pieces`` 0.1 s apart, then the end of a small 200 answer."""
+    try:
+        for piece in pieces:
+            sock.sendall(piece)
+            threading.Event().wait(0.1)
+        sock.sendall(b"HTTP/1.1 200 OK\r\n" if b"100" in pieces[0] else b"")
+        sock.sendall(b"Content-Length: 2\r\n\r\n{}")
+    except OSError:
+        return False
     return True
 
 
@@ -333,6 +353,27 @@ def test_a_body_dribbled_a_byte_at_a_time_is_bounded_by_the_read_timeout(
             http.get(f"{server.url}/trickle")
         assert time.monotonic() - started < 6.0  # not the 10 s the server would take
         assert http.get(f"{server.url}/after").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/slow-headers/30", "/continues"])
+def test_headers_dribbled_or_endless_continues_are_bounded_by_the_read_timeout(
+    server: _Server, path: str
+) -> None:
+    """The deadline covers the status line and headers too, not only the body."""
+    with httpx.Client(transport=StdlibTransport(), timeout=1.0) as http:
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match=r"longer than 1\.0s"):
+            http.get(f"{server.url}{path}")
+        assert time.monotonic() - started < 2.0  # not the 3 s the server would take
+        assert http.get(f"{server.url}/after").status_code == 200
+
+
+def test_the_next_call_on_a_connection_gets_the_whole_timeout_again(server: _Server) -> None:
+    """The socket timeout cut short near one call's deadline does not shorten the next's."""
+    with httpx.Client(transport=StdlibTransport(), timeout=1.0) as http:
+        assert http.get(f"{server.url}/slow-headers/6").status_code == 200  # ~0.7 s
+        assert http.get(f"{server.url}/late").status_code == 200  # 0.6 s of silence
+    assert server.connections == 1
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])

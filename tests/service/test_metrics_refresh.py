@@ -48,3 +48,25 @@ def test_a_scrape_held_up_by_a_locked_table_serves_the_last_values(
         assert _ready(metrics) == 5
     finally:
         database.close()
+
+
+def test_database_up_recovers_after_a_scrape_that_could_not_get_a_connection(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A scrape that gets no pooled connection (all busy, or a blip the idle runner never saw)
+    reports the database down; an idle runner changes no state to set it back, so the next
+    successful scrape must."""
+    database = Database(database_url, size=1)
+    worker = SimpleNamespace(runner=SimpleNamespace(inflight_by_queue=Counter), database=database)
+    metrics = Metrics()
+    metrics.set_database_up(True)
+    try:
+        busy = database.pool.getconn()  # the only connection, in use (a slot's, say)
+        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]  # PoolTimeout
+        assert metrics.registry.get_sample_value("sokratos_database_up") == 0
+        database.pool.putconn(busy)
+        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]
+        assert _ready(metrics) == 0  # this scrape did reach the database
+        assert metrics.registry.get_sample_value("sokratos_database_up") == 1
+    finally:
+        database.close()
