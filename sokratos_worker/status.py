@@ -37,13 +37,16 @@ def collect_status(settings: Settings) -> dict[str, Any]:
             settings.spool_dir, settings.database_identity
         ),
         "database_identity": settings.database_identity,
+        # "embeddings" and "backends_configured" are this command's own configuration (its
+        # environment): a worker's backends are in its heartbeat ("workers"), its embedding
+        # model is not recorded anywhere.
+        "configuration_of": CALLER,
         "embeddings": "configured"
         if settings.embeddings_enabled
         else "not configured: memories are saved without embeddings; no contradiction check",
         "backends_configured": [b.name for b in settings.llm_backends],
     }
-    if not settings.llm_backends and not settings.local_model:
-        report["warning"] = "no LLM backend configured: items wait in their queues"
+    caller_has_backend = bool(settings.llm_backends or settings.local_model)
     try:
         with database_url(settings, wait=False) as url, connect(url) as conn:
             report["database"] = "ok"
@@ -63,7 +66,44 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
         # Reported, not raised: scripts read "database" (contract §1), and status exits 0.
         report["error"] = str(exc)
+    _warn(report, caller_has_backend=caller_has_backend)
     return report
+
+
+CALLER = "this command's configuration, not necessarily the worker's"
+NO_BACKEND = "no LLM backend configured: items wait"
+
+
+def _warn(report: dict[str, Any], *, caller_has_backend: bool) -> None:
+    """The top-level warning: from the live workers' heartbeats when there are any, else
+    (labelled so) from this command's own configuration."""
+    workers = report.get("workers") or []
+    if workers:
+        if all(w.get("cannot_process") for w in workers):
+            report["warning"] = (
+                "no live worker can process items (none has an LLM backend configured):"
+                " items wait in their queues"
+            )
+    elif not caller_has_backend:
+        report["warning"] = (
+            f"no LLM backend configured ({CALLER}; no live worker reports its own):"
+            " a worker run so leaves items waiting in their queues"
+        )
+
+
+def cannot_process(worker: dict[str, Any]) -> str | None:
+    """Why a live, running worker claims nothing, read from its heartbeat (None: it can)."""
+    if worker.get("overdue") or worker.get("state") != "running":
+        return None  # its state (or silence) says it already
+    detail = worker.get("detail") or {}
+    queues = detail.get("queues")
+    if isinstance(queues, list):  # the queues it has handlers for
+        if queues:
+            return None
+        return NO_BACKEND if not detail.get("backends") else "no queue handled: items wait"
+    if isinstance(detail.get("backends"), list) and not detail["backends"]:
+        return NO_BACKEND  # a heartbeat from before "queues" was recorded
+    return None
 
 
 # A table another session holds ACCESS EXCLUSIVE (a migration) is named, not waited for.
@@ -102,6 +142,9 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
         lambda: status_store.live_workers(conn, stale_after_s=stale_after_s),
     )
     report["workers"] = workers or []
+    for worker in report["workers"]:
+        if why := cannot_process(worker):
+            worker["cannot_process"] = why
     report["email_accounts"] = (
         read("email_accounts", "email_checkpoints", lambda: _accounts(settings, conn)) or []
     )
@@ -149,7 +192,7 @@ def render_status(report: dict[str, Any]) -> str:
     if report["database"] != "ok" or "unreadable" in report:  # nothing below can be known
         why = report.get("unreadable", "no database")
         lines.append(f"queues, failures (24h), workers, email accounts: unknown ({why})")
-        lines.append(f"embeddings: {report['embeddings']}")
+        lines.append(_embeddings_line(report))
         return "\n".join(lines)
     unknown = report.get("unknown_locked") or []
     lines += [
@@ -175,8 +218,18 @@ def render_status(report: dict[str, Any]) -> str:
     for a in report["email_accounts"]:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
-    lines.append(f"embeddings: {report['embeddings']}")
+    lines.append(_embeddings_line(report))
     return "\n".join(lines)
+
+
+def _embeddings_line(report: dict[str, Any]) -> str:
+    """The embedding model of whoever's configuration the report holds (this command's)."""
+    of = report.get("configuration_of")
+    return (
+        f"embeddings ({of}): {report['embeddings']}"
+        if of
+        else f"embeddings: {report['embeddings']}"
+    )
 
 
 def _queue_lines(report: dict[str, Any]) -> list[str]:
@@ -215,6 +268,8 @@ def _worker_state(worker: dict[str, Any]) -> str:
             f"{state}? no heartbeat for {worker['silent_s']:.0f}s (expected every"
             f" {worker['detail']['heartbeat_s']:g}s): killed without a word, or hung"
         )
+    if idle := worker.get("cannot_process") or cannot_process(worker):
+        return f"{state}, but {idle}"
     detail = worker.get("detail") or {}
     why = detail.get("why") if state != "running" else detail.get("lock_wait")
     return f"{state} ({why})" if why else state

