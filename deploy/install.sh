@@ -31,7 +31,9 @@ Options:
                    /opt/$APP; no root needed, systemctl is not called)
   --python PATH    the Python (3.11 or later) that creates the venv (default: the first
                    of python3, python3.13, python3.12, python3.11 that is recent enough)
-  --extras LIST    pip extras to install, e.g. "local" for the bundled demonstration model
+  --extras LIST    pip extras to install, e.g. "local" for the bundled demonstration model;
+                   placed where pip reads them: "${APP}[local]==0.1.0", "PATH[local]",
+                   "${APP}[local] @ URL"
   --skip-venv      do not create or update the virtualenv (units and /etc only)
   -h, --help       show this help and exit
 USAGE
@@ -97,6 +99,28 @@ find_python() {
     exit 1
 }
 
+# SOURCE with the extras where pip looks for them: after the project's name in a requirement
+# ("sokratos-worker[local]==0.1.0", "sokratos-worker[local] @ URL"), after a path
+# ("./dist/x.whl[local]"), and for a bare URL as "sokratos-worker[local] @ URL".
+with_extras() {
+    local source=$1 extras=$2
+    local name_re='^[[:space:]]*([A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?)([[:space:]]*\[([^]]*)\])?(.*)$'
+    if [[ -z "$extras" ]]; then
+        printf '%s\n' "$source"
+    elif [[ "$source" =~ ^[A-Za-z][A-Za-z0-9+.-]*:// ]]; then
+        printf '%s\n' "${APP}[${extras}] @ ${source}"
+    elif [[ "$source" == */* || "$source" == .* || "$source" == ~* || -e "$source" ]] \
+        && [[ ! "$source" =~ ^[^/@]+@ ]]; then
+        printf '%s\n' "${source}[${extras}]"
+    elif [[ "$source" =~ $name_re ]]; then
+        local name=${BASH_REMATCH[1]} given=${BASH_REMATCH[4]} rest=${BASH_REMATCH[5]}
+        # Extras already given ("name[x]==1") are kept, the new ones added.
+        printf '%s\n' "${name}[${given:+$given,}${extras}]${rest}"
+    else
+        printf '%s\n' "${source}[${extras}]"
+    fi
+}
+
 install_venv() {
     local python
     python=$(find_python)
@@ -114,10 +138,8 @@ install_venv() {
         say "creating $VENV"
         "$python" -m venv "$VENV"
     fi
-    local requirement=$SOURCE
-    if [[ -n "$EXTRAS" ]]; then
-        requirement="${SOURCE}[${EXTRAS}]"
-    fi
+    local requirement
+    requirement=$(with_extras "$SOURCE" "$EXTRAS")
     say "installing $requirement"
     "$VENV/bin/python" -m pip install --quiet --upgrade "$requirement"
     "$VENV/bin/$APP" --version >/dev/null || {

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from sokratos_worker.config import Settings, unknown_variables
-from sokratos_worker.errors import DatabaseUnavailable
+from dataclasses import dataclass
+
+from sokratos_worker.config import ConfigError, Settings, unknown_variables
+from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.model import CheckLine
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.store.connection import (
@@ -14,10 +16,21 @@ from sokratos_worker.store.connection import (
 )
 
 
-def run_checks(settings: Settings) -> list[CheckLine]:
-    """One line per check, in the order an operator would fix them."""
-    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
+@dataclass(frozen=True)
+class CheckReport:
+    """The lines of ``check``; ``login_refused`` keeps a refused database login, which is a
+    configuration error (exit 78, as for every command) rather than a failed check."""
 
+    lines: list[CheckLine]
+    login_refused: ConfigError | None = None
+
+
+def run_checks(settings: Settings) -> CheckReport:
+    """One line per check, in the order an operator would fix them.
+
+    A database that cannot be used is one failed ``database`` line; the backends, the
+    embedding model and the mailboxes are probed all the same.
+    """
     unknown = unknown_variables()
     lines = [
         CheckLine("configuration", True, "valid")
@@ -25,41 +38,59 @@ def run_checks(settings: Settings) -> list[CheckLine]:
         else CheckLine(
             "configuration",
             False,
-            f"unknown variables ignored: {', '.join(unknown)} (a typo? every variable is"
+            f"unknown variables {', '.join(unknown)} (typos? every variable the worker reads is"
             " listed in deploy/sokratos-worker.env.example)",
         )
     ]
+    refused: ConfigError | None = None
     try:
-        with database_url(settings, wait=False) as url, connect(url) as conn:
-            version = conn.execute("SHOW server_version").fetchone()
-            if is_read_only(conn):
-                raise DatabaseUnavailable(READ_ONLY_SERVER)
-            vector = conn.execute(
-                "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
-            ).fetchone()
-            lines.append(
-                CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}")
-            )
-            lines.append(
-                CheckLine(
-                    "pgvector",
-                    vector is not None,
-                    f"version {vector[0]}" if vector else _pgvector_missing(settings, conn),
-                )
-            )
-            lines.append(connections_line(settings, conn))
-            if vector is not None:
-                problems = schema_problems(settings, conn)
-                lines.append(
-                    CheckLine(
-                        "schema",
-                        not problems,
-                        "; ".join(str(p) for p in problems)
-                        or "migrations applied, fits the embedding configuration",
-                    )
-                )
+        _database_lines(settings, lines)
+    except ConfigError as exc:  # DatabaseLoginRefused: the URL's user, password or database
+        refused = exc
+        lines.append(CheckLine("database", False, f"{exc.message} ({exc.variable})"))
     except DatabaseUnavailable as exc:
         lines.append(CheckLine("database", False, f"{exc}; check SOKRATOS_DATABASE_URL"))
+    except WorkerError as exc:  # the embedded PostgreSQL could not start
+        lines.append(CheckLine("database", False, str(exc)))
+    lines.extend(_service_lines(settings))
+    return CheckReport(lines, refused)
+
+
+def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
+    """The database, pgvector, connections and schema lines, appended as they are known."""
+    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
+
+    with database_url(settings, wait=False) as url, connect(url) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        if is_read_only(conn):
+            raise DatabaseUnavailable(READ_ONLY_SERVER)
+        vector = conn.execute(
+            "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
+        ).fetchone()
+        lines.append(CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}"))
+        lines.append(
+            CheckLine(
+                "pgvector",
+                vector is not None,
+                f"version {vector[0]}" if vector else _pgvector_missing(settings, conn),
+            )
+        )
+        lines.append(connections_line(settings, conn))
+        if vector is not None:
+            problems = schema_problems(settings, conn)
+            lines.append(
+                CheckLine(
+                    "schema",
+                    not problems,
+                    "; ".join(str(p) for p in problems)
+                    or "migrations applied, fits the embedding configuration",
+                )
+            )
+
+
+def _service_lines(settings: Settings) -> list[CheckLine]:
+    """The LLM backends, the embedding model and the mailboxes."""
+    lines: list[CheckLine] = []
     if not settings.llm_backends and not settings.local_model:
         lines.append(
             CheckLine(

@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         " (reachable, writable), pgvector, connections (max_connections and CONNECTION LIMITs"
         " against what one worker opens), schema (migrations, role grants, embedding"
         " dimension), every LLM backend, the embedding model, every mailbox. Exit 1 naming"
-        " what failed.",
+        " what failed (78 when the server refuses the database login: every line is still"
+        " printed).",
     )
     commands.add_parser(
         "demo",
@@ -563,10 +564,12 @@ def _retry_usage_problem(args: argparse.Namespace) -> str | None:
 def _check(_: argparse.Namespace, settings: Settings) -> int:
     from sokratos_worker.checks import run_checks  # noqa: PLC0415
 
-    lines = run_checks(settings)
-    for line in lines:
-        print(f"{'ok  ' if line.ok else 'FAIL'}  {line.component}: {line.detail}")
-    failed = [line.component for line in lines if not line.ok]
+    report = run_checks(settings)
+    for line in report.lines:
+        print(f"{'ok  ' if line.ok else 'FAIL'}  {line.component}: {line.detail}", flush=True)
+    if report.login_refused is not None:
+        raise report.login_refused  # main() reports it with exit 78, as for every command
+    failed = [line.component for line in report.lines if not line.ok]
     if failed:
         print(f"sokratos-worker: check failed: {', '.join(failed)}", file=sys.stderr)
         return EXIT_FAILURE

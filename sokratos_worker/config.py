@@ -163,6 +163,11 @@ def read_secret_file(name: str) -> str:
         return path.read_text(encoding="utf-8").rstrip("\r\n")
     except OSError as exc:
         raise ValueError(f"cannot read secret file {str(path)!r}: {exc.strerror}{where}") from exc
+    except UnicodeDecodeError as exc:
+        # Not str(exc): it would quote the secret's bytes around the bad one.
+        raise ValueError(
+            f"secret file {str(path)!r} is not UTF-8 text (byte {exc.start + 1} is not)"
+        ) from None
 
 
 def http_base_url(value: str) -> str:
@@ -309,30 +314,143 @@ def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "sokratos-worker"
 
 
+# libpq's own lists (libpq 18, fe-connect.c). libpq checks an option's value only when it
+# connects, and psycopg reports the refusal like an outage: waited out, then exit 75, and
+# restarted by systemd for ever. So the values are checked here, before any connection.
+_LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+    "min_protocol_version": ("3.0", "3.2", "latest"),
+    "max_protocol_version": ("3.0", "3.2", "latest"),
+}
+_LIBPQ_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")  # any case; empty: no bound
+_LIBPQ_INTEGERS = (
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_LIBPQ_AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
+
+
+def libpq_option_problem(options: Mapping[str, object]) -> str | None:
+    """Why libpq would refuse one of ``options`` (parsed by ``conninfo_to_dict``), or None.
+
+    Only option names and values that are not secret are quoted."""
+    for key, choices in _LIBPQ_CHOICES.items():
+        value = options.get(key)
+        if value is not None and str(value) not in choices:
+            return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
+    for key in ("ssl_min_protocol_version", "ssl_max_protocol_version"):
+        value = options.get(key)
+        if value and str(value).lower() not in (v.lower() for v in _LIBPQ_TLS_VERSIONS):
+            return (
+                f"has an invalid {key} {str(value)!r} (libpq accepts"
+                f" {', '.join(_LIBPQ_TLS_VERSIONS)})"
+            )
+    low, high = (
+        str(options.get(key) or "").lower()
+        for key in ("ssl_min_protocol_version", "ssl_max_protocol_version")
+    )
+    versions = [v.lower() for v in _LIBPQ_TLS_VERSIONS]
+    if low and high and versions.index(low) > versions.index(high):
+        return "has ssl_min_protocol_version above ssl_max_protocol_version: libpq refuses it"
+    for key in _LIBPQ_INTEGERS:
+        value = options.get(key)
+        if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
+            return f"has an invalid {key} {str(value)!r} (a whole number)"
+    require_auth = options.get("require_auth")
+    if require_auth:
+        methods = str(require_auth).split(",")
+        bare = [m.removeprefix("!") for m in methods]
+        unknown = [m for m in bare if m not in _LIBPQ_AUTH_METHODS]
+        if unknown:
+            return (
+                f"has an invalid require_auth method {unknown[0]!r} (libpq accepts"
+                f" {', '.join(_LIBPQ_AUTH_METHODS)}, each optionally negated with !)"
+            )
+        if len({m.startswith("!") for m in methods}) > 1:
+            return "has a require_auth that mixes negated (!) and plain methods: libpq refuses it"
+        if len(set(bare)) != len(bare):
+            return "has a require_auth that names a method twice: libpq refuses it"
+    return None
+
+
 class _SecretFilesSource(PydanticBaseSettingsSource):
-    """``X_FILE`` and ``$CREDENTIALS_DIRECTORY/X`` for every variable ``X``."""
+    """``X_FILE`` and ``$CREDENTIALS_DIRECTORY/X`` for every variable ``X``.
+
+    An empty ``X=`` or ``X_FILE=`` counts as unset, as it does for the variables themselves
+    (``env_ignore_empty``): the next place is looked at. A complex field (the JSON lists) is
+    decoded from the file's text as pydantic-settings decodes it from a variable.
+    """
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False  # unused: __call__ does the work
 
     def __call__(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
-        creds = credentials_directory()
-        for field_name in self.settings_cls.model_fields:
-            for variable in _variable_names(field_name):
-                if variable in os.environ:
-                    break  # an explicit variable wins
-                file_var = f"{variable}_FILE"
-                if file_var in os.environ:
-                    try:
-                        values[field_name] = read_secret_file(os.environ[file_var])
-                    except ValueError as exc:
-                        raise ConfigError(file_var, str(exc)) from exc
-                    break
-                if creds is not None and (creds / variable).is_file():
-                    values[field_name] = read_secret_file(str(creds / variable))
-                    break
+        for field_name, field in self.settings_cls.model_fields.items():
+            found = _secret_file_value(field_name)
+            if found is None:
+                continue
+            named, path, text = found
+            if self.field_is_complex(field):
+                try:
+                    values[field_name] = self.decode_complex_value(field_name, field, text)
+                except ValueError as exc:  # json.JSONDecodeError: its text never quotes ours
+                    raise ConfigError(named, f"{path!r} is not valid JSON ({exc})") from None
+            else:
+                values[field_name] = text
         return values
+
+
+def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
+    """``(variable to name in an error, path, text)`` of the file that sets ``field_name``,
+    or None when an explicit variable wins or no file is given: a non-empty ``X`` first,
+    then ``X_FILE``, then ``$CREDENTIALS_DIRECTORY/X``."""
+    names = _variable_names(field_name)
+    if any(os.environ.get(name) for name in names):
+        return None  # an explicit variable wins
+    for name in names:
+        file_var = f"{name}_FILE"
+        path = os.environ.get(file_var)
+        if path:
+            return file_var, path, _read_or_refuse(file_var, path)
+    creds = credentials_directory()
+    if creds is None:
+        return None
+    for name in names:
+        file = creds.absolute() / name
+        path = str(file)
+        try:
+            present = file.is_file()
+        except OSError as exc:  # not ENOENT: e.g. a directory the worker may not search
+            raise ConfigError(
+                name, f"cannot examine the credential file {path!r}: {exc.strerror or exc}"
+            ) from None
+        if present:
+            return name, path, _read_or_refuse(name, path)
+    return None
+
+
+def _read_or_refuse(variable: str, path: str) -> str:
+    try:
+        return read_secret_file(path)
+    except ValueError as exc:
+        raise ConfigError(variable, str(exc)) from None
 
 
 def _variable_names(field_name: str) -> list[str]:
@@ -493,6 +611,9 @@ class Settings(BaseSettings):
                     # libpq would report it as a host it cannot resolve: an outage (exit 75)
                     # that systemd restarts for ever, instead of this configuration error.
                     raise ValueError("has a port that is not a number")
+                problem = libpq_option_problem(parts)
+                if problem is not None:
+                    raise ValueError(problem)
             except psycopg.ProgrammingError:
                 # Not the parser's text: it may quote the URL, password included.
                 raise ValueError(

@@ -285,9 +285,10 @@ def pending_files(spool_dir: Path) -> int:
 
 def spool_problems(spool_dir: Path) -> list[str]:
     """What keeps spooled enqueues from being imported, for ``status``."""
-    if not spool_dir.is_dir():
-        return []
     try:
+        # Inside the try: is_dir() raises too when the data directory cannot be searched.
+        if not spool_dir.is_dir():
+            return []
         with os.scandir(spool_dir) as entries:
             aside = sorted(e.name for e in entries if e.name.endswith(".json.unreadable"))
     except OSError as exc:

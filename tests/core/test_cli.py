@@ -559,3 +559,82 @@ def test_failed_retry_behind_a_locked_queue_names_the_holder_and_retries_later_o
     assert again.returncode == 0, again.stderr
     assert count(db, "SELECT count(*) FROM pending_triage") == 2
     assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_at IS NOT NULL") == 2
+
+
+def _login_as(url: str, user: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["user"] = user
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items() if v is not None})
+
+
+def test_check_with_a_refused_login_still_prints_every_line_and_exits_78(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A refused login is one failed database line: the backends, the embedding model and
+    the mailboxes are probed all the same; the exit stays 78 (a configuration error)."""
+    backends = json.dumps([{"name": "a", "url": "http://127.0.0.1:1/v1", "model": "m"}])
+    env = env_for(_login_as(database_url, "no_such_role"), tmp_path, SOKRATOS_LLM_BACKENDS=backends)
+    proc = cli("check", env=env)
+    assert proc.returncode == 78, (proc.stdout, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = {line.split()[1].rstrip(":"): line for line in proc.stdout.splitlines() if line}
+    assert list(lines) == ["configuration", "database", "llm:a", "embeddings"], proc.stdout
+    assert lines["database"].startswith("FAIL")
+    assert 'role "no_such_role" does not exist' in lines["database"]
+    assert "SOKRATOS_DATABASE_URL" in lines["database"]
+    assert lines["llm:a"].startswith("FAIL")
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("sokratos-worker:")]
+    assert said.startswith("sokratos-worker: invalid configuration: SOKRATOS_DATABASE_URL: ")
+
+
+def test_check_when_the_embedded_postgres_cannot_start_prints_every_line(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "postgres").write_text("not a data directory")  # initdb fails at once
+    backends = json.dumps([{"name": "a", "url": "http://127.0.0.1:1/v1", "model": "m"}])
+    env = env_for(None, tmp_path, SOKRATOS_DATA_DIR=str(data), SOKRATOS_LLM_BACKENDS=backends)
+    proc = cli("check", env=env)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = {line.split()[1].rstrip(":"): line for line in proc.stdout.splitlines() if line}
+    assert list(lines) == ["configuration", "database", "llm:a", "embeddings"], proc.stdout
+    assert lines["database"].startswith("FAIL") and "could not start" in lines["database"]
+    assert lines["llm:a"].startswith("FAIL")
+    assert "check failed: database, llm:a" in proc.stderr
+
+
+def test_status_reports_a_spool_it_cannot_examine(tmp_path: Path) -> None:
+    """A data directory the worker's user may read but not search: `stat spool` fails."""
+    import tempfile
+
+    # Outside tmp_path, whose parents only root may search, when the command runs as nobody.
+    with tempfile.TemporaryDirectory(prefix="sokratos-spool-") as where:
+        base = Path(where)
+        base.chmod(0o755)
+        data = base / "data"
+        data.mkdir()
+        data.chmod(0o644)  # no x: nobody (and the owner) can list it, not look inside
+        env = env_for(
+            "postgresql://x@127.0.0.1:1/none",
+            tmp_path,
+            HOME=str(base),
+            SOKRATOS_DATA_DIR=str(data),
+        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "sokratos_worker", "status"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+                cwd=ROOT,
+                user=65534 if os.geteuid() == 0 else None,  # root may search anything
+            )
+        finally:
+            data.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"spool: cannot read {data / 'spool'} (Permission denied)" in proc.stdout, proc.stdout

@@ -383,3 +383,159 @@ def test_an_empty_variable_means_its_default() -> None:
         {"SOKRATOS_LEASE": "", "SOKRATOS_LOG_FORMAT": "", "SOKRATOS_LLM_BACKENDS": ""}
     )
     assert (settings.lease, settings.log_format, settings.llm_backends) == (300, None, [])
+
+
+def _cli_78(env: dict[str, str], *command: str) -> str:
+    """Run a command that must stop at the configuration: exit 78, one line, its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", *command],
+        cwd=ROOT,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 78, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+    return proc.stderr
+
+
+def test_the_json_lists_are_read_from_a_file_and_from_the_credentials_directory(
+    tmp_path: Path,
+) -> None:
+    """Contract §2: any variable X can be given as X_FILE or $CREDENTIALS_DIRECTORY/X, the
+    JSON lists (which carry api_key and password) too: decoded as the variable would be."""
+    backends = tmp_path / "backends.json"
+    backends.write_text(_backends({"api_key": "sk-secret"}) + "\n")
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_EMAIL_ACCOUNTS").write_text(_account())
+    s = load_settings(
+        {"SOKRATOS_LLM_BACKENDS_FILE": str(backends), "CREDENTIALS_DIRECTORY": str(creds)}
+    )
+    assert [b.name for b in s.llm_backends] == ["a", "b"]
+    assert s.llm_backends[1].api_key is not None
+    assert s.llm_backends[1].api_key.get_secret_value() == "sk-secret"
+    assert [(a.name, a.host) for a in s.email_accounts] == [("a", "imap.example.org")]
+    # Errors inside the list name the entry, as for the variable.
+    (creds / "SOKRATOS_LLM_BACKENDS").write_text(_backends({"url": "ftp://x"}))
+    error = _refusal({"CREDENTIALS_DIRECTORY": str(creds)})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].url" and "http" in error.message
+
+
+def test_a_json_list_file_that_is_not_json_names_the_variable_and_the_file(
+    tmp_path: Path,
+) -> None:
+    bad = tmp_path / "backends.json"
+    bad.write_text('[{"name": "a", "api_key": "s3cret"')
+    error = _refusal({"SOKRATOS_LLM_BACKENDS_FILE": str(bad)})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS_FILE"
+    assert error.message.startswith(f"{str(bad)!r} is not valid JSON (")
+    assert "s3cret" not in str(error)
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_EMAIL_ACCOUNTS").write_text("not json")
+    error = _refusal({"CREDENTIALS_DIRECTORY": str(creds)})
+    assert error.variable == "SOKRATOS_EMAIL_ACCOUNTS"
+    assert error.message.startswith(f"{str(creds / 'SOKRATOS_EMAIL_ACCOUNTS')!r} is not valid JSON")
+    stderr = _cli_78({"SOKRATOS_LLM_BACKENDS_FILE": str(bad), "HOME": str(tmp_path)}, "status")
+    assert "SOKRATOS_LLM_BACKENDS_FILE" in stderr and "is not valid JSON" in stderr
+
+
+def test_an_empty_variable_does_not_hide_its_file_or_credential(tmp_path: Path) -> None:
+    """`SOKRATOS_DATABASE_URL=` (a value deleted, the line kept) is unset: the credential is
+    used, not silently the embedded PostgreSQL. An empty X_FILE= is unset too."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_DATABASE_URL").write_text("postgresql://u@db.example.org/sokratos")
+    (creds / "SOKRATOS_LLM_BACKENDS").write_text(_backends())
+    url_file = tmp_path / "url"
+    url_file.write_text("postgresql://u@from-file.example.org/sokratos")
+    base = {"CREDENTIALS_DIRECTORY": str(creds), "SOKRATOS_LLM_BACKENDS": ""}
+    for empty in ("SOKRATOS_DATABASE_URL", "DATABASE_URL", "SOKRATOS_DATABASE_URL_FILE"):
+        s = load_settings({**base, empty: ""})
+        assert s.database_url is not None, empty
+        assert s.database_url.get_secret_value() == "postgresql://u@db.example.org/sokratos"
+        assert [b.name for b in s.llm_backends] == ["a"]
+    s = load_settings(
+        {**base, "SOKRATOS_DATABASE_URL": "", "SOKRATOS_DATABASE_URL_FILE": str(url_file)}
+    )
+    assert s.database_url is not None
+    assert s.database_url.get_secret_value() == "postgresql://u@from-file.example.org/sokratos"
+    # Nothing anywhere: the empty values are the defaults.
+    s = load_settings({"SOKRATOS_DATABASE_URL_FILE": "", "SOKRATOS_LLM_BACKENDS_FILE": ""})
+    assert s.uses_embedded_postgres and s.llm_backends == []
+
+
+def test_a_credential_that_is_not_utf8_is_a_configuration_error(tmp_path: Path) -> None:
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret = creds / "SOKRATOS_DATABASE_URL"
+    secret.write_bytes(b"postgresql://u:s3cret\xff@h/db")
+    error = _refusal({"CREDENTIALS_DIRECTORY": str(creds)})
+    assert error.variable == "SOKRATOS_DATABASE_URL"
+    assert error.message == f"secret file {str(secret)!r} is not UTF-8 text (byte 22 is not)"
+    error = _refusal({"SOKRATOS_DATABASE_URL_FILE": str(secret)})
+    assert error.variable == "SOKRATOS_DATABASE_URL_FILE" and "not UTF-8" in error.message
+    stderr = _cli_78({"CREDENTIALS_DIRECTORY": str(creds), "HOME": str(tmp_path)}, "status")
+    assert "SOKRATOS_DATABASE_URL: secret file" in stderr and "s3cret" not in stderr
+
+
+def test_a_credential_that_cannot_be_read_is_a_configuration_error(tmp_path: Path) -> None:
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    # A file whose read fails even for root (EIO), as an unreadable one fails for the worker.
+    (creds / "SOKRATOS_DATABASE_URL").symlink_to("/proc/self/mem")
+    error = _refusal({"CREDENTIALS_DIRECTORY": str(creds)})
+    assert error.variable == "SOKRATOS_DATABASE_URL"
+    assert error.message.startswith(
+        f"cannot read secret file {str(creds / 'SOKRATOS_DATABASE_URL')!r}"
+    )
+    stderr = _cli_78({"CREDENTIALS_DIRECTORY": str(creds), "HOME": str(tmp_path)}, "check")
+    assert "SOKRATOS_DATABASE_URL: cannot read secret file" in stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        ("sslmode=bogus", "invalid sslmode 'bogus' (libpq accepts disable, allow, prefer"),
+        ("target_session_attrs=bogus", "invalid target_session_attrs 'bogus'"),
+        ("sslmode=", "invalid sslmode ''"),
+        ("gssencmode=on", "invalid gssencmode 'on'"),
+        ("channel_binding=yes", "invalid channel_binding 'yes'"),
+        ("keepalives_idle=30s", "invalid keepalives_idle '30s' (a whole number)"),
+        ("ssl_min_protocol_version=TLS1.2", "invalid ssl_min_protocol_version 'TLS1.2'"),
+        ("require_auth=scram", "invalid require_auth method 'scram'"),
+        ("require_auth=!password,md5", "mixes negated (!) and plain methods"),
+    ],
+)
+def test_an_invalid_libpq_option_in_the_database_url_is_refused(option: str, words: str) -> None:
+    """libpq checks these only when it connects, and psycopg reports that like an outage:
+    exit 75 after SOKRATOS_STARTUP_TIMEOUT and systemd restarts for ever."""
+    error = _refusal({"SOKRATOS_DATABASE_URL": f"postgresql://u:s3cret@db.example.org/db?{option}"})
+    assert error.variable == "SOKRATOS_DATABASE_URL"
+    assert words in error.message and "s3cret" not in str(error)
+
+
+@pytest.mark.parametrize("option", ["sslmode=bogus", "target_session_attrs=bogus"])
+def test_an_invalid_libpq_option_exits_78_at_once(tmp_path: Path, option: str) -> None:
+    env = {
+        "SOKRATOS_DATABASE_URL": f"postgresql://u@127.0.0.1:1/db?{option}",
+        "SOKRATOS_STARTUP_TIMEOUT": "30s",
+        "HOME": str(tmp_path),
+    }
+    stderr = _cli_78(env, "migrate")
+    assert f"SOKRATOS_DATABASE_URL: has an invalid {option.partition('=')[0]} 'bogus'" in stderr
+
+
+def test_the_libpq_options_a_production_url_uses_are_accepted() -> None:
+    url = (
+        "postgresql://u@db1.example.org:5432,db2.example.org:5433/sokratos?sslmode=verify-full"
+        "&target_session_attrs=read-write&sslrootcert=/etc/ssl/ca.pem&channel_binding=require"
+        "&gssencmode=disable&keepalives_idle=30&ssl_min_protocol_version=tlsv1.2"
+        "&require_auth=scram-sha-256&load_balance_hosts=random&application_name=w"
+    )
+    assert not load_settings({"SOKRATOS_DATABASE_URL": url}).uses_embedded_postgres
+    keywords = "host=/run/postgresql dbname=sokratos sslmode=disable require_auth=!password,!md5"
+    assert not load_settings({"DATABASE_URL": keywords}).uses_embedded_postgres

@@ -88,3 +88,52 @@ def test_staged_install_is_idempotent(tmp_path: Path) -> None:
         ) in lines
         assert not any("bad name" in line or "README" in line for line in lines)
     assert "skipped credential bad name" in second.stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "requirement"),
+    [
+        ("sokratos-worker==0.1.0", "sokratos-worker[local]==0.1.0"),
+        ("sokratos-worker>=0.1,<0.2", "sokratos-worker[local]>=0.1,<0.2"),
+        ("sokratos-worker[demo]~=0.1", "sokratos-worker[demo,local]~=0.1"),
+        ("sokratos-worker", "sokratos-worker[local]"),
+        (
+            "./dist/sokratos_worker-0.1.0-py3-none-any.whl",
+            "./dist/sokratos_worker-0.1.0-py3-none-any.whl[local]",
+        ),
+        ("/srv/src/sokratos-worker", "/srv/src/sokratos-worker[local]"),
+        (
+            "https://example.org/sokratos_worker-0.1.0.whl",
+            "sokratos-worker[local] @ https://example.org/sokratos_worker-0.1.0.whl",
+        ),
+        (
+            "sokratos-worker @ git+https://example.org/w.git@v0.1.0",
+            "sokratos-worker[local] @ git+https://example.org/w.git@v0.1.0",
+        ),
+    ],
+)
+def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement: str) -> None:
+    """`--extras local sokratos-worker==0.1.0` once asked pip for `sokratos-worker==0.1.0[local]`."""
+    import sys
+
+    venv_bin = tmp_path / "opt" / "sokratos-worker" / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    asked = tmp_path / "pip-args"
+    # The venv exists already (so it is not created): its python records what pip was asked.
+    (venv_bin / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {asked}\n')
+    (venv_bin / "sokratos-worker").write_text("#!/bin/sh\nexit 0\n")
+    for script in venv_bin.iterdir():
+        script.chmod(0o755)
+    result = _run(
+        "--prefix", str(tmp_path), "--python", sys.executable, "--extras", "local", source
+    )
+    assert result.returncode == 0, result.stderr
+    assert asked.read_text().splitlines() == [
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--upgrade",
+        requirement,
+    ]
+    assert f"installing {requirement}" in result.stdout
