@@ -137,3 +137,18 @@ def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement
         requirement,
     ]
     assert f"installing {requirement}" in result.stdout
+
+
+def test_the_env_example_with_every_line_uncommented_can_be_sourced_by_a_shell() -> None:
+    """docs/production.md §8 sources the env file in bash: every example value must survive."""
+    example = (REPO / "deploy" / "sokratos-worker.env.example").read_text()
+    uncommented = "\n".join(
+        line[1:] if line.startswith("#SOKRATOS_") else line for line in example.splitlines()
+    )
+    result = subprocess.run(
+        ["bash", "-c", 'set -ea; eval "$1"; printf "%s" "$SOKRATOS_EMBEDDING_SUFFIX"', "-",
+         uncommented],
+        capture_output=True, text=True, check=False, timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "<|endoftext|>"
