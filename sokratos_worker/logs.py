@@ -94,7 +94,10 @@ def configure_logging(
         _redact,
     ]
     renderer: Any = (
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # A plain traceback: rich's (when installed) prints every frame's locals, secrets too.
+        structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
         if fmt == "console"
         else structlog.processors.JSONRenderer()
     )
@@ -107,7 +110,12 @@ def configure_logging(
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            # Libraries' tracebacks (APScheduler's, psycopg_pool's) rendered as text like ours.
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
             foreign_pre_chain=shared,
         )
     )

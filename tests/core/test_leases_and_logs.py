@@ -5,10 +5,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
 import threading
 from contextlib import redirect_stderr
 
 import psycopg
+import pytest
 import structlog
 
 from sokratos_worker.config import Settings
@@ -71,6 +74,37 @@ def test_logs_are_json_lines_and_never_carry_bodies_or_secrets() -> None:
     assert "timestamp" in event
     assert "1234" not in line and "sk-live" not in line
     structlog.reset_defaults()
+
+
+_TRACEBACK_SCRIPT = """
+import logging, structlog
+from sokratos_worker.logs import configure_logging
+configure_logging("info", FORMAT)
+def connect():
+    conninfo = "postgresql://u:TOPSECRET@h/db"
+    raise ValueError("boom")
+try:
+    connect()
+except ValueError:
+    logging.getLogger("apscheduler.executors").exception("job raised")
+    structlog.get_logger("sokratos_worker.test").exception("ours raised")
+"""
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_tracebacks_are_text_and_never_show_local_variables(fmt: str) -> None:
+    """A library's traceback (APScheduler's) was a repr of the traceback object in JSON, and
+    on a terminal rich printed every frame's locals, a database password among them."""
+    script = _TRACEBACK_SCRIPT.replace("FORMAT", repr(fmt))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "TOPSECRET" not in result.stderr
+    assert result.stderr.count("ValueError: boom") == 2, result.stderr
+    if fmt == "json":
+        events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+        assert [e["event"] for e in events] == ["job raised", "ours raised"]
+        assert all("in connect" in e["exception"] for e in events)
 
 
 def test_the_command_line_caches_its_loggers_and_tests_do_not() -> None:
