@@ -204,6 +204,8 @@ class Worker:
                 {**s.detail, "name": s.name, "circuit": s.circuit} for s in self._backend_states()
             ],
             "concurrency": self.settings.concurrency,
+            # (status shows the worker's own embedding configuration, not the caller's)
+            "embeddings": "configured" if self.settings.embeddings_enabled else "not configured",
             "heartbeat_s": self.settings.heartbeat_interval,  # (status: overdue past 3x this)
             "in_flight": self.runner.inflight_count(),
             "queues": [q.value for q in self.runner.queues],

@@ -38,8 +38,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         ),
         "database_identity": settings.database_identity,
         # "embeddings" and "backends_configured" are this command's own configuration (its
-        # environment): a worker's backends are in its heartbeat ("workers"), its embedding
-        # model is not recorded anywhere.
+        # environment): a worker's backends and embeddings are in its heartbeat ("workers").
         "configuration_of": CALLER,
         "embeddings": "configured"
         if settings.embeddings_enabled
@@ -209,9 +208,11 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append("workers: none running")
     for w in report["workers"]:
         backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
+        # Heartbeats written before the worker recorded it have no "embeddings".
+        embeddings = w.get("detail", {}).get("embeddings")
         lines.append(
             f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
-            f" backends: {backends}"
+            f" backends: {backends}" + (f", embeddings: {embeddings}" if embeddings else "")
         )
     if "email_accounts" in unknown:
         lines.append(f"email accounts: unknown ({LOCKED})")

@@ -144,13 +144,23 @@ def build_payload(
         "internal_date": message.internal_date.isoformat() if message.internal_date else None,
         "attachments": [{"name": a.name, "size": a.size} for a in parsed.attachments],
         "text": format_email_summary(parsed),
-        "size": len(message.raw),
-        "notes": list(parsed.notes),
+        "size": message.size,
+        "notes": [*parsed.notes, *_truncation_note(message)],
     }
     key = message_key(account.name, parsed)
     # What psycopg would refuse (a lone surrogate) fails here, as this message's own problem.
     json.dumps([key, payload], ensure_ascii=False).encode("utf-8")
     return key, payload
+
+
+def _truncation_note(message: FetchedMessage) -> list[str]:
+    """Says that only the first MESSAGE_BYTES_LIMIT bytes of a larger message were read."""
+    if not message.truncated:
+        return []
+    return [
+        f"message of {message.size} bytes: only its first {len(message.raw)} bytes were read"
+        " (text and attachments after them are left out)"
+    ]
 
 
 def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
@@ -280,7 +290,7 @@ def _record(
         new=new,
         triaged=item_id is not None,
         item_id=item_id,
-        size=len(message.raw),
+        size=message.size,
         notes=len(payload["notes"]),
     )
 

@@ -145,7 +145,7 @@ def record_failed_message(
         "uidvalidity": uidvalidity,
         "uid": message.uid,
         "internal_date": message.internal_date.isoformat() if message.internal_date else None,
-        "size": len(message.raw),
+        "size": message.size,
         "headers": _headers(message.raw),
         "what_to_do": hint,
     }

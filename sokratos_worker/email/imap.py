@@ -41,6 +41,9 @@ DEFAULT_DEADLINE_READ_TIMEOUTS = 4
 # Bounded batches: at most this many messages, or this many bytes, per UID FETCH.
 BATCH_MESSAGES = 50
 BATCH_BYTES = 20 * 1024 * 1024
+# A message is read up to this many bytes (a partial FETCH): triage uses 2000 bytes of its
+# text, and a 54 MB message read and parsed whole cost the worker about 240 MB of memory.
+MESSAGE_BYTES_LIMIT = 16 * 1024 * 1024
 
 _UID = re.compile(rb"\bUID (\d+)")
 _SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
@@ -213,6 +216,17 @@ class FetchedMessage:
     uid: int
     internal_date: datetime | None
     raw: bytes
+    server_size: int = 0  # RFC822.SIZE, when it was asked for
+
+    @property
+    def size(self) -> int:
+        """The message's size on the server (at least what was read)."""
+        return max(self.server_size, len(self.raw))
+
+    @property
+    def truncated(self) -> bool:
+        """True when the message is larger than what was read (MESSAGE_BYTES_LIMIT)."""
+        return self.server_size > len(self.raw)
 
 
 @dataclass(frozen=True)
@@ -232,7 +246,7 @@ def plan_batches(refs: list[MessageRef], *, headers_only: bool = False) -> Itera
             yield batch
             batch, size = [], 0
         batch.append(ref.uid)
-        size += 0 if headers_only else ref.size
+        size += 0 if headers_only else min(ref.size, MESSAGE_BYTES_LIMIT)
     if batch:
         yield batch
 
@@ -251,10 +265,12 @@ def _fetched(data: list[Any]) -> dict[int, FetchedMessage]:
         if uid is None:
             continue
         date = _INTERNALDATE.search(meta)
+        size = _SIZE.search(meta)  # asked for with the whole message only
         found[int(uid.group(1))] = FetchedMessage(
             uid=int(uid.group(1)),
             internal_date=parse_internaldate(date.group(1)) if date else None,
             raw=raw,
+            server_size=int(size.group(1)) if size else 0,
         )
     return found
 
@@ -577,7 +593,12 @@ class ImapSession:
 
     def _uid_fetch(self, uids: list[int], *, headers_only: bool) -> list[Any]:
         """The raw answer to one UID FETCH; raises ImapRefused for a NO or a server's BYE."""
-        section = "BODY.PEEK[HEADER]" if headers_only else "BODY.PEEK[]"
+        # A partial FETCH returns a smaller message whole (RFC 3501 6.4.5).
+        section = (
+            "BODY.PEEK[HEADER]"
+            if headers_only
+            else f"RFC822.SIZE BODY.PEEK[]<0.{MESSAGE_BYTES_LIMIT}>"
+        )
         where = f"UID FETCH {_uid_set(uids)} on {self._where()}"
         try:
             typ, data = self.conn.uid("FETCH", _uid_set(uids), f"(UID INTERNALDATE {section})")

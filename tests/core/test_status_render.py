@@ -179,7 +179,7 @@ def test_a_live_worker_without_a_backend_is_shown_unable_to_process(
     lines = human.stdout.splitlines()
     [line] = [x for x in lines if x.startswith("worker ")]
     assert ": running, but no LLM backend configured: items wait, last tick" in line, line
-    assert line.endswith("backends: none")
+    assert line.endswith("backends: none, embeddings: not configured"), line
     assert (
         "warning: no live worker can process items (none has an LLM backend configured):"
         " items wait in their queues"
@@ -211,6 +211,12 @@ def test_a_worker_that_handles_its_queues_is_not_flagged_and_the_callers_warning
         state="running", detail={"why": "", "queues": ["pending_triage"], "backends": [{}]}
     )
     assert "worker w1: running, last tick now, backends: brain closed" in render_status(report)
+    # The worker's own embedding configuration, from its heartbeat (not the caller's).
+    report["workers"][0]["detail"]["embeddings"] = "configured"
+    assert (
+        "worker w1: running, last tick now, backends: brain closed, embeddings: configured"
+        in render_status(report)
+    )
     # Handlers without a backend (a custom handler factory) process their queues.
     report["workers"][0].update(
         backends=[], detail={"why": "", "queues": ["pending_triage"], "backends": []}

@@ -24,7 +24,7 @@ from sokratos_worker.email import (
     probe_accounts,
     prune_processed_emails,
 )
-from sokratos_worker.email.imap import ImapSession, encode_mailbox
+from sokratos_worker.email.imap import MESSAGE_BYTES_LIMIT, ImapSession, encode_mailbox
 from sokratos_worker.email.parse import message_key, parse_email
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
@@ -265,6 +265,24 @@ def test_multi_megabyte_attachment_is_listed_not_stored(
     assert item["payload"]["size"] == len(raw)
     stored = db.execute("SELECT octet_length(payload::text) FROM pending_triage").fetchone()[0]
     assert stored < 4000
+
+
+def test_a_message_over_the_read_limit_is_read_up_to_it_and_says_so(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """A 19 MB message is read up to MESSAGE_BYTES_LIMIT (a partial FETCH), so its memory
+    cost is bounded; the item still gets its text, its real size and a note."""
+    raw, _ = mails.with_attachment(14 * 1024 * 1024)
+    assert len(raw) > MESSAGE_BYTES_LIMIT
+    dovecot.append(mailbox, raw)
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert (report.enqueued, report.failed) == (1, 0), report
+    [item] = items(db)
+    payload = item["payload"]
+    assert payload["size"] == len(raw)
+    assert "Slides attached." in payload["text"]
+    assert f"only its first {MESSAGE_BYTES_LIMIT} bytes were read" in " ".join(payload["notes"])
+    assert [a["name"] for a in payload["attachments"]] == ["slides.pdf"]
 
 
 @pytest.mark.parametrize(
