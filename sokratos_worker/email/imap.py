@@ -48,6 +48,8 @@ MESSAGE_BYTES_LIMIT = 16 * 1024 * 1024
 _UID = re.compile(rb"\bUID (\d+)")
 _SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
 _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
+# RFC 5530 response codes that describe the server's state, not one message's.
+_TEMPORARY = re.compile(r"\[(UNAVAILABLE|INUSE|LIMIT|OVERQUOTA)\b", re.IGNORECASE)
 
 
 class ImapError(WorkerError):
@@ -226,7 +228,8 @@ class FetchedMessage:
     @property
     def truncated(self) -> bool:
         """True when the message is larger than what was read (MESSAGE_BYTES_LIMIT)."""
-        return self.server_size > len(self.raw)
+        # Some servers report a size a few bytes off what they send: only a full read counts.
+        return len(self.raw) >= MESSAGE_BYTES_LIMIT and self.server_size > len(self.raw)
 
 
 @dataclass(frozen=True)
@@ -610,6 +613,9 @@ class ImapSession:
             raise ImapRefused(f"{where} was refused: BYE {bye}", f"BYE {bye}") from None
         if typ == "NO":
             answer = f"NO {_answer(list(data))}".strip()
+            if _TEMPORARY.search(answer):
+                # The server's state, not this message's (RFC 5530): the check just stops.
+                raise ImapError(f"{where} failed for now: {answer}")
             raise ImapRefused(f"{where} was refused: {answer}", answer)
         self._check(typ, list(data), "UID FETCH")
         return list(data)

@@ -300,7 +300,7 @@ class FallbackChatClient:
                 prompt_tokens=answer.prompt_tokens,
                 completion_tokens=answer.completion_tokens,
             )
-        raise self._failure(tuple(tried), kinds, purpose)
+        raise self._failure(tuple(tried), kinds, purpose, response_model)
 
     def _skip_reason(self, backend: _Backend) -> str:
         """Why this call skips ``backend`` (its circuit), or an empty string to go ahead."""
@@ -507,32 +507,54 @@ class FallbackChatClient:
     # -- outcome ---------------------------------------------------------------------------
 
     def _failure(
-        self, tried: tuple[BackendAttempt, ...], kinds: list[str], purpose: str
+        self,
+        tried: tuple[BackendAttempt, ...],
+        kinds: list[str],
+        purpose: str,
+        response_model: type[BaseModel],
     ) -> Exception:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
-        Refused or unreachable everywhere is the configuration's or an outage only when the
-        health probe right after agrees: a refusal or a crash that only this request gets
-        (a WAF rule, a 404 "no endpoints" for a long prompt) must use the item's attempt,
-        or the item would be given back and claimed again for ever.
+        Refused or unreachable everywhere is the configuration's or an outage only when a
+        probe right after, of each backend the request reached, agrees: a refusal or a crash
+        that only this request gets (a WAF rule, a 404 "no endpoints" for a long prompt) must
+        use the item's attempt, or the item would be given back and claimed again for ever.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
         if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
-            sent = any(k != "skipped" for k in kinds)
-            if not sent or not self.probe():
+            # A skipped backend never saw the request: its health says nothing about it.
+            reached = [
+                self._backend(a.backend)
+                for a, k in zip(tried, kinds, strict=True)
+                if k != "skipped"
+            ]
+            if not any(self._request_would_be_served(b, response_model) for b in reached):
                 return _not_the_items_fault(tried, kinds, summary)
-            # The servers are up again or were all along: this request itself broke them.
+            # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 
-    def _probe_one(self, backend: _Backend) -> bool:
-        body = {
-            "model": backend.config.model,
-            "messages": [{"role": "user", "content": PROBE_MESSAGE}],
-            "max_tokens": 1,
-            "temperature": 0,
-            "stream": False,
-        }
+    def _request_would_be_served(self, backend: _Backend, response_model: type[BaseModel]) -> bool:
+        """The one-token probe in the request's structured-output form: a refusal of the form
+        itself (OpenRouter's 404 for unsupported parameters) is then every item's, not one's."""
+        if not self._probe_one(backend, response_model):
+            return False
+        backend.breaker.allow_probe_now()
+        return True
+
+    def _probe_one(self, backend: _Backend, response_model: type[BaseModel] | None = None) -> bool:
+        messages = [{"role": "user", "content": PROBE_MESSAGE}]
+        body: dict[str, Any] = (
+            request_body(backend.config, response_model, messages, 1)
+            if response_model is not None
+            else {
+                "model": backend.config.model,
+                "messages": messages,
+                "max_tokens": 1,
+                "temperature": 0,
+                "stream": False,
+            }
+        )
         try:
             response = backend.clients.get().post(
                 backend.chat_url, json=body, timeout=backend.probe_timeout

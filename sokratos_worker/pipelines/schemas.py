@@ -24,6 +24,8 @@ def _clamper(name: str, low: float, high: float) -> BeforeValidator:
             return value  # let pydantic report the wrong type
         try:
             number = float(value)
+        except OverflowError:  # an integer of hundreds of digits: beyond any float
+            raise ValueError("must be a finite number") from None
         except ValueError:
             return value
         if not math.isfinite(number):

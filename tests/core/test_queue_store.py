@@ -291,3 +291,40 @@ def test_queue_stats_counts_each_state_and_owner_in_one_pass(db: psycopg.Connect
         "leased_by": {},
         "oldest_ready_age_s": None,
     }
+
+
+def test_a_number_python_cannot_read_is_dead_lettered_not_a_stuck_claim(
+    db: psycopg.Connection,
+) -> None:
+    """jsonb takes an integer of 5,000 digits; Python refuses over 4,300. The claim used to
+    raise after leasing the batch (every item in it leased and counted, none run); now the
+    payload becomes the marker holding its text, and the item fails with a clear error."""
+    db.execute(
+        "INSERT INTO pending_triage (payload) VALUES (jsonb_build_object('exchange', 'x',"
+        " 'n', ('1' || repeat('0', 5000))::numeric))"
+    )
+    enqueue_many(db, 1, prefix="fine")
+    items = store.claim(db, Queue.TRIAGE, owner="w", limit=2, lease_s=60)
+    assert len(items) == 2
+    problem = store.payload_problem(items[0])
+    assert problem is not None and "a number too long" in str(problem)
+    assert store.payload_problem(items[1]) is None
+    store.dead_letter(db, items[0], owner="w", error=str(problem))
+    [(text,)] = db.execute("SELECT context_data->'payload'->>'__unparsable_json__' FROM failed_operations")
+    assert text.startswith('{"n": 1000') and len(text) > 5000
+
+
+def test_a_dead_letter_keeps_every_digit_of_the_payloads_numbers(db: psycopg.Connection) -> None:
+    """The payload is stored as the queue held it (jsonb to jsonb), not through Python floats,
+    so a replay is exact: 3.14159265358979323846 used to come back as 3.141592653589793."""
+    db.execute(
+        "INSERT INTO pending_triage (payload) VALUES"
+        " ('{\"exchange\": \"x\", \"pi\": 3.14159265358979323846, \"big\": 12345678901234567890123}')"
+    )
+    [item] = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    store.dead_letter(db, item, owner="w", error="boom")
+    [(same,)] = db.execute(
+        "SELECT context_data->'payload' = '{\"exchange\": \"x\", \"pi\": 3.14159265358979323846,"
+        " \"big\": 12345678901234567890123}'::jsonb FROM failed_operations"
+    )
+    assert same is True

@@ -27,9 +27,15 @@ def _uids(uid_set: bytes) -> set[int]:
 class RefusingProxy:
     """Use as a context manager; connect to ``port``; ``refused`` holds the UIDs to refuse."""
 
-    def __init__(self, upstream_port: int, refused: set[int]) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        refused: set[int],
+        answer: bytes = b"[SERVERBUG] cannot read the message",
+    ) -> None:
         self.upstream_port = upstream_port
         self.refused = refused
+        self.answer = answer
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -75,6 +81,6 @@ class RefusingProxy:
             for line in client.makefile("rb"):
                 match = _FETCH.match(line)
                 if match and _uids(match.group(2)) & self.refused:
-                    client.sendall(match.group(1) + b" NO [SERVERBUG] cannot read the message\r\n")
+                    client.sendall(match.group(1) + b" NO " + self.answer + b"\r\n")
                 else:
                     upstream.sendall(line)

@@ -921,6 +921,27 @@ def test_a_refusal_count_restarts_for_another_uid(
     )
 
 
+def test_a_temporary_no_is_the_servers_state_and_never_passes_a_message(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """NO [UNAVAILABLE] (RFC 5530: try again later) on every FETCH for longer than three
+    checks: each check fails as the server's problem, no UID is counted as refused, and once
+    the server serves again every message is triaged, none of them passed into failed_operations."""
+    for subject in ("one", "two"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    with RefusingProxy(dovecot.imap_port, refused={1, 2}, answer=b"[UNAVAILABLE] busy") as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(4):
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+            assert report.error is not None and "failed for now" in report.error, report
+    refused = db.execute("SELECT refused_uid, refused_checks FROM email_checkpoints").fetchone()
+    assert refused == (None, 0)
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(50))
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["one", "two"]
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+
+
 def test_a_batch_refused_with_no_is_fetched_one_by_one_and_the_refused_message_passed(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:

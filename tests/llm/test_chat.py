@@ -421,7 +421,6 @@ def test_a_server_that_lists_its_models_but_fails_every_completion_is_down(
     (probe,) = a.bodies(PROBE)
     assert probe["max_tokens"] == 1
     assert probe["model"] == "scripted"
-    assert "response_format" not in probe
 
 
 def test_all_refused_is_misconfigured(servers: Servers, make_client: MakeClient):
@@ -457,6 +456,38 @@ def test_a_refusal_only_this_request_gets_is_the_items_failure(
         ask(make_client(backend(a, "a")))
     assert not isinstance(caught.value, ContextTooLong)
     assert (a.count(), a.count(PROBE)) == (1, 1)
+
+
+def test_a_refusal_of_the_structured_output_form_is_every_items_and_gives_the_attempt_back(
+    servers: Servers, make_client: MakeClient
+):
+    """OpenRouter's 404 for parameters no provider supports refuses every item's request, not
+    one item's: the cross-check probe carries the request's structured-output form, so it is
+    refused too, and the items wait (claiming paused) instead of all being dead-lettered."""
+    refusal = Reply.error(404, "No endpoints found that support the requested parameters.")
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: refusal)
+    a.on(PROBE, lambda r: refusal if "response_format" in r.body else Reply.chat("OK"))
+    with pytest.raises(LLMBackendsMisconfigured):
+        ask(make_client(backend(a, "a", structured_output="json_schema")))
+    (probe,) = a.bodies(PROBE)
+    assert probe["max_tokens"] == 1 and "response_format" in probe
+
+
+def test_a_refusal_next_to_a_skipped_backend_is_not_the_items_attempt(
+    servers: Servers, make_client: MakeClient
+):
+    """The request reached only a backend with a bad key; the other was skipped (its circuit
+    still open) although it is healthy again: the request never met a healthy backend, so
+    the attempt is given back (it was used before the probe only asked the backends reached)."""
+    a, b = servers(), servers(chat=json_responder(GOOD))
+    a.on("/v1/chat/completions", lambda r: Reply.error(401, "bad key"))
+    a.on(PROBE, lambda r: Reply.error(401, "bad key"))
+    client = make_client(backend(a, "a"), backend(b, "b"), breaker_threshold=1)
+    client.breaker("b").record_failure("earlier outage")  # open: b is skipped
+    with pytest.raises(NoBackendReachable):  # given back, claiming paused until a probe
+        ask(client)
+    assert b.count() == 0
 
 
 def test_api_key_is_sent_as_bearer(servers: Servers, make_client: MakeClient):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,15 @@ def test_demo_prints_an_outcome_for_every_sample() -> None:
     assert "\nMemories\n" in text
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """The demo's TMPDIR, short: the embedded PostgreSQL's socket must fit in a Unix socket
+    path (107 bytes), and pytest's tmp_path grows with its run counter (pytest-136/...)."""
+    path = Path(tempfile.mkdtemp(prefix="demo-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _demo(tmp_path: Path) -> subprocess.Popen[str]:
     """The demo as a terminal runs it: Ctrl-C raises KeyboardInterrupt (not ignored)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SOKRATOS_")}
@@ -53,7 +65,8 @@ def _demo(tmp_path: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.subprocess
-def test_ctrl_c_during_start_up_exits_1_without_a_traceback_or_leftovers(tmp_path: Path) -> None:
+def test_ctrl_c_during_start_up_exits_1_without_a_traceback_or_leftovers(short_tmp: Path) -> None:
+    tmp_path = short_tmp
     proc = _demo(tmp_path)
     assert proc.stderr is not None
     for line in proc.stderr:  # (bounded: the demo ends by itself in any case)
@@ -68,8 +81,9 @@ def test_ctrl_c_during_start_up_exits_1_without_a_traceback_or_leftovers(tmp_pat
 
 @pytest.mark.subprocess
 def test_ctrl_c_during_a_round_prints_the_report_so_far_and_runs_no_more_rounds(
-    tmp_path: Path,
+    short_tmp: Path,
 ) -> None:
+    tmp_path = short_tmp
     proc = _demo(tmp_path)
     assert proc.stderr is not None
     seen = []

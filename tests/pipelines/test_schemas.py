@@ -52,7 +52,11 @@ def test_triage_rejects_what_cannot_be_repaired(reply: dict[str, object]) -> Non
         TriageVerdict.model_validate(reply)
 
 
-@pytest.mark.parametrize("score", [float("nan"), float("inf"), float("-inf"), "NaN"])
+@pytest.mark.parametrize(
+    "score",
+    [float("nan"), float("inf"), float("-inf"), "NaN", 10**400],
+    ids=["nan", "inf", "-inf", "NaN-text", "10**400"],
+)
 def test_a_non_finite_salience_is_rejected_not_clamped(score: object) -> None:
     """NaN < threshold is False: a NaN salience would clear every threshold and be saved."""
     with pytest.raises(ValidationError, match="finite"):
