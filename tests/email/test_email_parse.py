@@ -276,3 +276,16 @@ def test_html_text_keeps_text_and_drops_markup() -> None:
         " a < b <SCRIPT type=x>var a = '<p>';</script >z <style>p {}</style>"
     )
     assert html_to_text(markup) == "Hi & bye\n\nx\ny\na < b z"
+
+
+def test_only_a_read_cut_at_the_limit_counts_as_truncated() -> None:
+    """Some servers report an RFC822.SIZE a few bytes off what they send: a small message
+    must not get the "only its first N bytes were read" note for that."""
+    from sokratos_worker.email.imap import MESSAGE_BYTES_LIMIT, FetchedMessage
+
+    small = FetchedMessage(uid=1, internal_date=None, raw=b"x" * 100, server_size=104)
+    assert not small.truncated and small.size == 104
+    cut = FetchedMessage(
+        uid=2, internal_date=None, raw=b"x" * MESSAGE_BYTES_LIMIT, server_size=MESSAGE_BYTES_LIMIT + 9
+    )
+    assert cut.truncated and cut.size == MESSAGE_BYTES_LIMIT + 9
