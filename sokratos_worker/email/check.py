@@ -26,6 +26,7 @@ import structlog
 from sokratos_worker.config import EmailAccountConfig, Settings
 from sokratos_worker.email.failed import (
     REPAIR_HINT,
+    no_record,
     record_failed_message,
     record_refused_message,
 )
@@ -204,14 +205,7 @@ def _refused(
     answer: str,
 ) -> None:
     """Count the refusal; stop the check before it, or past the limit record it and go on."""
-    record = store.MessageRecord(
-        account=account.name,
-        mailbox=account.mailbox,
-        uidvalidity=state.uidvalidity,
-        uid=ref.uid,
-        key="",
-        payload=None,
-    )
+    record = no_record(account, state.uidvalidity, ref.uid)
     checks = store.note_refusal(conn, record)
     if checks >= REFUSALS_BEFORE_PASSING:
         record_refused_message(conn, account, state.uidvalidity, ref, answer=answer, checks=checks)

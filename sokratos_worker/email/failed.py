@@ -74,47 +74,27 @@ def record_refused_message(
 ) -> int:
     """Record a message the server refused on ``checks`` checks in failed_operations and move
     the checkpoint past it, in one transaction; the row's id."""
-    error = clean_text(
+    error = (
         f"email account {account.name!r}: UID {ref.uid} (UIDVALIDITY {uidvalidity}) was"
         f" refused by the server on {checks} consecutive checks: {answer}"
     )
-    hint = refused_what_to_do(account, uidvalidity, ref.uid)
-    context: dict[str, Any] = {
-        "account": account.name,
-        "mailbox": account.mailbox,
-        "uidvalidity": uidvalidity,
-        "uid": ref.uid,
-        "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
-        "size": ref.size,
-        "server_answer": clean_text(answer),
-        "refused_checks": checks,
-        "what_to_do": hint,
-    }
-    record = _no_record(account, uidvalidity, ref.uid)
-    with translated(), conn.transaction():
-        failure_id = record_failure(
-            conn,
-            op_type=OP_TYPE,
-            label=f"{account.name} UID {ref.uid}",
-            error=error,
-            context=context,
-        )
-        store.advance_checkpoint(conn, record)
-        store.clear_refusal(conn, record)
-    log.error(
-        "email_message_failed",
-        account=account.name,
-        mailbox=account.mailbox,
-        uid=ref.uid,
-        refused_checks=checks,
-        failure_id=failure_id,
+    return _record_and_pass(
+        conn,
+        account,
+        uidvalidity,
+        ref.uid,
         error=error,
-        what_to_do=hint,
+        hint=refused_what_to_do(account, uidvalidity, ref.uid),
+        details={
+            "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
+            "size": ref.size,
+            "server_answer": clean_text(answer),
+            "refused_checks": checks,
+        },
     )
-    return failure_id
 
 
-def _no_record(account: EmailAccountConfig, uidvalidity: int, uid: int) -> store.MessageRecord:
+def no_record(account: EmailAccountConfig, uidvalidity: int, uid: int) -> store.MessageRecord:
     """The checkpoint's move past ``uid``, without a processed mark."""
     return store.MessageRecord(
         account=account.name,
@@ -134,39 +114,62 @@ def record_failed_message(
     exc: Exception,
 ) -> int:
     """Record ``message`` in failed_operations and move the checkpoint past it; the row's id."""
-    error = clean_text(
+    error = (
         f"email account {account.name!r}: UID {message.uid} (UIDVALIDITY {uidvalidity})"
         f" could not be handled: {type(exc).__name__}: {exc}"
     )
-    hint = what_to_do(account, uidvalidity, message.uid)
+    return _record_and_pass(
+        conn,
+        account,
+        uidvalidity,
+        message.uid,
+        error=error,
+        hint=what_to_do(account, uidvalidity, message.uid),
+        details={
+            "internal_date": message.internal_date.isoformat() if message.internal_date else None,
+            "size": message.size,
+            "headers": _headers(message.raw),
+        },
+    )
+
+
+def _record_and_pass(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    uidvalidity: int,
+    uid: int,
+    *,
+    error: str,
+    hint: str,
+    details: dict[str, Any],
+) -> int:
+    """The failed_operations row and the checkpoint's move past ``uid``, in one transaction
+    (any refusal count ends with it); logs ``email_message_failed``; the row's id."""
+    error = clean_text(error)
     context: dict[str, Any] = {
         "account": account.name,
         "mailbox": account.mailbox,
         "uidvalidity": uidvalidity,
-        "uid": message.uid,
-        "internal_date": message.internal_date.isoformat() if message.internal_date else None,
-        "size": message.size,
-        "headers": _headers(message.raw),
+        "uid": uid,
+        **details,
         "what_to_do": hint,
     }
-    record = _no_record(account, uidvalidity, message.uid)
+    record = no_record(account, uidvalidity, uid)
     with translated(), conn.transaction():
         failure_id = record_failure(
-            conn,
-            op_type=OP_TYPE,
-            label=f"{account.name} UID {message.uid}",
-            error=error,
-            context=context,
+            conn, op_type=OP_TYPE, label=f"{account.name} UID {uid}", error=error, context=context
         )
         # No processed mark, so a later fetch (see what_to_do) is not taken for a duplicate.
         store.advance_checkpoint(conn, record)
+        store.clear_refusal(conn, record)
     log.error(
         "email_message_failed",
         account=account.name,
         mailbox=account.mailbox,
-        uid=message.uid,
+        uid=uid,
         failure_id=failure_id,
         error=error,
         what_to_do=hint,
+        refused_checks=details.get("refused_checks"),  # (None: not a refused message)
     )
     return failure_id
