@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import structlog
 from psycopg import errors as pg_errors
+from psycopg.types.json import Jsonb
 
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
@@ -253,10 +254,16 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
         except OSError as exc:
             readable, context = False, {"raw": None, "kept_as": f"{path}.unreadable"}
             error = f"{error} ({exc.strerror})"
-    with database.connection() as conn:
-        record_failure(
-            conn, op_type="spool_import", label=path.name, error=clean_text(error), context=context
-        )
+    with database.connection() as conn, conn.transaction():
+        already = _rejection_recorded(conn, path.name, context)
+        if not already:
+            record_failure(
+                conn,
+                op_type="spool_import",
+                label=path.name,
+                error=clean_text(error),
+                context=context,
+            )
     try:
         if readable:
             path.unlink(missing_ok=True)
@@ -264,7 +271,29 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
             path.rename(f"{path}.unreadable")
     except FileNotFoundError:
         _taken(path)  # (the failure is recorded all the same: the file could not be read)
-    log.error("spool_file_rejected", path=path.name, error=error)
+    if already:
+        log.info("spool_file_rejected_already_recorded", path=path.name)
+    else:
+        log.error("spool_file_rejected", path=path.name, error=error)
+
+
+def _rejection_recorded(conn: psycopg.Connection, name: str, context: Any) -> bool:
+    """True when this file's failure, with what it holds, is already recorded: by another
+    importer rejecting it at the same moment, or by one that died before deleting it.
+
+    The lock makes the check and the insert one step, so a file is one failure, never two; a
+    file set aside as unreadable and later put back holds more than its first record, so it
+    is recorded again.
+    """
+    conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('sokratos-spool-reject'), hashtext(%s))", (name,)
+    )
+    row = conn.execute(
+        "SELECT 1 FROM failed_operations"
+        " WHERE op_type = 'spool_import' AND label = %s AND context_data = %s LIMIT 1",
+        (name, Jsonb(context)),
+    ).fetchone()
+    return row is not None
 
 
 def _spooled(spool_dir: Path) -> list[Path]:

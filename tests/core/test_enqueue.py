@@ -356,3 +356,80 @@ def test_a_spool_file_another_importer_took_after_the_listing_is_not_a_failure(
     # The corrupt file is one failure (the other importer's), the good one none.
     rows = db.execute("SELECT label FROM failed_operations").fetchall()
     assert rows == [(corrupt.name,)], rows
+
+
+def test_a_rejected_file_is_one_failure_also_when_its_importer_died_before_deleting_it(
+    tmp_path: Path, db: psycopg.Connection, database_url: str
+) -> None:
+    """An importer killed between recording a corrupt file's failure and deleting the file left
+    both behind; the next import recorded the file a second time."""
+    from sokratos_worker.store.failures import record_failure
+
+    _write(tmp_path, "1-corrupt.json", "{not json")
+    record_failure(
+        db, op_type="spool_import", label="1-corrupt.json", error="unreadable spool file: …",
+        context={"raw": "{not json"},
+    )
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(tmp_path, database) == 0
+    finally:
+        database.close()
+    assert not (tmp_path / "1-corrupt.json").exists()
+    assert count(db, "SELECT count(*) FROM failed_operations") == 1
+
+
+def test_a_file_set_aside_as_unreadable_and_put_back_is_recorded_with_what_it_holds(
+    tmp_path: Path, db: psycopg.Connection, database_url: str
+) -> None:
+    """`status` tells the operator to make a set-aside file readable and rename it back: if it
+    is still not a valid record, its text must be recorded, not dropped as already known."""
+    from sokratos_worker.store.failures import record_failure
+
+    record_failure(
+        db, op_type="spool_import", label="1-corrupt.json", error="unreadable spool file: …",
+        context={"raw": None, "kept_as": str(tmp_path / "1-corrupt.json.unreadable")},
+    )
+    _write(tmp_path, "1-corrupt.json", "{not json, but the operator can read it now")
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(tmp_path, database) == 0
+    finally:
+        database.close()
+    raws = [r[0] for r in db.execute(
+        "SELECT context_data->>'raw' FROM failed_operations ORDER BY id").fetchall()]
+    assert raws == [None, "{not json, but the operator can read it now"]
+
+
+def test_two_importers_rejecting_the_same_files_record_each_once(
+    tmp_path: Path, db: psycopg.Connection, database_url: str
+) -> None:
+    """Two processes on one data directory (or the start tick and a heartbeat) rejecting the
+    same corrupt files at once each recorded them."""
+    import threading
+
+    files = 30
+    for n in range(files):
+        _write(tmp_path, f"{n:02d}-corrupt.json", f'{{"queue": "nowhere", "n": {n}}}')
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def importer() -> None:
+        database = Database(database_url, size=2)
+        try:
+            start.wait(timeout=30)
+            import_spool(tmp_path, database)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+        finally:
+            database.close()
+
+    threads = [threading.Thread(target=importer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert not list(tmp_path.glob("*.json"))
+    labels = [r[0] for r in db.execute("SELECT label FROM failed_operations").fetchall()]
+    assert sorted(labels) == [f"{n:02d}-corrupt.json" for n in range(files)]
