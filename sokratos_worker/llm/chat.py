@@ -43,6 +43,7 @@ from sokratos_worker.llm.types import (
     ChatFailed,
     ChatResult,
     ContextTooLong,
+    LLMBackendsBusy,
     LLMBackendsMisconfigured,
     NoBackendReachable,
     T,
@@ -264,9 +265,15 @@ class FallbackChatClient:
             try:
                 value, answer = self._ask(backend, response_model, messages, max_tokens, purpose)
             except _Busy:
-                kinds.append("skipped")
-                tried.append(self._attempt(backend, "skipped", "busy", started))
-                log.info("llm_backend_skipped", backend=backend.name, reason="busy")
+                kinds.append("busy")
+                tried.append(self._attempt(backend, "skipped", _busy_reason(backend), started))
+                log.info(
+                    "llm_backend_skipped",
+                    backend=backend.name,
+                    reason="busy",
+                    slots=backend.config.max_concurrency,
+                    waited_s=backend.config.timeout,
+                )
                 continue
             except _Transient as exc:
                 backend.breaker.record_failure(exc.reason)
@@ -522,12 +529,12 @@ class FallbackChatClient:
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
-        if all(k in {"unreachable", "skipped", "refused"} for k in kinds):
+        if all(k in {"unreachable", "skipped", "busy", "refused"} for k in kinds):
             # A skipped backend never saw the request: its health says nothing about it.
             reached = [
                 self._backend(a.backend)
                 for a, k in zip(tried, kinds, strict=True)
-                if k != "skipped"
+                if k not in {"skipped", "busy"}
             ]
             if not any(self._request_would_be_served(b, response_model) for b in reached):
                 return _not_the_items_fault(tried, kinds, summary)
@@ -599,7 +606,15 @@ class FallbackChatClient:
 def _not_the_items_fault(
     tried: tuple[BackendAttempt, ...], kinds: list[str], summary: str
 ) -> Exception:
-    """Misconfigured when every backend refused, else unreachable (both give the attempt back)."""
+    """Misconfigured when every backend refused, busy when every one's slots stayed taken, else
+    unreachable (all give the attempt back)."""
+    if all(k == "busy" for k in kinds):
+        return LLMBackendsBusy(
+            f"every LLM backend is busy ({summary}): this worker runs more calls at once than"
+            " the backends have slots; raise max_concurrency in SOKRATOS_LLM_BACKENDS if the"
+            " servers can serve more at once, or lower SOKRATOS_CONCURRENCY",
+            tried=tried,
+        )
     if all(k == "refused" for k in kinds):
         return LLMBackendsMisconfigured(
             f"every LLM backend refused the request ({summary}): check each backend's"
@@ -609,6 +624,13 @@ def _not_the_items_fault(
     limited = all(a.reason.startswith("http_429") for a in tried)
     what = "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
     return NoBackendReachable(f"{what} ({summary})", tried=tried)
+
+
+def _busy_reason(backend: _Backend) -> str:
+    """Why a backend was skipped as busy: its slots and how long the call waited for one."""
+    count = backend.config.max_concurrency
+    slots = "its one slot" if count == 1 else f"all {count} slots"
+    return f"busy: {slots} stayed in use for {backend.config.timeout:g} s"
 
 
 def _server_says(response: httpx.Response) -> str:

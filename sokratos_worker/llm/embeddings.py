@@ -222,14 +222,34 @@ def _in_index_order(vectors: list[Any], indices: list[Any]) -> list[Any]:
         return vectors
     slots: list[Any] = [None] * len(vectors)
     taken = [False] * len(vectors)
-    for vector, index in zip(vectors, indices, strict=True):
-        if type(index) is not int or not 0 <= index < len(vectors) or taken[index]:
-            raise EmbeddingReplyInvalid(
-                f"embedding server returned the indices {indices!r} for {len(vectors)} inputs"
-            )
-        slots[index] = vector
-        taken[index] = True
+    for position, (vector, index) in enumerate(zip(vectors, indices, strict=True)):
+        slot = _slot(index, position, indices)
+        if taken[slot]:
+            raise _bad_indices(indices, f"index {slot} is given twice")
+        slots[slot] = vector
+        taken[slot] = True
     return slots
+
+
+def _slot(index: Any, position: int, indices: list[Any]) -> int:
+    """The input ``index`` names. A JSON number that is a whole one counts (some proxies
+    write 0 as 0.0); a boolean does not (``True`` is an ``int`` in Python)."""
+    if index is None:
+        raise _bad_indices(indices, f"vector {position} has no index while others have one")
+    if type(index) not in _NUMBERS:
+        raise _bad_indices(indices, f"index {index!r} is not a number")
+    if isinstance(index, float) and not index.is_integer():
+        raise _bad_indices(indices, f"index {index!r} is not a whole number")
+    if not 0 <= index < len(indices):
+        raise _bad_indices(indices, f"index {index!r} is outside 0..{len(indices) - 1}")
+    return int(index)
+
+
+def _bad_indices(indices: list[Any], problem: str) -> EmbeddingReplyInvalid:
+    return EmbeddingReplyInvalid(
+        f"embedding server returned the indices {indices!r} for {len(indices)} inputs: {problem};"
+        " refused rather than risk giving a text another text's vector"
+    )
 
 
 def l2_normalise(vector: Sequence[float]) -> list[float]:

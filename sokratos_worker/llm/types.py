@@ -63,7 +63,8 @@ class ChatClient(Protocol):
 
         Raises :class:`ContextTooLong` when every backend said the input is too long,
         :class:`NoBackendReachable` when no backend could be reached at all (and a health
-        probe right after failed too), and :class:`ChatFailed` for anything else.
+        probe right after failed too; :class:`LLMBackendsBusy` when every backend's slots
+        stayed taken), and :class:`ChatFailed` for anything else.
         """
         ...
 
@@ -120,6 +121,11 @@ class NoBackendReachable(BackendsUnavailable):
     def __init__(self, message: str, *, tried: tuple[BackendAttempt, ...] = ()) -> None:
         super().__init__(message)
         self.tried = tried
+
+
+class LLMBackendsBusy(NoBackendReachable):
+    """Every chat backend's ``max_concurrency`` slots stayed taken for its whole timeout: the
+    backends are overloaded by this worker, not unreachable (the attempt is given back too)."""
 
 
 class LLMBackendsMisconfigured(BackendsMisconfigured):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -15,9 +16,11 @@ from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import (
     ChatFailed,
     ContextTooLong,
+    LLMBackendsBusy,
     LLMBackendsMisconfigured,
     NoBackendReachable,
 )
+from sokratos_worker.policy import Step, after_failure
 from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from tests.llm.conftest import backend
 
@@ -515,3 +518,48 @@ def test_concurrency_limit_per_backend(servers: Servers, make_client: MakeClient
     assert not errors
     assert a.count() == 8
     assert a.max_in_flight == 2
+
+
+def test_every_backend_busy_says_so_and_gives_the_attempt_back(
+    servers: Servers, make_client: MakeClient
+):
+    """One slot, held by requests the server never answers: a call that waits its whole
+    timeout for the slot must say the backend is busy, not that it is unreachable."""
+    a = servers()
+    a.on("/v1/chat/completions", lambda r: Reply.hang(30))
+    client = make_client(backend(a, "a", max_concurrency=1, timeout=1.0), attempts=1)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            ask(client)
+        except BaseException as exc:
+            errors.append(exc)
+
+    holder = threading.Thread(target=run)
+    holder.start()
+    for _ in range(200):  # the holder has the slot once its request reached the server
+        if a.count() == 1:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # the waiters start inside the holder's timeout, not at its very start
+    # Both wait for the slot; one gets it when the holder times out and holds it a whole
+    # timeout more, so the other waits out its timeout for nothing.
+    waiters = [threading.Thread(target=run) for _ in range(2)]
+    for thread in waiters:
+        thread.start()
+    for thread in [holder, *waiters]:
+        thread.join(timeout=30)
+
+    busy = [e for e in errors if isinstance(e, LLMBackendsBusy)]
+    assert len(errors) == 3 and busy, errors
+    error = busy[0]
+    assert str(error).startswith(
+        "every LLM backend is busy (a: busy: its one slot stayed in use for 1 s):"
+    )
+    assert "raise max_concurrency in SOKRATOS_LLM_BACKENDS" in str(error)
+    assert "lower SOKRATOS_CONCURRENCY" in str(error)
+    assert [(t.backend, t.result) for t in error.tried] == [("a", "skipped")]
+    assert a.count() == 3 - len(busy)  # a busy call sends nothing
+    # An overloaded backend is not the item's fault: the runner gives the attempt back.
+    assert after_failure(error, attempt=1, max_attempts=3).step is Step.GIVE_BACK

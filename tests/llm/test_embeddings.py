@@ -153,15 +153,36 @@ TEXTS = ["first text", "second text", "third text", "fourth text"]
 
 
 @pytest.mark.parametrize(
-    "indices",
-    [[0, 0, 2, 1], [0, 1, 2, 4], [0, 1, ..., 2], [0, True, 2, 3], ["0", 1, 2, 3], [0, 1, 2, -1]],
-    ids=["duplicate", "out-of-range", "missing", "bool", "string", "negative"],
+    ("indices", "problem"),
+    [
+        ([0, 0, 2, 1], "index 0 is given twice"),
+        ([0.0, 0, 2, 1], "index 0 is given twice"),
+        ([0, 1, 2, 4], r"index 4 is outside 0\.\.3"),
+        ([0, 1, 2, 4.0], r"index 4\.0 is outside 0\.\.3"),
+        ([0, 1, ..., 2], "vector 2 has no index while others have one"),
+        ([0, True, 2, 3], "index True is not a number"),
+        (["0", 1, 2, 3], "index '0' is not a number"),
+        ([0, 1, 2, -1], "index -1 is outside"),
+        ([0, 0.5, 2, 3], r"index 0\.5 is not a whole number"),
+    ],
+    ids=[
+        "duplicate",
+        "duplicate-float",
+        "out-of-range",
+        "out-of-range-float",
+        "missing",
+        "bool",
+        "string",
+        "negative",
+        "fraction",
+    ],
 )
 def test_indices_that_do_not_name_each_input_once_are_refused(
-    servers: Servers, embedders, indices: list[object]
+    servers: Servers, embedders, indices: list[object], problem: str
 ):
     """LiteLLM's proxy has answered a batch with indices [0, 0, 2, 1]: sorting by index then
-    hands the third text the fourth's vector. Refused, as a wrong count is, never guessed."""
+    hands the third text the fourth's vector. Refused, as a wrong count is, never guessed,
+    and the message says which index is wrong and how."""
 
     def respond(request: Request) -> Reply:
         inputs = request.body["input"]
@@ -171,8 +192,24 @@ def test_indices_that_do_not_name_each_input_once_are_refused(
 
     srv = servers()
     srv.on("/v1/embeddings", respond)
-    with pytest.raises(EmbeddingReplyInvalid, match="indices"):
+    with pytest.raises(EmbeddingReplyInvalid, match=f"indices .* for 4 inputs: {problem}"):
         embedders(srv.url, dim=8).embed(TEXTS)
+
+
+def test_whole_numbers_written_as_floats_are_indices(servers: Servers, embedders):
+    """Some proxies write every JSON number as a float: index 0.0 is index 0."""
+
+    def respond(request: Request) -> Reply:
+        vectors = [hash_embedding(t, 8) for t in request.body["input"]]
+        order = range(len(vectors) - 1, -1, -1)  # reversed, so each index matters
+        return _indexed([vectors[i] for i in order], [float(i) for i in order])
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    vectors = embedders(srv.url, dim=8).embed(TEXTS)
+    for text, vector in zip(TEXTS, vectors, strict=True):
+        assert vector == pytest.approx(hash_embedding(text, 8), abs=1e-12), text
+    assert srv.count("/v1/embeddings") == 1  # accepted as it is: no health probe asked
 
 
 @pytest.mark.parametrize("with_index", [True, False], ids=["shuffled", "no-index"])
