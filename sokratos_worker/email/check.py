@@ -325,12 +325,17 @@ def check_account(
         cutoff = now - timedelta(seconds=lookback_s) if first else None
         refs = session.refs_above(last_uid)
         by_uid = {ref.uid: ref for ref in refs}
+        refused_uid = checkpoint.refused_uid if checkpoint else None
         for message, old in _messages(session, refs, cutoff):
             if isinstance(message, Refused):
                 _refused(conn, account, state, by_uid[message.uid], message.answer)
                 counts.failed += 1
-            else:
-                _record(conn, account, state, message, old=old, counts=counts)
+                continue
+            if message.uid == refused_uid:
+                # Returned this time, so its refusals are no longer consecutive, whatever
+                # becomes of its record.
+                store.forget_refusal(conn, account.name, account.mailbox, message.uid)
+            _record(conn, account, state, message, old=old, counts=counts)
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,

@@ -51,6 +51,10 @@ HTML_LIMIT_CHARS = 256 * 1024
 # The email package parses structured headers (Content-Type, Content-Disposition) in time
 # that grows faster than their length (100 KB took 9 s): longer values are cut first.
 PARSED_HEADER_LIMIT = 4096
+# One parameter of a structured header value: up to the next ";" outside a quoted string.
+_PARAMETER = re.compile(r'(?:[^;"]|"(?:[^"\\]|\\.)*"?)+', re.DOTALL)
+# What the MIME structure needs from a long value, moved before the cut so it survives it.
+_STRUCTURE_PARAMETERS = frozenset({"boundary", "charset"})
 # An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
 _ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
 
@@ -110,16 +114,35 @@ def html_to_text(markup: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
+def _parameter_name(parameter: str) -> str:
+    """``boundary`` for ``boundary="x"`` (and for an RFC 2231 ``boundary*0*=...``)."""
+    return parameter.partition("=")[0].partition("*")[0].strip().lower()
+
+
+def _structure_first(value: str) -> str:
+    """``value`` with its boundary and charset parameters moved right after its type.
+
+    Cutting the result loses the end of a long file name or vendor parameter, never the
+    multipart structure or the charset of the text (a mailer may put them last). Linear time.
+    """
+    segments = _PARAMETER.findall(value)
+    kind, parameters = segments[:1], segments[1:]
+    structure = [p for p in parameters if _parameter_name(p) in _STRUCTURE_PARAMETERS]
+    others = [p for p in parameters if _parameter_name(p) not in _STRUCTURE_PARAMETERS]
+    return ";".join([*kind, *structure, *others])
+
+
 class _BoundedPolicy(EmailPolicy):
     """``policy.default``, but a header value is cut to PARSED_HEADER_LIMIT before parsing.
 
-    Only the email package's parsed headers are cut (the MIME structure); the headers of the
-    payload are read raw (:func:`_header`), so keys and addresses are unchanged.
+    Its boundary and charset are kept (:func:`_structure_first`). Only the email package's
+    parsed headers are cut (the MIME structure); the headers of the payload are read raw
+    (:func:`_header`), so keys and addresses are unchanged.
     """
 
     def header_fetch_parse(self, name: str, value: str) -> Any:
         if len(value) > PARSED_HEADER_LIMIT and not hasattr(value, "name"):
-            value = value[:PARSED_HEADER_LIMIT]
+            value = _structure_first(value)[:PARSED_HEADER_LIMIT]
         return super().header_fetch_parse(name, value)
 
 

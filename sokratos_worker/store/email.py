@@ -27,6 +27,7 @@ __all__ = [
     "clear_refusal",
     "connect",
     "finish_check",
+    "forget_refusal",
     "load_checkpoint",
     "note_refusal",
     "prune_processed_emails",
@@ -47,6 +48,7 @@ class Checkpoint:
     last_error: str | None
     last_error_at: datetime | None
     first_check_done: bool = False  # kept through UIDVALIDITY resets, unlike checked_at
+    refused_uid: int | None = None  # the UID the server refused on the last checks, if any
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint 
     with translated():
         row = conn.execute(
             "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at,"
-            " first_check_done FROM email_checkpoints WHERE account = %s AND mailbox = %s",
+            " first_check_done, refused_uid"
+            " FROM email_checkpoints WHERE account = %s AND mailbox = %s",
             (account, mailbox),
         ).fetchone()
     return Checkpoint(*row) if row else None
@@ -205,6 +208,19 @@ def clear_refusal(conn: Connection, record: MessageRecord) -> None:
         " WHERE account = %s AND mailbox = %s",
         (record.account, record.mailbox),
     )
+
+
+def forget_refusal(conn: Connection, account: str, mailbox: str, uid: int) -> None:
+    """The server returned ``uid``: end its refusal count, so a later refusal starts at 1.
+
+    Committed at once (autocommit), before the message is recorded, since that may fail.
+    """
+    with translated():
+        conn.execute(
+            "UPDATE email_checkpoints SET refused_uid = NULL, refused_checks = 0"
+            " WHERE account = %s AND mailbox = %s AND refused_uid = %s",
+            (account, mailbox, uid),
+        )
 
 
 def record_error(conn: Connection, account: str, mailbox: str, error: str, now: datetime) -> None:

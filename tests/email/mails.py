@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Callable
 
 
 def plain(
@@ -121,3 +122,36 @@ def with_attachment(size: int = 3 * 1024 * 1024) -> tuple[bytes, int]:
         b"Content-Transfer-Encoding: base64\r\n\r\n" + encoded + b"--XYZ--\r\n"
     )
     return raw, len(data)
+
+
+def quoted_long_parameter(name: str) -> str:
+    """A quoted value of 5000 characters whose ";" and "boundary=" are text, not parameters."""
+    return f'{name}="' + "Quarterly report; boundary=wrong " * 150 + '.pdf"'
+
+
+def rfc2231_long_parameter(name: str) -> str:
+    """RFC 2231 continuations, one a line, as mailers split a long file name (5000 characters)."""
+    return ";\r\n ".join(
+        f"{name}*{i}*=" + ("utf-8''" if i == 0 else "") + "Bericht%20%C3%BCber%20das%20Quartal%20"
+        for i in range(100)
+    )
+
+
+def long_content_type(long_parameter: Callable[[str], str]) -> bytes:
+    """Multipart mail with a Content-Type parameter of thousands of characters (as some
+    mailers make of a long RFC 2231 file name) before the boundary, and one before the
+    charset of its text part; ``long_parameter(attribute)`` gives it."""
+    return (
+        b"From: bob@example.org\r\nTo: alice@example.org\r\nSubject: The report\r\n"
+        b"Date: Tue, 01 Dec 2026 09:30:00 +0000\r\nMessage-ID: <long-type-1@example.org>\r\n"
+        b"MIME-Version: 1.0\r\nContent-Type: multipart/mixed;\r\n "
+        + long_parameter("name").encode()
+        + b';\r\n boundary="=_part_1"\r\n\r\nThis is a multi-part message in MIME format.\r\n'
+        b"--=_part_1\r\nContent-Type: text/plain;\r\n "
+        + long_parameter("x-vendor-note").encode()
+        + b";\r\n charset=ISO-8859-1\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+        b"Sch\xf6ne Gr\xfc\xdfe aus M\xfcnchen\r\n"
+        b"--=_part_1\r\nContent-Type: application/pdf\r\n"
+        b'Content-Disposition: attachment; filename="report.pdf"\r\n'
+        b"Content-Transfer-Encoding: base64\r\n\r\nJVBERi0xLjQK\r\n--=_part_1--\r\n"
+    )

@@ -331,6 +331,22 @@ def test_difficult_mail_gives_a_clear_item(
         assert payload["notes"] == []
 
 
+def test_a_long_content_type_parameter_before_the_boundary_keeps_the_text_part(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """A long RFC 2231 name before the boundary (and the charset) made the raw MIME the body."""
+    dovecot.append(mailbox, mails.long_content_type(mails.rfc2231_long_parameter))
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
+    assert report.ok, report.error
+    assert (report.enqueued, report.failed) == (1, 0)
+    [item] = items(db)
+    payload = item["payload"]
+    body = payload["text"].split("\n\n", 1)[1]
+    assert body == "Schöne Grüße aus München\n\n[attachments: report.pdf (9 bytes)]"
+    assert payload["attachments"] == [{"name": "report.pdf", "size": 9}]
+    assert payload["notes"] == []
+
+
 def test_raw_utf8_headers_do_not_block_the_account(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
@@ -919,6 +935,37 @@ def test_a_refusal_count_restarts_for_another_uid(
         3,
         1,
     )
+
+
+def test_a_refusal_count_restarts_once_the_server_returns_the_message(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """Refused on two checks, returned on the third (but not recorded: the database refused
+    it), refused on the fourth: one consecutive refusal, not three, so it is not passed."""
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    refusal = "SELECT refused_uid, refused_checks FROM email_checkpoints"
+    with RefusingProxy(dovecot.imap_port, refused={2}) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(2):
+            check_due_accounts(settings, database_url, now=later(10 * n))
+        assert db.execute(refusal).fetchone() == (2, 2)
+
+        proxy.refused.clear()
+        _refuse_triage(db, sqlstate="42501", subject="two")  # stops the check, passes nothing
+        [report] = check_due_accounts(settings, database_url, now=later(20))
+        assert report.error is not None and "UID 2 " in report.error
+        assert "InsufficientPrivilege" in report.error
+        assert db.execute(refusal).fetchone() == (None, 0)
+
+        db.execute("DROP TRIGGER refuse_item ON pending_triage")
+        proxy.refused.add(2)
+        [report] = check_due_accounts(settings, database_url, now=later(30))
+    assert report.error is not None and "on 1 consecutive check(s)" in report.error
+    assert db.execute(refusal).fetchone() == (2, 1)
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+    assert [i["payload"]["subject"] for i in items(db)] == ["one"]
+    assert checkpoint(db)[1] == 1  # type: ignore[index]
 
 
 def test_a_temporary_no_is_the_servers_state_and_never_passes_a_message(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from sokratos_worker.email.parse import (
     BODY_LIMIT_BYTES,
     HTML_LIMIT_CHARS,
+    PARSED_HEADER_LIMIT,
+    Attachment,
     format_email_summary,
     html_to_text,
     message_key,
@@ -258,6 +261,23 @@ def test_a_huge_content_type_header_parses_in_bounded_time(tmp_path: Path) -> No
     )
     _parses_within(raw, tmp_path, 10)
     assert parse_email(raw).body == "hello"
+
+
+@pytest.mark.parametrize(
+    "long_parameter",
+    [mails.quoted_long_parameter, mails.rfc2231_long_parameter],
+    ids=["quoted", "rfc2231"],
+)
+def test_a_long_parameter_before_the_boundary_and_charset_keeps_them(
+    long_parameter: Callable[[str], str],
+) -> None:
+    """Content-Types are cut to PARSED_HEADER_LIMIT for parsing: this one's boundary and
+    charset came after the cut, so its raw MIME (boundaries, part headers, base64) was the body."""
+    assert len(long_parameter("name")) > PARSED_HEADER_LIMIT
+    parsed = parse_email(mails.long_content_type(long_parameter))
+    assert parsed.body == "Schöne Grüße aus München"
+    assert parsed.attachments == (Attachment("report.pdf", 9),)
+    assert parsed.notes == ()
 
 
 def test_a_huge_html_part_is_cut_with_a_note() -> None:
