@@ -18,6 +18,7 @@ from sokratos_worker.observed import ObservedChat
 from sokratos_worker.runner import State
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
+from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store import queue as queue_store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations
@@ -25,6 +26,12 @@ from sokratos_worker.store.migrations import apply_migrations
 log = structlog.get_logger(__name__)
 
 POOL_READY_TIMEOUT_S = 10.0
+# While migrations wait for another migrator or run, systemd's start timeout is extended by
+# this, a third of it ahead: such a start is slow, not hung, and a new one would wait the same.
+MIGRATION_EXTENSION_S = 30.0
+# After them, the rest of the start (pool, schema check, local model, first tick) gets as long
+# as the unit's TimeoutStartSec gives a whole start.
+REST_OF_START_S = 120.0
 
 
 def default_handlers(context: HandlerContext) -> Handlers:
@@ -60,6 +67,19 @@ def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any]]:
             local.stop()
 
 
+def _migrate(conninfo: str, notifier: Notifier) -> None:
+    """Apply pending migrations; under systemd, the start's timeout is extended meanwhile and
+    STATUS= says what it waits for (another migrator's lock, a migration running)."""
+
+    def show(text: str) -> None:
+        notifier.status(f"starting: {text}")
+
+    with notifier.extending_timeout(MIGRATION_EXTENSION_S):
+        apply_migrations(conninfo, show)
+    notifier.extend_timeout(REST_OF_START_S)
+    notifier.status("starting: migrations up to date")
+
+
 def _check_schema(settings: Settings, database: Database) -> None:
     with database.connection() as conn:
         problems = schema_problems(settings, conn)
@@ -84,8 +104,9 @@ def run_worker(
             variables=unknown,
             hint="a typo? every variable is listed in deploy/sokratos-worker.env.example",
         )
+    notifier = Notifier()
     if migrate:
-        apply_migrations(conninfo)
+        _migrate(conninfo, notifier)
     # What a full drain uses (slots, dispatcher, lease renewer) is opened at start: a pool
     # grows one connection at a time, so 20 slots settling at once waited for each other.
     database = Database(
@@ -116,6 +137,7 @@ def run_worker(
                 observed,
                 embedder,
                 metrics=metrics,
+                notifier=notifier,
             )
             code = _once_restoring_signals(worker) if once else worker.serve()
             if stopped is not None and worker.stop_requested:

@@ -586,6 +586,7 @@ def build_worker(
     embedder: Any,
     *,
     metrics: Metrics | None = None,
+    notifier: Notifier | None = None,
 ) -> Worker:
     """Wire the handlers for this process."""
     context = HandlerContext(settings=settings, database=database, chat=chat, embedder=embedder)
@@ -603,4 +604,5 @@ def build_worker(
         context=context,
         worker_id=new_worker_id(settings.worker_instance),
         metrics=metrics or Metrics(),
+        notifier=notifier or Notifier(),
     )

@@ -32,6 +32,22 @@ INSTALL_HINT = (
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
     "pip install 'sokratos-worker[local]' (see docs/backends.md)"
 )
+# Run in front of the server module: the server's stdin is a pipe only the worker holds open, so
+# when the worker ends, however it ends (kill -9 included), the read sees EOF and the server
+# stops itself. (PR_SET_PDEATHSIG would fire when the *thread* that started it ends.)
+_ORPHAN_GUARD = """\
+import os, runpy, signal, sys, threading, time
+
+def stop_when_the_worker_is_gone():
+    while os.read(0, 512):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    os._exit(1)
+
+threading.Thread(target=stop_when_the_worker_is_gone, daemon=True).start()
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
 
 
 class LocalModelError(WorkerError):
@@ -63,7 +79,14 @@ def free_port() -> int:
 
 
 class LocalModelServer:
-    """``python -m llama_cpp.server`` as a child process; a context manager."""
+    """``python -m llama_cpp.server`` as a child process; a context manager.
+
+    The server runs in a session of its own (a Ctrl-C meant for the worker must not stop it
+    while the worker finishes its items) and ends when the worker process ends.
+    """
+
+    # The module run as the server; tests put a stand-in taking the same arguments here.
+    server_module = "llama_cpp.server"
 
     def __init__(
         self,
@@ -79,6 +102,7 @@ class LocalModelServer:
         self.request_timeout = request_timeout
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None  # the pipe's write end: closed, the server stops
         self._log_file: tempfile._TemporaryFileWrapper[bytes] | None = None
 
     @property
@@ -98,11 +122,15 @@ class LocalModelServer:
             timeout=self.request_timeout,
         )
 
-    def start(self, attempts: int = 3) -> BackendConfig:
-        """Start the server and wait until ``/v1/models`` answers."""
+    def model_file(self) -> Path:
+        """The GGUF file to serve; LocalModelError when the ``local`` extra is missing."""
         if not llama_cpp_installed():
             raise LocalModelError(f"llama-cpp-python is not installed; {INSTALL_HINT}")
-        path = model_path()
+        return model_path()
+
+    def start(self, attempts: int = 3) -> BackendConfig:
+        """Start the server and wait until ``/v1/models`` answers."""
+        path = self.model_file()
         for attempt in range(1, attempts + 1):
             try:
                 self._start_once(path)
@@ -118,8 +146,9 @@ class LocalModelServer:
         self.port = free_port()
         command = [
             sys.executable,
-            "-m",
-            "llama_cpp.server",
+            "-c",
+            _ORPHAN_GUARD,
+            self.server_module,
             "--model",
             str(path),
             "--model_alias",
@@ -139,13 +168,32 @@ class LocalModelServer:
         self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="sokratos-local-model-", suffix=".log"
         )
-        self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            command, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
+        lifeline_read, self._lifeline = os.pipe()
+        try:
+            self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+                command,
+                stdin=lifeline_read,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except BaseException:
+            self.stop()  # closes the lifeline and the log
+            raise
+        finally:
+            os.close(lifeline_read)
         log.warning(
-            "local_model_starting", backend=LOCAL_BACKEND_NAME, port=self.port, model=path.name
+            "local_model_starting",
+            backend=LOCAL_BACKEND_NAME,
+            port=self.port,
+            pid=self._process.pid,
+            model=path.name,
         )
-        self._wait_until_ready()
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.stop()  # a Ctrl-C while it loads: the server, in its own session, did not get it
+            raise
 
     def stop(self) -> None:
         """Terminate the server (kill it after 10 s) and remove its log."""
@@ -157,6 +205,9 @@ class LocalModelServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import structlog
 
@@ -72,6 +73,29 @@ class Notifier:
     def extend_timeout(self, seconds: float) -> bool:
         """``EXTEND_TIMEOUT_USEC``: ask for more time to start or stop (systemd ≥ 236)."""
         return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+
+    @contextmanager
+    def extending_timeout(self, seconds: float) -> Iterator[None]:
+        """While the block runs, ask for ``seconds`` more every third of them (from a thread:
+        one long statement must not let an extension run out)."""
+        if not self.enabled:
+            yield
+            return
+        done = threading.Event()
+
+        def keep_extending() -> None:
+            while True:
+                self.extend_timeout(seconds)
+                if done.wait(seconds / 3):
+                    return
+
+        thread = threading.Thread(target=keep_extending, name="sd-extend-timeout", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def notify(self, *lines: str) -> bool:
         """Send the lines as one datagram; True when sent, False when off or failed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ RETRY_MAX_S = 30.0
 # wait is logged (the journal must explain a start that takes long).
 LOCK_POLL_S = 0.5
 LOCK_LOG_EVERY_S = 15.0
+
+
+# What a slow start waits for, in one line for an operator (the daemon's systemd STATUS=).
+Progress = Callable[[str], None]
+
+
+def _nobody_listens(_: str) -> None:
+    """The default ``on_progress``: without a status line to keep, the log lines say it all."""
 
 
 class MigrationError(WorkerError):
@@ -68,19 +77,20 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return found
 
 
-def apply_migrations(conninfo: str) -> list[str]:
+def apply_migrations(conninfo: str, on_progress: Progress = _nobody_listens) -> list[str]:
     """Apply what is pending; returns the names applied (empty when up to date).
 
     Up to date (the common start): read only, no lock taken, nothing waited for. Otherwise the
     advisory lock is waited for until it is granted (another migrator finishing first), with a
-    ``migration_lock_waiting`` line naming the holder every LOCK_LOG_EVERY_S.
+    ``migration_lock_waiting`` line naming the holder every LOCK_LOG_EVERY_S. ``on_progress``
+    hears the same waits, and each migration as it starts, as one line each.
     """
     applied: list[str] = []
     with connect(conninfo, autocommit=True) as conn, translated():
         # Read only, so a worker role that may not create tables starts too.
         if not pending_migrations(conn):
             return []
-        _wait_for_migration_lock(conn)
+        _wait_for_migration_lock(conn, on_progress)
         try:
             if not pending_migrations(conn):  # applied by whoever held the lock
                 return []
@@ -89,7 +99,9 @@ def apply_migrations(conninfo: str) -> list[str]:
                 row[0]: row[1]
                 for row in conn.execute("SELECT version, checksum FROM sokratos_worker_migrations")
             }
-            for migration in load_migrations():
+            migrations = load_migrations()
+            pending = sum(1 for m in migrations if m.version not in done)
+            for migration in migrations:
                 if migration.version in done:
                     if done[migration.version] != migration.checksum:
                         log.warning(
@@ -98,7 +110,10 @@ def apply_migrations(conninfo: str) -> list[str]:
                             hint="an applied migration file was edited; it is not re-run",
                         )
                     continue
-                _apply_one(conn, migration)
+                on_progress(
+                    f"applying migration {migration.name} ({len(applied) + 1} of {pending})"
+                )
+                _apply_one(conn, migration, on_progress)
                 applied.append(migration.name)
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_KEY,))
@@ -107,7 +122,7 @@ def apply_migrations(conninfo: str) -> list[str]:
     return applied
 
 
-def _wait_for_migration_lock(conn: psycopg.Connection) -> None:
+def _wait_for_migration_lock(conn: psycopg.Connection, on_progress: Progress) -> None:
     """Take the migrators' advisory lock, waiting as long as it takes, and saying so."""
     started = time.monotonic()
     next_log = started
@@ -119,10 +134,15 @@ def _wait_for_migration_lock(conn: psycopg.Connection) -> None:
             return
         now = time.monotonic()
         if now >= next_log:
+            holders = _migration_lock_holders(conn)
+            on_progress(
+                f"waiting for the migration lock held by {_named(holders)},"
+                f" {round(now - started)} s so far"
+            )
             log.warning(
                 "migration_lock_waiting",
                 waiting_s=round(now - started),
-                held_by=_migration_lock_holders(conn),
+                held_by=holders,
                 hint="migrations are pending and another session applies them (another"
                 " 'sokratos-worker migrate', or a worker starting); this one waits for it."
                 " If that session is stuck (a migration waiting for a table lock, or a"
@@ -145,6 +165,15 @@ def _migration_lock_holders(conn: psycopg.Connection) -> list[dict[str, Any]]:
         (_LOCK_KEY,),
     ).fetchall()
     return [session(r) for r in rows]
+
+
+def _named(holders: list[dict[str, Any]]) -> str:
+    """``pid 4242 (sokratos-worker)``: who holds a lock, short enough for a status line."""
+    if not holders:
+        return "another session"  # it let go between the try and the look
+    return ", ".join(
+        f"pid {h['pid']} ({h['application'] or 'no application name'})" for h in holders
+    )
 
 
 def pending_migrations(conn: psycopg.Connection) -> list[str]:
@@ -176,16 +205,18 @@ def _create_history_table(conn: psycopg.Connection) -> None:
         ) from exc
 
 
-def _apply_one(conn: psycopg.Connection, migration: Migration) -> None:
+def _apply_one(conn: psycopg.Connection, migration: Migration, on_progress: Progress) -> None:
     """Apply ``migration`` in one transaction, retried while its locks are not to be had."""
     started, delay = time.monotonic(), 1.0
     while not _applied_within_lock_timeout(conn, migration):
+        holders = _long_lock_holders(conn)
+        on_progress(f"migration {migration.name} waits for tables held by {_named(holders)}")
         log.warning(
             "migration_waiting_for_lock",
             migration=migration.name,
             waiting_s=round(time.monotonic() - started),
             retry_in_s=delay,
-            held_by=_long_lock_holders(conn),
+            held_by=holders,
             hint="another session holds a table this migration changes (a long transaction?);"
             " it is not waited for in the lock queue, so the workers keep claiming; to end"
             " that session: SELECT pg_terminate_backend(PID)",

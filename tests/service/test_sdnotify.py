@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -138,3 +139,22 @@ def test_unsupported_socket_forms_are_ignored() -> None:
     notifier = Notifier({"NOTIFY_SOCKET": "vsock:2:1234"})
     assert not notifier.enabled
     assert notifier.ready() is False
+
+
+def test_extending_timeout_asks_again_before_each_extension_runs_out(
+    path_socket: tuple[str, socket.socket],
+) -> None:
+    """EXTEND_TIMEOUT_USEC every third of the extension while the block runs, none after."""
+    path, sock = path_socket
+    notifier = Notifier({"NOTIFY_SOCKET": path})
+    with notifier.extending_timeout(0.6):
+        received = [sock.recv(4096) for _ in range(3)]
+    assert received == [b"EXTEND_TIMEOUT_USEC=600000"] * 3
+    sock.settimeout(0)
+    with contextlib.suppress(BlockingIOError):
+        while sock.recv(4096) == b"EXTEND_TIMEOUT_USEC=600000":  # sent before the block ended
+            pass
+    sock.settimeout(0.6)
+    with pytest.raises(TimeoutError):
+        sock.recv(4096)
+    notifier.close()
