@@ -510,13 +510,36 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
             if found is None:
                 print(f"sokratos-worker: no failure with id {args.id}", file=sys.stderr)
                 return EXIT_FAILURE
-            print(json.dumps(found, default=str, indent=2, ensure_ascii=False))
+            print(_failure_document(found))
             return EXIT_OK
         if args.action == "retry":
             return _retry_failures(args, conn)
         deleted = failures.purge_failures(conn, older_than_days=args.older_than)
         print(f"deleted {deleted} failures older than {args.older_than} days")
         return EXIT_OK
+
+
+def _failure_document(found: dict[str, Any]) -> str:
+    """The failure as indented JSON. A context_data Python's json cannot follow (nested too
+    deeply, or a number too long) is printed as stored, on one line, and stderr says so."""
+    context: str | None = found["context_data"]
+    try:
+        parsed = None if context is None else json.loads(context)
+        return json.dumps(
+            {**found, "context_data": parsed}, default=str, indent=2, ensure_ascii=False
+        )
+    except (RecursionError, ValueError):  # ValueError: an integer over Python's 4300 digits
+        pass
+    assert context is not None  # noqa: S101 - None always parses
+    print(
+        f"sokratos-worker: failure {found['id']}: its context_data ({len(context.encode())}"
+        " bytes) is nested too deeply, or holds a number too long, for Python's json to"
+        " indent: printed on one line, as stored",
+        file=sys.stderr,
+    )
+    outline = json.dumps({**found, "context_data": None}, default=str, indent=2, ensure_ascii=False)
+    # Keys and strings are quoted and escaped: this is the top-level key and nothing else.
+    return outline.replace('"context_data": null', f'"context_data": {context}', 1)
 
 
 def _retry_failures(args: argparse.Namespace, conn: Any) -> int:

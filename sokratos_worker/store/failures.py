@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
+from psycopg.types.string import TextLoader
 
 from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload
 from sokratos_worker.model import Queue
@@ -47,8 +48,10 @@ def list_failures(
 
 
 def get_failure(conn: psycopg.Connection, failure_id: int) -> dict[str, Any] | None:
-    """One failure with its full context_data."""
+    """One failure; its context_data is the jsonb's text as PostgreSQL renders it (exact),
+    for the caller to parse: a payload may be nested deeper than Python's json follows."""
     with conn.cursor(row_factory=dict_row) as cur:
+        cur.adapters.register_loader("jsonb", TextLoader)
         cur.execute("SELECT * FROM failed_operations WHERE id = %s", (failure_id,))
         return cur.fetchone()
 
@@ -87,33 +90,38 @@ def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
 
 
 def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
+    # What the payload is, asked of PostgreSQL: Python need not (and at some depths cannot)
+    # parse the context.
     row = conn.execute(
-        """SELECT context_data, idempotency_key, retried_at, retried_as, source_queue, op_type
-           FROM failed_operations WHERE id = %s FOR UPDATE""",
-        (failure_id,),
+        """SELECT idempotency_key, retried_at, retried_as, source_queue, op_type,
+                  coalesce(jsonb_typeof(context_data) = 'object' AND context_data ? 'payload',
+                           false),
+                  coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
+                           AND NOT context_data -> 'payload' ? %(unparsable)s, false),
+                  context_data ->> 'kept_as'
+           FROM failed_operations WHERE id = %(id)s FOR UPDATE""",
+        {"id": failure_id, "unparsable": store.UNPARSABLE_KEY},
     ).fetchone()
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
-    context, key, retried_at, retried_as, source_queue, op_type = row
+    key, retried_at, retried_as, source_queue, op_type, stored, an_object, kept_as = row
     if retried_at is not None:
         return RetryResult(
             failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
         )
     if op_type == "spool_import":
-        return RetryResult(failure_id, None, _spool_file_hint(failure_id, context))
-    if not isinstance(context, dict) or "payload" not in context or not source_queue:
+        return RetryResult(failure_id, None, _spool_file_hint(failure_id, kept_as))
+    if not stored or not source_queue:
         return RetryResult(
             failure_id,
             None,
             "refused: this failure has no stored payload (not written by sokratos-worker)",
         )
-    payload = context["payload"]
-    if not isinstance(payload, dict) or store.UNPARSABLE_KEY in payload:
+    if not an_object:
         raise InvalidPayload("payload", "is not a JSON object this worker can parse")
     queue = Queue(source_queue)
-    source = context.get("source") if queue is Queue.TRIAGE else None
-    item_id = store.enqueue(
-        conn, queue, payload, idempotency_key=retry_key(key, failure_id), source=source
+    item_id = store.call_enqueue(
+        conn, _REPLAY[queue], {"id": failure_id, "key": retry_key(key, failure_id)}
     )
     conn.execute(
         "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
@@ -122,9 +130,20 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
 
 
-def _spool_file_hint(failure_id: int, context: Any) -> str:
+# The stored payload is copied inside PostgreSQL: exact, at any depth (a round trip through
+# Python's json stops at its recursion limit, and rounds numbers).
+_REPLAY = {
+    Queue.TRIAGE: """SELECT sokratos_enqueue_triage(context_data -> 'payload', %(key)s::text,
+                                coalesce(nullif(context_data ->> 'source', ''), 'conversation'))
+                     FROM failed_operations WHERE id = %(id)s""",
+    Queue.DISTILLATION: """SELECT sokratos_enqueue_distillation(context_data -> 'payload',
+                                                                 %(key)s::text)
+                           FROM failed_operations WHERE id = %(id)s""",
+}
+
+
+def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:
     """What to do with a spool file the import refused: it is not replayed as it stands."""
-    kept_as = context.get("kept_as") if isinstance(context, dict) else None
     if kept_as:
         return (
             f"refused: the spool file could not be read and is kept as {kept_as}; make it"

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import structlog
 from psycopg import pq, sql
+from psycopg.abc import Params
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
@@ -600,16 +601,22 @@ def enqueue(
     producer role (sql/roles.sql), so the client works under that role as well.
     """
     value = Jsonb(payload, dumps=_dumps)
+    if queue is Queue.TRIAGE:
+        return call_enqueue(
+            conn,
+            "SELECT sokratos_enqueue_triage(%s, %s::text, %s::text)",
+            (value, idempotency_key, source or "conversation"),
+        )
+    return call_enqueue(
+        conn, "SELECT sokratos_enqueue_distillation(%s, %s::text)", (value, idempotency_key)
+    )
+
+
+def call_enqueue(conn: psycopg.Connection, query: str, params: Params) -> int:
+    """The item id a query calling an enqueue function returns; a payload the function
+    refuses (SQLSTATE 22023) is raised as InvalidPayload naming the field."""
     try:
-        if queue is Queue.TRIAGE:
-            row = conn.execute(
-                "SELECT sokratos_enqueue_triage(%s, %s::text, %s::text)",
-                (value, idempotency_key, source or "conversation"),
-            ).fetchone()
-        else:
-            row = conn.execute(
-                "SELECT sokratos_enqueue_distillation(%s, %s::text)", (value, idempotency_key)
-            ).fetchone()
+        row = conn.execute(query, params).fetchone()
     except psycopg.errors.InvalidParameterValue as exc:
         message = exc.diag.message_primary or str(exc)
         field, _, problem = message.partition(" ")

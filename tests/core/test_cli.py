@@ -206,6 +206,46 @@ def test_failed_list_show_retry_purge(
     assert purge.returncode == 0 and "deleted 1" in purge.stdout
 
 
+def test_failed_show_and_retry_read_a_dead_letter_nested_deeper_than_python_parses(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    from sokratos_worker.model import Item, Queue
+    from sokratos_worker.store import queue as store
+
+    # Written by the worker's own dead_letter, as for a payload it read at claim, but nested
+    # deeper than Python's json follows from any stack (the claim's depth varies with it).
+    deep = '{"a": ' * 3000 + "1" + "}" * 3000
+    payload = '{"exchange": "user: hi\\nassistant: ok", "deep": ' + deep + "}"
+    row = db.execute(
+        "INSERT INTO pending_triage (payload, idempotency_key, lease_owner, attempts)"
+        " VALUES (%s::jsonb, 'deep-1', 'w', 3) RETURNING id, created_at",
+        (payload,),
+    ).fetchone()
+    assert row is not None
+    item = Item(Queue.TRIAGE, row[0], {"exchange": "user: hi"}, 3, "conversation", "deep-1", row[1])
+    assert store.dead_letter(db, item, owner="w", error="model said no").settled
+    (failure_id,) = (str(r[0]) for r in db.execute("SELECT id FROM failed_operations"))
+    env = env_for(database_url, tmp_path)
+    shown = cli("failed", "show", failure_id, env=env)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    stored = db.execute("SELECT (context_data -> 'payload')::text FROM failed_operations").fetchone()
+    assert stored is not None and stored[0] in shown.stdout  # the whole payload, exactly
+    assert '"error_message": "model said no"' in shown.stdout
+    assert f"failure {failure_id}: its context_data (" in shown.stderr
+    assert "nested too deeply" in shown.stderr
+    first = cli("failed", "retry", failure_id, env=env)
+    again = cli("failed", "retry", failure_id, env=env)
+    assert first.returncode == 0 and "re-enqueued as pending_triage item" in first.stdout, (
+        first.stdout + first.stderr
+    )
+    assert again.returncode == 0 and "nothing done" in again.stdout, again.stdout + again.stderr
+    replayed = db.execute(
+        "SELECT p.payload = f.context_data -> 'payload', p.idempotency_key, f.retried_as = p.id"
+        " FROM pending_triage p, failed_operations f"
+    ).fetchall()
+    assert replayed == [(True, "deep-1#retry-1", True)]
+
+
 @pytest.mark.subprocess
 def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) -> None:
     env = env_for(None, tmp_path)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import psycopg
 import pytest
@@ -82,6 +84,46 @@ def test_a_direct_insert_of_a_pending_key_is_refused_as_a_unique_violation(
     assert count(db, "SELECT count(*) FROM pending_triage") == 1
 
 
+def test_a_direct_insert_on_conflict_do_nothing_of_a_known_key(db: psycopg.Connection) -> None:
+    """A producer's usual retry: skipped while the item is queued (the queue's own index), and
+    refused with 23505 once it finished (a key is accepted once)."""
+    first = _enqueue(db, "go-10")
+    retry = (
+        "INSERT INTO pending_triage (payload, idempotency_key) VALUES (%s::jsonb, 'go-10')"
+        " ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
+    )
+    assert db.execute(retry, (PAYLOAD,)).rowcount == 0
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert store.settle_success(db, item, Effects(Outcome.SKIPPED), owner="w")[0].settled
+    with pytest.raises(psycopg.errors.UniqueViolation) as refused:
+        db.execute(retry, (PAYLOAD,))
+    assert f"item {first}" in (refused.value.diag.message_primary or "")
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+def test_an_item_finishing_while_a_direct_insert_checks_its_key_lets_no_second_item_in(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The key's item is held (FOR KEY SHARE) from the check until the INSERT ends: a settle
+    deleting it meanwhile waits, and a settle already deleting it makes the INSERT a refusal."""
+    first = _enqueue(db, "go-11")
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    with psycopg.connect(database_url) as settling:
+        assert store.settle_success(settling, item, Effects(Outcome.SKIPPED), owner="w")[0].settled
+        # (not committed yet: the item's row is being deleted)
+        with psycopg.connect(database_url) as producer:
+            thread, result = _start(producer, DIRECT.replace("'race'", "'go-11'"))
+            _waiting_for(db, producer.info.backend_pid, "transactionid")
+            settling.commit()
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+    (refused,) = result
+    assert isinstance(refused, psycopg.errors.UniqueViolation), refused
+    assert f"item {first}" in (refused.diag.message_primary or "")
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
 def test_keyed_enqueues_and_a_keyed_failed_retry_still_insert_their_rows(
     db: psycopg.Connection,
 ) -> None:
@@ -101,3 +143,107 @@ def test_the_key_trigger_still_runs_with_its_owners_rights(db: psycopg.Connectio
         "SELECT prosecdef, proconfig FROM pg_proc WHERE proname = 'sokratos_remember_key'"
     ).fetchone()
     assert row is not None and row[0] is True and any("search_path" in c for c in row[1]), row
+
+
+# -- a direct INSERT and sokratos_enqueue racing on one key ---------------------------------
+
+PAUSE_LOCK = 4711  # the advisory lock a paused session waits for until the test releases it
+
+# Test-only triggers that pause the session asking for it (sokratos_test.pause = 'before' or
+# 'after') in the middle of its INSERT into pending_triage: just before the row is written
+# (sokratos_enqueue has recorded the key by then), or just after it. "a_…" fires before the
+# queue's own "sokratos_…" triggers.
+PAUSE_TRIGGERS = f"""
+CREATE FUNCTION test_pause() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('sokratos_test.pause', true) = lower(TG_WHEN) THEN
+        PERFORM pg_advisory_xact_lock_shared({PAUSE_LOCK});
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER a_test_pause_before BEFORE INSERT ON pending_triage
+    FOR EACH ROW EXECUTE FUNCTION test_pause();
+CREATE TRIGGER a_test_pause_after AFTER INSERT ON pending_triage
+    FOR EACH ROW EXECUTE FUNCTION test_pause();
+"""
+ENQUEUE = "SELECT sokratos_enqueue_triage(%s::jsonb, 'race')"
+DIRECT = (
+    "INSERT INTO pending_triage (payload, idempotency_key) VALUES (%s::jsonb, 'race') RETURNING id"
+)
+
+
+def _waiting_for(db: psycopg.Connection, pid: int, lock: str) -> None:
+    """Until session ``pid`` waits for a lock of this type (advisory, transactionid)."""
+    for _ in range(200):
+        row = db.execute(
+            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+            (pid,),
+        ).fetchone()
+        if row == (lock,):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"session {pid} never waited for a {lock} lock")
+
+
+def _start(conn: psycopg.Connection, query: str) -> tuple[threading.Thread, list[object]]:
+    """Run ``query`` and commit, in a thread; the list receives the id or the error."""
+    result: list[object] = []
+
+    def run() -> None:
+        try:
+            row = conn.execute(query, (PAYLOAD,)).fetchone()
+            conn.commit()
+            result.append(row[0] if row else None)
+        except psycopg.Error as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _race(
+    db: psycopg.Connection, database_url: str, leader: str, pause: str, follower: str
+) -> tuple[object, object]:
+    """``leader`` pauses mid-INSERT at ``pause``; ``follower`` runs until it waits for the
+    leader; then the leader goes on. Returns what each got."""
+    db.execute(PAUSE_TRIGGERS)
+    with (
+        psycopg.connect(database_url, autocommit=True) as gate,
+        psycopg.connect(database_url, options=f"-c sokratos_test.pause={pause}") as first,
+        psycopg.connect(database_url) as second,
+    ):
+        gate.execute("SELECT pg_advisory_lock(%s)", (PAUSE_LOCK,))
+        lead = _start(first, leader)
+        _waiting_for(db, first.info.backend_pid, "advisory")
+        follow = _start(second, follower)
+        _waiting_for(db, second.info.backend_pid, "transactionid")
+        gate.execute("SELECT pg_advisory_unlock(%s)", (PAUSE_LOCK,))
+        for thread, _ in (lead, follow):
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+    return lead[1][0], follow[1][0]
+
+
+def test_an_enqueue_paused_before_its_row_and_a_direct_insert_of_its_key_do_not_deadlock(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # The direct INSERT wrote its row, then (AFTER trigger) waited for the enqueue's key; the
+    # enqueue, writing its row, waited for the INSERT's row: SQLSTATE 40P01.
+    enqueued, direct = _race(db, database_url, ENQUEUE, "before", DIRECT)
+    assert isinstance(enqueued, int), enqueued
+    assert isinstance(direct, psycopg.errors.UniqueViolation), direct  # as for any known key
+    assert db.execute("SELECT id FROM pending_triage").fetchall() == [(enqueued,)]
+    assert count(db, "SELECT item_id FROM sokratos_idempotency_keys") == enqueued
+
+
+def test_a_direct_insert_paused_after_its_row_and_an_enqueue_of_its_key_do_not_deadlock(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # The enqueue recorded the key and waited for the INSERT's row; the INSERT's AFTER trigger
+    # waited for the enqueue's key: SQLSTATE 40P01.
+    direct, enqueued = _race(db, database_url, DIRECT, "after", ENQUEUE)
+    assert isinstance(direct, int), direct
+    assert enqueued == direct  # the function answers with the original id
+    assert db.execute("SELECT id FROM pending_triage").fetchall() == [(direct,)]
+    assert count(db, "SELECT item_id FROM sokratos_idempotency_keys") == direct

@@ -1,0 +1,61 @@
+-- A direct INSERT (contract §4) and sokratos_enqueue racing on one idempotency key deadlocked
+-- (SQLSTATE 40P01): the INSERT wrote its row (taking the key in the queue's unique index) and
+-- only then, in 0040's AFTER trigger, the key in sokratos_idempotency_keys; sokratos_enqueue
+-- takes the key first and the row second. Each waited for the other's transaction. The
+-- trigger now records the key BEFORE the row is written, in sokratos_enqueue's order, so the
+-- second of the two waits for the first to finish and then gets its documented answer.
+--
+-- A key recorded for an item that is still queued lets the row go on to the queue's unique
+-- index, which refuses it with 23505 as before, or skips it under INSERT … ON CONFLICT DO
+-- NOTHING (a producer's usual retry). FOR KEY SHARE holds that item until this transaction
+-- ends, so it cannot finish in between and let a second item in. A key recorded for an item
+-- that finished (or for none) is refused here with 23505, as in 0040.
+CREATE OR REPLACE FUNCTION sokratos_remember_key() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    existing bigint;
+    queued boolean;
+BEGIN
+    INSERT INTO sokratos_idempotency_keys (queue, key, item_id)
+    VALUES (TG_TABLE_NAME, NEW.idempotency_key, NEW.id)
+    ON CONFLICT DO NOTHING;
+    IF FOUND THEN
+        RETURN NEW;
+    END IF;
+    SELECT k.item_id INTO existing FROM sokratos_idempotency_keys k
+    WHERE k.queue = TG_TABLE_NAME AND k.key = NEW.idempotency_key;
+    IF existing IS NOT DISTINCT FROM NEW.id THEN
+        RETURN NEW;  -- recorded by sokratos_enqueue for this very row
+    END IF;
+    EXECUTE format('SELECT true FROM %I WHERE id = $1 FOR KEY SHARE', TG_TABLE_NAME)
+        INTO queued USING existing;
+    IF queued THEN
+        RETURN NEW;  -- still queued: the unique index answers (23505, or ON CONFLICT skips)
+    END IF;
+    RAISE EXCEPTION 'idempotency key "%" is already recorded for % item %',
+                    NEW.idempotency_key, TG_TABLE_NAME, existing
+        USING ERRCODE = 'unique_violation',
+              TABLE = TG_TABLE_NAME,
+              CONSTRAINT = 'sokratos_idempotency_keys_pkey',
+              DETAIL = 'A key is accepted once, also after its item finished'
+                       ' (see work_outcomes for its outcome).',
+              HINT = 'The row is already queued or done: treat this as success.';
+END $$;
+
+DROP TRIGGER IF EXISTS sokratos_remember_key ON pending_triage;
+CREATE TRIGGER sokratos_remember_key BEFORE INSERT ON pending_triage
+    FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL) EXECUTE FUNCTION sokratos_remember_key();
+DROP TRIGGER IF EXISTS sokratos_remember_key ON pending_distillation;
+CREATE TRIGGER sokratos_remember_key BEFORE INSERT ON pending_distillation
+    FOR EACH ROW WHEN (NEW.idempotency_key IS NOT NULL) EXECUTE FUNCTION sokratos_remember_key();
+
+-- CREATE OR REPLACE resets SECURITY DEFINER and the pinned search_path: set them again (0030).
+DO $$
+DECLARE
+    fn record;
+BEGIN
+    SELECT p.oid::regprocedure AS signature, n.nspname AS schema INTO fn
+    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+    WHERE p.proname = 'sokratos_remember_key' AND pg_function_is_visible(p.oid);
+    EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = %I, pg_temp',
+                   fn.signature, fn.schema);
+END $$;
