@@ -17,11 +17,13 @@ import re
 import ssl
 import sys
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeGuard
 from urllib.parse import urlsplit
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 from pydantic import (
     AfterValidator,
@@ -38,6 +40,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -139,10 +142,15 @@ def within(
     return AfterValidator(check)
 
 
+def _is_given(value: str | None) -> TypeGuard[str]:
+    """Whether an environment value says something: empty or only whitespace is unset."""
+    return value is not None and value.strip() != ""
+
+
 def credentials_directory() -> Path | None:
     """``$CREDENTIALS_DIRECTORY`` as systemd sets it for ``LoadCredential=``."""
     value = os.environ.get("CREDENTIALS_DIRECTORY")
-    return Path(value) if value else None
+    return Path(value) if _is_given(value) else None
 
 
 def read_secret_file(name: str) -> str:
@@ -308,7 +316,7 @@ class EmailAccountConfig(BaseModel):
 
 def _default_data_dir() -> Path:
     state = os.environ.get("STATE_DIRECTORY")
-    if state:
+    if _is_given(state):
         # systemd may pass several colon-separated directories; the first is ours.
         return Path(state.split(":")[0])
     return Path.home() / ".local" / "share" / "sokratos-worker"
@@ -335,6 +343,7 @@ _LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
     "min_protocol_version": ("3.0", "3.2", "latest"),
     "max_protocol_version": ("3.0", "3.2", "latest"),
 }
+_LIBPQ_STRONG_SSLMODES = ("require", "verify-ca", "verify-full")  # what sslnegotiation=direct needs
 _LIBPQ_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")  # any case; empty: no bound
 _LIBPQ_INTEGERS = (
     "keepalives",
@@ -350,10 +359,21 @@ def libpq_option_problem(options: Mapping[str, object]) -> str | None:
     """Why libpq would refuse one of ``options`` (parsed by ``conninfo_to_dict``), or None.
 
     Only option names and values that are not secret are quoted."""
+    port = str(options.get("port") or "")
+    if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
+        # libpq would report it as a host it cannot resolve: an outage (exit 75) that
+        # systemd restarts for ever, instead of this configuration error.
+        return "has a port that is not a number"
     for key, choices in _LIBPQ_CHOICES.items():
         value = options.get(key)
         if value is not None and str(value) not in choices:
             return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
+    sslmode = str(options.get("sslmode") or "prefer")
+    if options.get("sslnegotiation") == "direct" and sslmode not in _LIBPQ_STRONG_SSLMODES:
+        return (
+            f"has sslnegotiation=direct with sslmode {sslmode!r}: libpq refuses it (use"
+            f" sslmode {', '.join(_LIBPQ_STRONG_SSLMODES)})"
+        )
     for key in ("ssl_min_protocol_version", "ssl_max_protocol_version"):
         value = options.get(key)
         if value and str(value).lower() not in (v.lower() for v in _LIBPQ_TLS_VERSIONS):
@@ -372,29 +392,113 @@ def libpq_option_problem(options: Mapping[str, object]) -> str | None:
         value = options.get(key)
         if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
             return f"has an invalid {key} {str(value)!r} (a whole number)"
-    require_auth = options.get("require_auth")
-    if require_auth:
-        methods = str(require_auth).split(",")
-        bare = [m.removeprefix("!") for m in methods]
-        unknown = [m for m in bare if m not in _LIBPQ_AUTH_METHODS]
-        if unknown:
-            return (
-                f"has an invalid require_auth method {unknown[0]!r} (libpq accepts"
-                f" {', '.join(_LIBPQ_AUTH_METHODS)}, each optionally negated with !)"
-            )
-        if len({m.startswith("!") for m in methods}) > 1:
-            return "has a require_auth that mixes negated (!) and plain methods: libpq refuses it"
-        if len(set(bare)) != len(bare):
-            return "has a require_auth that names a method twice: libpq refuses it"
+    return _require_auth_problem(options.get("require_auth"))
+
+
+def _require_auth_problem(require_auth: object) -> str | None:
+    if not require_auth:
+        return None
+    methods = str(require_auth).split(",")
+    bare = [m.removeprefix("!") for m in methods]
+    unknown = [m for m in bare if m not in _LIBPQ_AUTH_METHODS]
+    if unknown:
+        return (
+            f"has an invalid require_auth method {unknown[0]!r} (libpq accepts"
+            f" {', '.join(_LIBPQ_AUTH_METHODS)}, each optionally negated with !)"
+        )
+    if len({m.startswith("!") for m in methods}) > 1:
+        return "has a require_auth that mixes negated (!) and plain methods: libpq refuses it"
+    if len(set(bare)) != len(bare):
+        return "has a require_auth that names a method twice: libpq refuses it"
     return None
+
+
+# libpq reads these besides the connection options' own variables: session settings sent
+# to the server, and where it looks for service files.
+_LIBPQ_SESSION_VARIABLES = {"timezone": "PGTZ", "datestyle": "PGDATESTYLE", "geqo": "PGGEQO"}
+_LIBPQ_FILE_VARIABLES = ("PGSERVICEFILE", "PGSYSCONFDIR")
+
+
+@cache
+def libpq_option_variables() -> dict[str, str]:
+    """Connection option → the PG* variable libpq takes it from when the URL leaves it out,
+    as the linked libpq reports them (``PQconndefaults``)."""
+    return {
+        option.keyword.decode(): option.envvar.decode()
+        for option in pq.Conninfo.get_defaults()
+        if option.envvar
+    }
+
+
+def libpq_option_source(option: str, url_options: Mapping[str, object]) -> str:
+    """The variable that gave ``option`` its value: the URL's, else libpq's PG* variable."""
+    variable = libpq_option_variables().get(option)
+    if option in url_options or variable is None or variable not in os.environ:
+        return "SOKRATOS_DATABASE_URL"
+    return variable
+
+
+def libpq_session_variable(parameter: str) -> str | None:
+    """``PGTZ`` for the server parameter ``TimeZone`` (and so on) when it is set, else None."""
+    variable = _LIBPQ_SESSION_VARIABLES.get(parameter.lower())
+    return variable if variable is not None and variable in os.environ else None
+
+
+def forget_libpq_environment() -> list[str]:
+    """Remove libpq's PG* variables from this process's environment; returns their names.
+
+    For the embedded PostgreSQL only: they are meant for another server, and libpq would
+    apply them to this one as well (PGOPTIONS, PGSERVICE, PGTARGETSESSIONATTRS or PGPORT
+    broke its connection). Call it before any thread connects.
+    """
+    names = [
+        *libpq_option_variables().values(),
+        *_LIBPQ_SESSION_VARIABLES.values(),
+        *_LIBPQ_FILE_VARIABLES,
+    ]
+    present = sorted(name for name in set(names) if name in os.environ)
+    for name in present:
+        del os.environ[name]
+    return present
+
+
+def _refuse_bad_libpq_environment(url_options: Mapping[str, object]) -> None:
+    """Raise a :class:`ConfigError` naming a PG* variable whose value libpq would refuse
+    for an option the URL leaves out (libpq would only say so as it connects)."""
+    merged = dict(url_options)
+    for option, variable in libpq_option_variables().items():
+        value = os.environ.get(variable)
+        if value is None or option in url_options:
+            continue
+        merged[option] = value
+        problem = libpq_option_problem(merged)
+        if problem is not None:
+            raise ConfigError(
+                variable,
+                f"{problem}; libpq uses it because SOKRATOS_DATABASE_URL sets no {option}:"
+                f" correct or unset {variable}",
+            )
+
+
+class _EnvSource(EnvSettingsSource):
+    """The variables themselves, where one that is empty or only whitespace is unset.
+
+    ``env_ignore_empty`` drops only ``X=``: ``X=" "`` would hide ``X_FILE`` and the
+    credential (an unset database URL means the embedded PostgreSQL, not production).
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self.env_vars = {name: value for name, value in self.env_vars.items() if _is_given(value)}
 
 
 class _SecretFilesSource(PydanticBaseSettingsSource):
     """``X_FILE`` and ``$CREDENTIALS_DIRECTORY/X`` for every variable ``X``.
 
-    An empty ``X=`` or ``X_FILE=`` counts as unset, as it does for the variables themselves
-    (``env_ignore_empty``): the next place is looked at. A complex field (the JSON lists) is
-    decoded from the file's text as pydantic-settings decodes it from a variable.
+    An empty or whitespace-only ``X`` or ``X_FILE`` counts as unset, as it does for the
+    variables themselves (:class:`_EnvSource`): the next place is looked at. A file that
+    holds nothing is refused. A complex field (the JSON lists) is decoded from the file's
+    text as pydantic-settings decodes it from a variable.
     """
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
@@ -419,15 +523,15 @@ class _SecretFilesSource(PydanticBaseSettingsSource):
 
 def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
     """``(variable to name in an error, path, text)`` of the file that sets ``field_name``,
-    or None when an explicit variable wins or no file is given: a non-empty ``X`` first,
+    or None when an explicit variable wins or no file is given: a non-blank ``X`` first,
     then ``X_FILE``, then ``$CREDENTIALS_DIRECTORY/X``."""
     names = _variable_names(field_name)
-    if any(os.environ.get(name) for name in names):
+    if any(_is_given(os.environ.get(name)) for name in names):
         return None  # an explicit variable wins
     for name in names:
         file_var = f"{name}_FILE"
         path = os.environ.get(file_var)
-        if path:
+        if _is_given(path):
             return file_var, path, _read_or_refuse(file_var, path)
     creds = credentials_directory()
     if creds is None:
@@ -448,9 +552,17 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
 
 def _read_or_refuse(variable: str, path: str) -> str:
     try:
-        return read_secret_file(path)
+        text = read_secret_file(path)
     except ValueError as exc:
         raise ConfigError(variable, str(exc)) from None
+    if not text.strip():
+        # Not the default: an empty database URL credential would mean the embedded
+        # PostgreSQL instead of production, without a word.
+        remedy = f"unset {variable}" if variable.endswith("_FILE") else "remove the credential"
+        raise ConfigError(
+            variable, f"{path!r} is empty: write the value into it, or {remedy} for the default"
+        )
+    return text
 
 
 def _variable_names(field_name: str) -> list[str]:
@@ -599,27 +711,24 @@ class Settings(BaseSettings):
     @field_validator("database_url", mode="before")
     @classmethod
     def _database_url(cls, value: object) -> object:
-        # Empty (`SOKRATOS_DATABASE_URL=` in an env file) means unset (embedded), not libpq's
-        # defaults; anything else must parse, checked before any command connects.
+        # Blank means unset (embedded), not libpq's defaults; anything else must parse, and
+        # libpq must accept its options and the PG* variables that fill the ones it leaves
+        # out, checked before any command connects.
         if isinstance(value, str) and not value.strip():
             return None
         if isinstance(value, str):
             try:
                 parts = conninfo_to_dict(value)
-                port = str(parts.get("port") or "5432")
-                if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
-                    # libpq would report it as a host it cannot resolve: an outage (exit 75)
-                    # that systemd restarts for ever, instead of this configuration error.
-                    raise ValueError("has a port that is not a number")
-                problem = libpq_option_problem(parts)
-                if problem is not None:
-                    raise ValueError(problem)
             except psycopg.ProgrammingError:
                 # Not the parser's text: it may quote the URL, password included.
                 raise ValueError(
                     "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
                     " or key=value string"
                 ) from None
+            problem = libpq_option_problem(parts)
+            if problem is not None:
+                raise ValueError(problem)
+            _refuse_bad_libpq_environment(parts)
         return value
 
     @field_validator("data_dir")
@@ -693,7 +802,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _SecretFilesSource(settings_cls))
+        return (init_settings, _EnvSource(settings_cls), _SecretFilesSource(settings_cls))
 
     @property
     def uses_embedded_postgres(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from sokratos_worker.config import ConfigError
+from sokratos_worker.config import ConfigError, libpq_option_source, libpq_session_variable
 from sokratos_worker.errors import DatabaseUnavailable
 
 T = TypeVar("T")
@@ -120,6 +121,56 @@ class DatabaseLoginRefused(ConfigError):
         )
 
 
+# What libpq answers when an option's value is wrong (it checks most only as it connects):
+# waiting will not help. Each is about the option given, or the one its group names.
+_OPTION_REFUSED = (
+    (re.compile(r'definition of service "[^"]*" not found'), "service"),
+    (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
+    (re.compile(r'invalid "?(\w+)"? value: '), None),
+    (re.compile(r"could not match \d+ port numbers"), "port"),
+)
+# The server refusing a setting sent at start-up: from ``options`` (the URL's or PGOPTIONS)
+# or from PGTZ, PGDATESTYLE or PGGEQO; a group names the parameter when there is one.
+_SETTING_REFUSED = re.compile(
+    r'FATAL:\s+(?:(?:unrecognized configuration|invalid value for) parameter "(\w+)"'
+    r'|parameter "(\w+)" cannot be changed|invalid command-line argument|-+[\w-]+ requires a value)'
+)
+
+
+class DatabaseOptionRefused(ConfigError):
+    """libpq or the server refused a connection option: fix the variable that gave it."""
+
+    def __init__(self, variable: str, detail: str) -> None:
+        remedy = (
+            "correct it in the URL"
+            if variable == "SOKRATOS_DATABASE_URL"
+            else "libpq applies this variable to the database connection: correct or unset it"
+        )
+        super().__init__(variable, f"a connection option was refused ({detail}); {remedy}")
+
+
+def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
+    """The configuration error in libpq's or the server's refusal ``text``, or None."""
+    url_options = conninfo_to_dict(conninfo)
+    for pattern, option in _OPTION_REFUSED:
+        match = pattern.search(text)
+        if match is not None:
+            variable = libpq_option_source(option or match.group(1), url_options)
+            return DatabaseOptionRefused(variable, _refusal(text, match))
+    match = _SETTING_REFUSED.search(text)
+    if match is None:
+        return None
+    parameter = match.group(1) or match.group(2) or ""
+    variable = libpq_session_variable(parameter) or libpq_option_source("options", url_options)
+    return DatabaseOptionRefused(variable, _refusal(text, match))
+
+
+def _refusal(text: str, match: re.Match[str]) -> str:
+    """The line of ``text`` from ``match`` on, without the server's ``FATAL:``."""
+    line = text[match.start() :].splitlines()[0].removeprefix("FATAL:")
+    return " ".join(line.split())
+
+
 def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
     """One connection outside any pool (migrations, LISTEN, CLI commands)."""
     try:
@@ -130,6 +181,9 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
     except DatabaseUnavailable as exc:
         cause = exc.__cause__
         text = str(cause or exc)
+        refused = option_refused(text, conninfo) if cause is not None else None
+        if refused is not None:
+            raise refused from cause
         if cause is not None and any(marker in text for marker in _LOGIN_REFUSED):
             raise DatabaseLoginRefused(_fatal_line(text)) from cause
         raise

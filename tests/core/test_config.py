@@ -508,6 +508,7 @@ def test_a_credential_that_cannot_be_read_is_a_configuration_error(tmp_path: Pat
         ("ssl_min_protocol_version=TLS1.2", "invalid ssl_min_protocol_version 'TLS1.2'"),
         ("require_auth=scram", "invalid require_auth method 'scram'"),
         ("require_auth=!password,md5", "mixes negated (!) and plain methods"),
+        ("sslnegotiation=direct", "has sslnegotiation=direct with sslmode 'prefer'"),
     ],
 )
 def test_an_invalid_libpq_option_in_the_database_url_is_refused(option: str, words: str) -> None:
@@ -535,6 +536,7 @@ def test_the_libpq_options_a_production_url_uses_are_accepted() -> None:
         "&target_session_attrs=read-write&sslrootcert=/etc/ssl/ca.pem&channel_binding=require"
         "&gssencmode=disable&keepalives_idle=30&ssl_min_protocol_version=tlsv1.2"
         "&require_auth=scram-sha-256&load_balance_hosts=random&application_name=w"
+        "&sslnegotiation=direct"
     )
     assert not load_settings({"SOKRATOS_DATABASE_URL": url}).uses_embedded_postgres
     keywords = "host=/run/postgresql dbname=sokratos sslmode=disable require_auth=!password,!md5"
