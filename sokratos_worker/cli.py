@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -520,16 +521,33 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _failure_document(found: dict[str, Any]) -> str:
-    """The failure as indented JSON. A context_data Python's json cannot follow (nested too
-    deeply, or a number too long) is printed as stored, on one line, and stderr says so."""
+    """The failure as indented JSON, every number as stored. A context_data Python's json
+    cannot follow (nested too deeply, or a number too long) is printed as stored, on one line,
+    and stderr says so."""
     context: str | None = found["context_data"]
+    stored: dict[str, str] = {}  # a placeholder's JSON text -> the number as stored
+
+    def number(text: str) -> Any:
+        """A float that prints back as the same number, else a placeholder for its text: a
+        float would print 0.1000000000000000055511151231257827 as 0.1 and 1e-400 as 0.0."""
+        value = float(text)
+        if Decimal(repr(value)) == Decimal(text):
+            return value
+        placeholder = f"\0{len(stored)}"  # no jsonb or text value holds a NUL
+        stored[json.dumps(placeholder)] = text
+        return placeholder
+
     try:
-        parsed = None if context is None else json.loads(context)
-        return json.dumps(
+        parsed = None if context is None else json.loads(context, parse_float=number)
+        document = json.dumps(
             {**found, "context_data": parsed}, default=str, indent=2, ensure_ascii=False
         )
     except (RecursionError, ValueError):  # ValueError: an integer over Python's 4300 digits
         pass
+    else:
+        for placeholder, text in stored.items():
+            document = document.replace(placeholder, text, 1)
+        return document
     assert context is not None  # noqa: S101 - None always parses
     print(
         f"sokratos-worker: failure {found['id']}: its context_data ({len(context.encode())}"

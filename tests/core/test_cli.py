@@ -246,6 +246,34 @@ def test_failed_show_and_retry_read_a_dead_letter_nested_deeper_than_python_pars
     assert replayed == [(True, "deep-1#retry-1", True)]
 
 
+def test_failed_show_prints_every_digit_of_the_stored_numbers(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The dead letter keeps the queue's numbers exactly (PostgreSQL's numeric); `failed show`
+    printed them as Python floats: 0.1000000000000000055511151231257827 as 0.1, 1e-400 as 0.0,
+    so a payload repaired from it and enqueued by hand lost them."""
+    from decimal import Decimal
+
+    from sokratos_worker.model import Queue
+    from sokratos_worker.store import queue as store
+
+    db.execute(
+        "INSERT INTO pending_triage (payload) VALUES (jsonb_build_object('exchange', 'user: hi',"
+        " 'amount', 0.1000000000000000055511151231257827, 'tiny', 1e-400::numeric,"
+        " 'plain', 2.5, 'count', 3))"
+    )
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert store.dead_letter(db, item, owner="w", error="model said no").settled
+    (failure_id,) = (str(r[0]) for r in db.execute("SELECT id FROM failed_operations"))
+    shown = cli("failed", "show", failure_id, env=env_for(database_url, tmp_path))
+    assert shown.returncode == 0 and not shown.stderr, shown.stderr
+    payload = json.loads(shown.stdout, parse_float=Decimal)["context_data"]["payload"]
+    assert payload["amount"] == Decimal("0.1000000000000000055511151231257827"), payload
+    assert payload["tiny"] == Decimal("1e-400"), payload
+    assert (payload["plain"], payload["count"]) == (Decimal("2.5"), 3), payload
+    assert '\n      "plain": 2.5,\n' in shown.stdout  # indented as every record
+
+
 @pytest.mark.subprocess
 def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) -> None:
     env = env_for(None, tmp_path)

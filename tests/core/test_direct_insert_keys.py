@@ -105,8 +105,8 @@ def test_a_direct_insert_on_conflict_do_nothing_of_a_known_key(db: psycopg.Conne
 def test_an_item_finishing_while_a_direct_insert_checks_its_key_lets_no_second_item_in(
     db: psycopg.Connection, database_url: str
 ) -> None:
-    """The key's item is held (FOR KEY SHARE) from the check until the INSERT ends: a settle
-    deleting it meanwhile waits, and a settle already deleting it makes the INSERT a refusal."""
+    """A settle already deleting the key's item makes the INSERT wait for it at the queue's
+    index, then a refusal."""
     first = _enqueue(db, "go-11")
     (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     with psycopg.connect(database_url) as settling:
@@ -138,11 +138,14 @@ def test_keyed_enqueues_and_a_keyed_failed_retry_still_insert_their_rows(
     assert row == ("go-9#retry-1",)
 
 
-def test_the_key_trigger_still_runs_with_its_owners_rights(db: psycopg.Connection) -> None:
-    row = db.execute(
-        "SELECT prosecdef, proconfig FROM pg_proc WHERE proname = 'sokratos_remember_key'"
-    ).fetchone()
-    assert row is not None and row[0] is True and any("search_path" in c for c in row[1]), row
+def test_the_key_triggers_still_run_with_their_owners_rights(db: psycopg.Connection) -> None:
+    rows = db.execute(
+        "SELECT proname, prosecdef, proconfig FROM pg_proc"
+        " WHERE proname IN ('sokratos_remember_key', 'sokratos_check_key') ORDER BY proname"
+    ).fetchall()
+    assert [r[0] for r in rows] == ["sokratos_check_key", "sokratos_remember_key"], rows
+    for _, definer, config in rows:
+        assert definer is True and any("search_path" in c for c in config), rows
 
 
 # -- a direct INSERT and sokratos_enqueue racing on one key ---------------------------------
@@ -247,3 +250,60 @@ def test_a_direct_insert_paused_after_its_row_and_an_enqueue_of_its_key_do_not_d
     assert enqueued == direct  # the function answers with the original id
     assert db.execute("SELECT id FROM pending_triage").fetchall() == [(direct,)]
     assert count(db, "SELECT item_id FROM sokratos_idempotency_keys") == direct
+
+
+RETRY = (
+    "INSERT INTO pending_triage (payload, idempotency_key) VALUES (%s::jsonb, %s)"
+    " ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING"
+)
+
+
+def test_a_producers_skipped_retry_does_not_hold_up_the_settle_of_the_queued_item(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The key's queued item is not locked for the producer's transaction: its settle neither
+    waits for that transaction nor deadlocks with it (with the item locked, the settle-and-claim
+    claimed the next item and waited for the producer, whose retry of that next item's key then
+    waited for the settle: 40P01)."""
+    first, second = _enqueue(db, "go-12"), _enqueue(db, "go-13")
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    assert item.id == first
+    with (
+        psycopg.connect(database_url) as producer,
+        psycopg.connect(database_url, autocommit=True, options="-c lock_timeout=5s") as worker,
+    ):
+        assert producer.execute(RETRY, (PAYLOAD, "go-12")).rowcount == 0  # (not committed)
+        settled, claimed = store.settle_success(
+            worker, item, Effects(Outcome.SKIPPED), owner="w", claim_next=True
+        )
+        assert settled.settled and [c.id for c in claimed] == [second]
+        assert producer.execute(RETRY, (PAYLOAD, "go-13")).rowcount == 0
+        producer.commit()
+    assert db.execute("SELECT id FROM pending_triage").fetchall() == [(second,)]
+
+
+def test_an_item_finishing_after_a_direct_insert_found_it_queued_lets_no_second_item_in(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Settled (deleted, committed) between the key's check and the queue's index: the row
+    written then is refused as for a finished key, also under ON CONFLICT DO NOTHING."""
+    first = _enqueue(db, "go-14")
+    (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    # Pauses after the key triggers checked the key ("z_…" fires after "sokratos_…").
+    db.execute(PAUSE_TRIGGERS.replace("a_test_pause_before", "z_test_pause_before"))
+    retry = RETRY.replace("%s)", "'go-14')") + " RETURNING id"
+    with (
+        psycopg.connect(database_url, autocommit=True) as gate,
+        psycopg.connect(database_url, options="-c sokratos_test.pause=before") as producer,
+    ):
+        gate.execute("SELECT pg_advisory_lock(%s)", (PAUSE_LOCK,))
+        thread, result = _start(producer, retry)
+        _waiting_for(db, producer.info.backend_pid, "advisory")
+        assert store.settle_success(db, item, Effects(Outcome.SKIPPED), owner="w")[0].settled
+        gate.execute("SELECT pg_advisory_unlock(%s)", (PAUSE_LOCK,))
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    (refused,) = result
+    assert isinstance(refused, psycopg.errors.UniqueViolation), refused
+    assert f"item {first}" in (refused.diag.message_primary or "")
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
