@@ -355,9 +355,11 @@ _LIBPQ_INTEGERS = (
 _LIBPQ_AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
 
 
-def libpq_option_problem(options: Mapping[str, object]) -> str | None:
+def libpq_option_problem(options: Mapping[str, object], *, combined: bool = True) -> str | None:
     """Why libpq would refuse one of ``options`` (parsed by ``conninfo_to_dict``), or None.
 
+    ``combined=False`` leaves out the sslmode each of sslnegotiation=direct and
+    sslrootcert=system needs: a PG* variable may give it (:func:`_libpq_sslmode_problem`).
     Only option names and values that are not secret are quoted."""
     port = str(options.get("port") or "")
     if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
@@ -368,12 +370,9 @@ def libpq_option_problem(options: Mapping[str, object]) -> str | None:
         value = options.get(key)
         if value is not None and str(value) not in choices:
             return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
-    sslmode = str(options.get("sslmode") or "prefer")
-    if options.get("sslnegotiation") == "direct" and sslmode not in _LIBPQ_STRONG_SSLMODES:
-        return (
-            f"has sslnegotiation=direct with sslmode {sslmode!r}: libpq refuses it (use"
-            f" sslmode {', '.join(_LIBPQ_STRONG_SSLMODES)})"
-        )
+    sslmode_problem = _libpq_sslmode_problem(options) if combined else None
+    if sslmode_problem is not None:
+        return sslmode_problem[1]
     for key in ("ssl_min_protocol_version", "ssl_max_protocol_version"):
         value = options.get(key)
         if value and str(value).lower() not in (v.lower() for v in _LIBPQ_TLS_VERSIONS):
@@ -393,6 +392,25 @@ def libpq_option_problem(options: Mapping[str, object]) -> str | None:
         if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
             return f"has an invalid {key} {str(value)!r} (a whole number)"
     return _require_auth_problem(options.get("require_auth"))
+
+
+def _libpq_sslmode_problem(options: Mapping[str, object]) -> tuple[str, str] | None:
+    """``(option, problem)`` when the sslmode is too weak for sslnegotiation=direct or
+    sslrootcert=system (libpq's order), naming the option that asks for more, else None."""
+    system = options.get("sslrootcert") == "system"
+    # libpq's default: verify-full with sslrootcert=system, else prefer.
+    sslmode = str(options.get("sslmode") or ("verify-full" if system else "prefer"))
+    if options.get("sslnegotiation") == "direct" and sslmode not in _LIBPQ_STRONG_SSLMODES:
+        return "sslnegotiation", (
+            f"has sslnegotiation=direct with sslmode {sslmode!r}: libpq refuses it (use"
+            f" sslmode {', '.join(_LIBPQ_STRONG_SSLMODES)})"
+        )
+    if system and sslmode != "verify-full":
+        return "sslrootcert", (
+            f"has sslrootcert=system with sslmode {sslmode!r}: libpq refuses it (use sslmode"
+            " verify-full)"
+        )
+    return None
 
 
 def _require_auth_problem(require_auth: object) -> str | None:
@@ -464,20 +482,38 @@ def forget_libpq_environment() -> list[str]:
 
 def _refuse_bad_libpq_environment(url_options: Mapping[str, object]) -> None:
     """Raise a :class:`ConfigError` naming a PG* variable whose value libpq would refuse
-    for an option the URL leaves out (libpq would only say so as it connects)."""
+    for an option the URL leaves out (libpq would only say so as it connects).
+
+    The sslmode sslnegotiation=direct or sslrootcert=system needs is checked with the
+    variables' values (PGSSLMODE=verify-full completes a URL's sslnegotiation=direct); a
+    ValueError (the URL's) when none of them is to blame."""
     merged = dict(url_options)
+    sources: dict[str, str] = {}
     for option, variable in libpq_option_variables().items():
         value = os.environ.get(variable)
         if value is None or option in url_options:
             continue
         merged[option] = value
-        problem = libpq_option_problem(merged)
+        sources[option] = variable
+        problem = libpq_option_problem(merged, combined=False)
         if problem is not None:
-            raise ConfigError(
-                variable,
-                f"{problem}; libpq uses it because SOKRATOS_DATABASE_URL sets no {option}:"
-                f" correct or unset {variable}",
-            )
+            raise _libpq_variable_refused(variable, option, problem)
+    found = _libpq_sslmode_problem(merged)
+    if found is None:
+        return
+    asking, problem = found
+    for option in (asking, "sslmode"):
+        if option in sources:
+            raise _libpq_variable_refused(sources[option], option, problem)
+    raise ValueError(problem)
+
+
+def _libpq_variable_refused(variable: str, option: str, problem: str) -> ConfigError:
+    return ConfigError(
+        variable,
+        f"{problem}; libpq uses it because SOKRATOS_DATABASE_URL sets no {option}:"
+        f" correct or unset {variable}",
+    )
 
 
 class _EnvSource(EnvSettingsSource):
@@ -725,10 +761,10 @@ class Settings(BaseSettings):
                     "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
                     " or key=value string"
                 ) from None
-            problem = libpq_option_problem(parts)
+            problem = libpq_option_problem(parts, combined=False)
             if problem is not None:
                 raise ValueError(problem)
-            _refuse_bad_libpq_environment(parts)
+            _refuse_bad_libpq_environment(parts)  # and the URL's sslmode with them
         return value
 
     @field_validator("data_dir")

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from sokratos_worker.config import ConfigError, libpq_option_source, libpq_session_variable
+from sokratos_worker.config import (
+    ConfigError,
+    libpq_option_source,
+    libpq_option_variables,
+    libpq_session_variable,
+)
 from sokratos_worker.errors import DatabaseUnavailable
 
 T = TypeVar("T")
@@ -128,12 +134,23 @@ _OPTION_REFUSED = (
     (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
     (re.compile(r'invalid "?(\w+)"? value: '), None),
     (re.compile(r"could not match \d+ port numbers"), "port"),
+    # sslnegotiation=direct or sslrootcert=system from a service file (config.py checks the
+    # URL's and the variables').
+    (re.compile(r'weak sslmode "[^"]*" may not be used with'), "sslmode"),
+    # Before _LOGIN_REFUSED's "does not exist" (a role or database) takes it.
+    (re.compile(r'root certificate file "[^"]*" does not exist'), "sslrootcert"),
 )
-# The server refusing a setting sent at start-up: from ``options`` (the URL's or PGOPTIONS)
-# or from PGTZ, PGDATESTYLE or PGGEQO; a group names the parameter when there is one.
+# Only PGSERVICEFILE names a service file libpq requires to exist.
+_SERVICE_FILE_MISSING = re.compile(r'service file "[^"]*" not found')
+# The server refusing a setting sent at start-up: from ``options`` (the URL's or PGOPTIONS),
+# from PGTZ, PGDATESTYLE or PGGEQO, or an option of its own (client_encoding); a group names
+# the parameter when there is one.
 _SETTING_REFUSED = re.compile(
     r'FATAL:\s+(?:(?:unrecognized configuration|invalid value for) parameter "(\w+)"'
-    r'|parameter "(\w+)" cannot be changed|invalid command-line argument|-+[\w-]+ requires a value)'
+    r'|parameter "(\w+)" (?:cannot be changed|requires an? \w+ value)'
+    r'|[^\n]*? is outside the valid range for parameter "(\w+)"'
+    r'|permission denied to set parameter "(\w+)"'
+    r"|invalid command-line argument|-+[\w-]+ requires a value)"
 )
 
 
@@ -152,6 +169,9 @@ class DatabaseOptionRefused(ConfigError):
 def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
     """The configuration error in libpq's or the server's refusal ``text``, or None."""
     url_options = conninfo_to_dict(conninfo)
+    match = _SERVICE_FILE_MISSING.search(text)
+    if match is not None:
+        return DatabaseOptionRefused("PGSERVICEFILE", _refusal(text, match))
     for pattern, option in _OPTION_REFUSED:
         match = pattern.search(text)
         if match is not None:
@@ -160,9 +180,21 @@ def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
     match = _SETTING_REFUSED.search(text)
     if match is None:
         return None
-    parameter = match.group(1) or match.group(2) or ""
-    variable = libpq_session_variable(parameter) or libpq_option_source("options", url_options)
-    return DatabaseOptionRefused(variable, _refusal(text, match))
+    parameter = next((group for group in match.groups() if group), "")
+    return DatabaseOptionRefused(_setting_source(parameter, url_options), _refusal(text, match))
+
+
+def _setting_source(parameter: str, url_options: dict[str, Any]) -> str:
+    """The variable that sent the server ``parameter``: PGTZ and the like, the option of the
+    same name (client_encoding: the URL's or PGCLIENTENCODING), else ``options``'s."""
+    session = libpq_session_variable(parameter)
+    if session is not None:
+        return session
+    option = parameter.lower()
+    variable = libpq_option_variables().get(option)
+    if variable is not None and (option in url_options or variable in os.environ):
+        return libpq_option_source(option, url_options)
+    return libpq_option_source("options", url_options)
 
 
 def _refusal(text: str, match: re.Match[str]) -> str:

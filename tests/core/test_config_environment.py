@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -235,6 +236,67 @@ def test_a_libpq_variable_the_url_overrides_is_not_checked() -> None:
     assert not s.uses_embedded_postgres
 
 
+@pytest.mark.parametrize(
+    ("query", "variables"),
+    [
+        ("sslnegotiation=direct", {"PGSSLMODE": "verify-full"}),
+        ("sslnegotiation=direct&sslrootcert=system", {}),  # libpq's sslmode is verify-full
+        ("sslnegotiation=direct", {"PGSSLROOTCERT": "system"}),
+        ("sslmode=require", {"PGSSLNEGOTIATION": "direct"}),
+        ("sslrootcert=system", {}),
+        ("", {"PGSSLNEGOTIATION": "direct", "PGSSLROOTCERT": "system"}),
+    ],
+)
+def test_a_libpq_variable_may_give_the_sslmode_the_url_needs(
+    query: str, variables: dict[str, str]
+) -> None:
+    """libpq takes the sslmode sslnegotiation=direct needs from PGSSLMODE, or defaults it to
+    verify-full with sslrootcert=system: a valid production setup, once refused."""
+    url = f"postgresql://u@db.example.org/sokratos?{query}"
+    assert not load_settings({"SOKRATOS_DATABASE_URL": url, **variables}).uses_embedded_postgres
+
+
+@pytest.mark.parametrize(
+    ("query", "variables", "named", "words"),
+    [
+        (
+            "sslnegotiation=direct",
+            {"PGSSLMODE": "prefer"},
+            "PGSSLMODE",
+            "has sslnegotiation=direct with sslmode 'prefer'",
+        ),
+        (
+            "sslrootcert=system",
+            {"PGSSLMODE": "require"},
+            "PGSSLMODE",
+            "has sslrootcert=system with sslmode 'require': libpq refuses it (use sslmode"
+            " verify-full)",
+        ),
+        (
+            "sslmode=verify-ca",
+            {"PGSSLROOTCERT": "system"},
+            "PGSSLROOTCERT",
+            "has sslrootcert=system with sslmode 'verify-ca'",
+        ),
+        (
+            "sslrootcert=system&sslmode=require",
+            {"PGSSLMODE": "verify-full"},  # ignored: the URL sets sslmode
+            "SOKRATOS_DATABASE_URL",
+            "has sslrootcert=system with sslmode 'require'",
+        ),
+        ("sslnegotiation=direct", {}, "SOKRATOS_DATABASE_URL", "with sslmode 'prefer'"),
+    ],
+)
+def test_an_sslmode_too_weak_for_what_asks_for_more_is_refused_naming_its_source(
+    query: str, variables: dict[str, str], named: str, words: str
+) -> None:
+    """libpq refuses these as it connects, which was waited out as an outage (exit 75)."""
+    url = f"postgresql://u:s3cret@db.example.org/sokratos?{query}"
+    error = _refusal({"SOKRATOS_DATABASE_URL": url, **variables})
+    assert error.variable == named
+    assert words in error.message and "s3cret" not in str(error)
+
+
 def test_libpq_variables_are_not_checked_for_the_embedded_postgres() -> None:
     assert load_settings({"PGSSLMODE": "bogus", "PGPORT": "x"}).uses_embedded_postgres
 
@@ -259,6 +321,20 @@ def test_libpq_variables_are_not_checked_for_the_embedded_postgres() -> None:
             "PGTZ=Mars/Olympus",
             'PGTZ: a connection option was refused (invalid value for parameter "TimeZone":'
             ' "Mars/Olympus")',
+        ),
+        (
+            "PGCLIENTENCODING=bogus",
+            "PGCLIENTENCODING: a connection option was refused (invalid value for parameter"
+            ' "client_encoding": "bogus")',
+        ),
+        (
+            "PGGEQO=maybe",
+            'PGGEQO: a connection option was refused (parameter "geqo" requires a Boolean value)',
+        ),
+        (
+            "PGOPTIONS=-c max_parallel_workers_per_gather=100000",
+            "PGOPTIONS: a connection option was refused (100000 is outside the valid range for"
+            ' parameter "max_parallel_workers_per_gather" (0 .. 1024))',
         ),
     ],
 )
@@ -293,6 +369,38 @@ def test_an_invalid_libpq_variable_exits_78_at_once_naming_it(
 
 
 @pytest.mark.postgres
+def test_a_setting_the_role_may_not_set_exits_78_naming_pgoptions(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """'permission denied to set parameter' was waited out as an outage (exit 75)."""
+    role = f"r_{uuid.uuid4().hex[:10]}"
+    db.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(database_url)
+        info["user"] = role
+        url = psycopg.conninfo.make_conninfo(
+            **{k: str(v) for k, v in info.items() if v is not None}
+        )
+        env = {
+            "SOKRATOS_DATABASE_URL": url,
+            "PGOPTIONS": "-c log_statement=all",
+            "HOME": str(tmp_path),
+            "SOKRATOS_DATA_DIR": str(tmp_path / "data"),
+            "SOKRATOS_STARTUP_TIMEOUT": "20s",
+        }
+        proc = cli("migrate", env=env)
+    finally:
+        db.execute(f"DROP ROLE {role}")
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert _plain_lines(proc.stderr) == [
+        "sokratos-worker: invalid configuration: PGOPTIONS: a connection option was refused"
+        ' (permission denied to set parameter "log_statement"); libpq applies this variable to'
+        " the database connection: correct or unset it"
+    ]
+    assert not [e for e in _events(proc.stderr) if e["event"] == "waiting_for_database"]
+
+
+@pytest.mark.postgres
 def test_check_names_a_libpq_variable_the_server_refuses(database_url: str, tmp_path: Path) -> None:
     env = {
         "SOKRATOS_DATABASE_URL": database_url,
@@ -307,6 +415,77 @@ def test_check_names_a_libpq_variable_the_server_refuses(database_url: str, tmp_
     assert 'definition of service "missing" not found' in database[0]
     assert "PGSERVICE" in database[0]
     assert any("llm_backends" in line for line in proc.stdout.splitlines())  # every line
+
+
+@pytest.mark.postgres
+def test_a_service_file_is_used_and_a_missing_or_refused_one_exits_78_naming_it(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A URL with service= reads PGSERVICEFILE; one that does not exist, or a service whose
+    sslmode libpq refuses, is a configuration error (exit 78), not an outage waited out."""
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    services = tmp_path / "pg_service.conf"
+    lines = [f"{k}={v}" for k, v in info.items() if v is not None and k != "password"]
+    services.write_text("[sokratos]\n" + "\n".join(lines) + "\n[weak]\nsslrootcert=system\n")
+    password = {"PGPASSWORD": str(info["password"])} if info.get("password") else {}
+    env = {
+        "SOKRATOS_DATABASE_URL": "service=sokratos",
+        "PGSERVICEFILE": str(services),
+        **password,
+        "HOME": str(tmp_path),
+        "SOKRATOS_DATA_DIR": str(tmp_path / "data"),
+        "SOKRATOS_STARTUP_TIMEOUT": "20s",
+    }
+    proc = cli("enqueue", "triage", "--exchange", EXCHANGE, "--key", "via-service", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    query = "SELECT count(*) FROM pending_triage WHERE idempotency_key = 'via-service'"
+    assert count(db, query) == 1
+    missing = str(tmp_path / "missing.conf")
+    run = cli("run", "--once", env={**env, "PGSERVICEFILE": missing})
+    assert run.returncode == 78, run.stderr[-2000:]
+    assert _plain_lines(run.stderr) == [
+        "sokratos-worker: invalid configuration: PGSERVICEFILE: a connection option was refused"
+        f' (service file "{missing}" not found); libpq applies this variable to the database'
+        " connection: correct or unset it"
+    ]
+    assert not [e for e in _events(run.stderr) if e["event"] == "waiting_for_database"]
+    weak = cli("migrate", env={**env, "SOKRATOS_DATABASE_URL": "service=weak sslmode=require"})
+    assert weak.returncode == 78, weak.stderr[-2000:]
+    assert 'weak sslmode "require" may not be used with sslrootcert=system' in weak.stderr
+
+
+@pytest.mark.parametrize("given_as", ["PGSSLROOTCERT", "SOKRATOS_DATABASE_URL"])
+def test_a_missing_root_certificate_exits_78_naming_where_it_was_given(
+    tmp_path: Path, given_as: str
+) -> None:
+    """libpq's 'root certificate file ... does not exist' was taken for a refused login
+    ('check the user, password and database name'), waited out, and named the URL."""
+    missing = str(tmp_path / "missing-ca.pem")
+    with socket.create_server(("127.0.0.1", 0)) as server:  # TLS starts at once: direct
+        port = server.getsockname()[1]
+        url = (
+            f"postgresql://u:s3cret@127.0.0.1:{port}/sokratos"
+            "?sslmode=verify-full&sslnegotiation=direct"
+        )
+        where = {"PGSSLROOTCERT": missing}
+        if given_as == "SOKRATOS_DATABASE_URL":
+            url, where = f"{url}&sslrootcert={missing}", {}
+        env = {
+            "SOKRATOS_DATABASE_URL": url,
+            **where,
+            "HOME": str(tmp_path),
+            "SOKRATOS_DATA_DIR": str(tmp_path / "data"),
+            "SOKRATOS_STARTUP_TIMEOUT": "20s",
+        }
+        run = cli("run", "--once", env=env)
+    assert run.returncode == 78, run.stderr[-2000:]
+    lines = _plain_lines(run.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"sokratos-worker: invalid configuration: {given_as}: a connection option was refused"
+        f' (root certificate file "{missing}" does not exist)'
+    ), lines
+    assert "s3cret" not in run.stderr
+    assert not [e for e in _events(run.stderr) if e["event"] == "waiting_for_database"]
 
 
 @pytest.mark.postgres
