@@ -12,6 +12,7 @@ from __future__ import annotations
 import email
 import email.header
 import email.utils
+import functools
 import hashlib
 import html
 import re
@@ -145,9 +146,19 @@ class _BoundedPolicy(EmailPolicy):
     """
 
     def header_fetch_parse(self, name: str, value: str) -> Any:
-        if len(value) > PARSED_HEADER_LIMIT and not hasattr(value, "name"):
+        if hasattr(value, "name"):
+            return value  # parsed already
+        if len(value) > PARSED_HEADER_LIMIT:
             value = _structure_first(value[:STRUCTURE_SEARCH_LIMIT])[:PARSED_HEADER_LIMIT]
-        return super().header_fetch_parse(name, value)
+        return _parsed_header(name, value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_header(name: str, value: str) -> Any:
+    """A header as ``policy.default`` parses it, once per bounded value: the email package
+    parses a header anew on each of its ~9 reads of a part (a 2,000-part message with long
+    Content-Types took minutes). Parsed headers are immutable, so sharing them is safe."""
+    return EmailPolicy.header_fetch_parse(_POLICY, name, value)
 
 
 _POLICY = _BoundedPolicy()
