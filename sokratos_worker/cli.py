@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -364,9 +365,30 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
 def _run(args: argparse.Namespace, settings: Settings, factory: HandlerFactory | None) -> int:
     from sokratos_worker.app import run_worker  # noqa: PLC0415 - heavy imports
 
-    with database_url(settings) as url:
-        migrate = settings.migrate_on_start and not args.no_migrate
-        return run_worker(settings, url, factory, once=args.once, migrate=migrate)
+    # Until the worker installs its own handlers, SIGTERM and SIGHUP end the start the way
+    # Ctrl-C does: a wait for the database or the migrators' lock stops, the embedded
+    # PostgreSQL is stopped, no traceback (SIGTERM's default exit left the server running).
+    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOPS_WHILE_STARTING}
+    try:
+        with database_url(settings) as url:
+            migrate = settings.migrate_on_start and not args.no_migrate
+            return run_worker(settings, url, factory, once=args.once, migrate=migrate)
+    except KeyboardInterrupt:
+        log.warning(
+            "stopped_while_starting",
+            hint="a stop signal came before the worker was ready: nothing was claimed",
+        )
+        return EXIT_OK
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+_STOPS_WHILE_STARTING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _migrate(_: argparse.Namespace, settings: Settings) -> int:

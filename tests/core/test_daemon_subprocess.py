@@ -496,3 +496,22 @@ def test_a_queue_table_locked_at_stop_does_not_hold_the_exit(
     # Still leased (the release could not be written): the items wait for their leases.
     assert count(db, "SELECT count(*) FROM pending_triage") == n
     assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_start_waits_for_the_database_ends_it_cleanly(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Before the worker's own handlers, SIGTERM killed the process where it stood (an
+    embedded PostgreSQL it had started was left running) and Ctrl-C printed a traceback."""
+    env = daemon_env("postgresql://x@127.0.0.1:1/none", tmp_path, SOKRATOS_STARTUP_TIMEOUT="5m")
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(lambda: "waiting_for_database" in log.read_text(), timeout=60)
+        proc.send_signal(signum)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "stopped_while_starting" in text and "Traceback" not in text, text[-2000:]
