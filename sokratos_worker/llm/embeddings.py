@@ -237,18 +237,26 @@ def _slot(index: Any, position: int, indices: list[Any]) -> int:
     if index is None:
         raise _bad_indices(indices, f"vector {position} has no index while others have one")
     if type(index) not in _NUMBERS:
-        raise _bad_indices(indices, f"index {index!r} is not a number")
+        raise _bad_indices(indices, f"index {_bounded(repr(index), 40)} is not a number")
     if isinstance(index, float) and not index.is_integer():
-        raise _bad_indices(indices, f"index {index!r} is not a whole number")
+        raise _bad_indices(indices, f"index {_bounded(repr(index), 40)} is not a whole number")
     if not 0 <= index < len(indices):
-        raise _bad_indices(indices, f"index {index!r} is outside 0..{len(indices) - 1}")
+        raise _bad_indices(
+            indices, f"index {_bounded(repr(index), 40)} is outside 0..{len(indices) - 1}"
+        )
     return int(index)
+
+
+def _bounded(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters: a reply's values end up in ``last_error``."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def _bad_indices(indices: list[Any], problem: str) -> EmbeddingReplyInvalid:
     return EmbeddingReplyInvalid(
-        f"embedding server returned the indices {indices!r} for {len(indices)} inputs: {problem};"
-        " refused rather than risk giving a text another text's vector"
+        f"embedding server returned the indices {_bounded(repr(indices))} for {len(indices)}"
+        f" inputs: {problem}; refused rather than risk giving a text another text's"
+        " vector"
     )
 
 

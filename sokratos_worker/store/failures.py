@@ -117,6 +117,13 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
             None,
             "refused: this failure has no stored payload (not written by sokratos-worker)",
         )
+    if source_queue not in _REPLAY_QUEUES:
+        return RetryResult(
+            failure_id,
+            None,
+            f"refused: its source_queue {source_queue!r} is not a queue of this worker"
+            f" ({', '.join(_REPLAY_QUEUES)}); set it right or enqueue the payload by hand",
+        )
     if not an_object:
         raise InvalidPayload("payload", "is not a JSON object this worker can parse")
     queue = Queue(source_queue)
@@ -140,6 +147,9 @@ _REPLAY = {
                                                                  %(key)s::text)
                            FROM failed_operations WHERE id = %(id)s""",
 }
+
+
+_REPLAY_QUEUES = tuple(q.value for q in Queue)
 
 
 def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:

@@ -206,6 +206,22 @@ def test_failed_list_show_retry_purge(
     assert purge.returncode == 0 and "deleted 1" in purge.stdout
 
 
+def test_failed_retry_of_a_record_naming_an_unknown_queue_is_refused_not_a_traceback(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A failed_operations row written by hand or by Sokratos may name any source_queue."""
+    failure_id = count(
+        db,
+        "INSERT INTO failed_operations (op_type, label, error_message, context_data,"
+        " source_queue) VALUES ('conversation_triage', 'x', 'e',"
+        " '{\"payload\": {\"exchange\": \"user: hi\"}}', 'pending_somewhere') RETURNING id",
+    )
+    retried = cli("failed", "retry", str(failure_id), env=env_for(database_url, tmp_path))
+    assert "Traceback" not in retried.stderr, retried.stderr
+    assert "'pending_somewhere' is not a queue of this worker" in retried.stdout + retried.stderr
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
 def test_failed_show_and_retry_read_a_dead_letter_nested_deeper_than_python_parses(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:

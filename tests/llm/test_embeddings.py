@@ -196,6 +196,25 @@ def test_indices_that_do_not_name_each_input_once_are_refused(
         embedders(srv.url, dim=8).embed(TEXTS)
 
 
+def test_a_huge_index_in_a_refused_reply_is_not_copied_whole_into_the_error(
+    servers: Servers, embedders
+):
+    """The refusal quotes the indices, and the error ends up in logs and last_error: a proxy
+    answering a 1 MB string as an index made a 2 MB message."""
+
+    def respond(request: Request) -> Reply:
+        inputs = request.body["input"]
+        if len(inputs) == 1:
+            return Reply.embeddings([hash_embedding(inputs[0], 8)])
+        return _indexed([hash_embedding(t, 8) for t in inputs], ["9" * 1_000_000, 1, 2, 3])
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    with pytest.raises(EmbeddingReplyInvalid, match="is not a number") as refused:
+        embedders(srv.url, dim=8).embed(TEXTS)
+    assert len(str(refused.value)) < 1000, len(str(refused.value))
+
+
 def test_whole_numbers_written_as_floats_are_indices(servers: Servers, embedders):
     """Some proxies write every JSON number as a float: index 0.0 is index 0."""
 
