@@ -344,6 +344,7 @@ _LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
     "max_protocol_version": ("3.0", "3.2", "latest"),
 }
 _LIBPQ_STRONG_SSLMODES = ("require", "verify-ca", "verify-full")  # what sslnegotiation=direct needs
+_READ_ONLY_SESSIONS = ("read-only", "standby", "prefer-standby")
 _LIBPQ_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")  # any case; empty: no bound
 _LIBPQ_INTEGERS = (
     "keepalives",
@@ -370,6 +371,14 @@ def libpq_option_problem(options: Mapping[str, object], *, combined: bool = True
         value = options.get(key)
         if value is not None and str(value) not in choices:
             return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
+    attrs = options.get("target_session_attrs")
+    if attrs in _READ_ONLY_SESSIONS:
+        # libpq accepts it, then finds only a standby or none: the worker's writes would fail,
+        # or the start would wait for a server that never comes (exit 75).
+        return (
+            f"has target_session_attrs {attrs!r}: sokratos-worker writes to the database"
+            " (use read-write, primary or any)"
+        )
     sslmode_problem = _libpq_sslmode_problem(options) if combined else None
     if sslmode_problem is not None:
         return sslmode_problem[1]

@@ -509,6 +509,8 @@ def test_a_credential_that_cannot_be_read_is_a_configuration_error(tmp_path: Pat
         ("require_auth=scram", "invalid require_auth method 'scram'"),
         ("require_auth=!password,md5", "mixes negated (!) and plain methods"),
         ("sslnegotiation=direct", "has sslnegotiation=direct with sslmode 'prefer'"),
+        ("target_session_attrs=read-only", "target_session_attrs 'read-only': sokratos-worker"),
+        ("target_session_attrs=prefer-standby", "(use read-write, primary or any)"),
     ],
 )
 def test_an_invalid_libpq_option_in_the_database_url_is_refused(option: str, words: str) -> None:

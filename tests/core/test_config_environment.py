@@ -210,6 +210,7 @@ def test_a_blank_database_url_in_the_env_file_still_uses_the_database_of_the_sec
         ("PGSSLMODE", "", "has an invalid sslmode ''"),
         ("PGPORT", "notaport", "has a port that is not a number"),
         ("PGTARGETSESSIONATTRS", "primary-please", "invalid target_session_attrs 'primary-please'"),
+        ("PGTARGETSESSIONATTRS", "standby", "target_session_attrs 'standby': sokratos-worker"),
         ("PGGSSENCMODE", "on", "invalid gssencmode 'on'"),
         ("PGREQUIREAUTH", "scram", "invalid require_auth method 'scram'"),
         ("PGSSLNEGOTIATION", "direct", "has sslnegotiation=direct with sslmode 'prefer'"),
