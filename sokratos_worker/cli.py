@@ -239,7 +239,9 @@ def main(
     except ConfigError as exc:
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    configure_logging(settings.log_level, settings.effective_log_format(), cache=True)
+    configure_logging(
+        _log_level(args.command, settings), settings.effective_log_format(), cache=True
+    )
     _warn_unknown_variables(args.command)
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:
@@ -280,6 +282,16 @@ def main(
             file=sys.stderr,
         )
         return EXIT_FAILURE
+
+
+def _log_level(command: str, settings: Settings) -> str:
+    """The daemon, the demo and ``migrate`` (whose progress is the point) log at
+    SOKRATOS_LOG_LEVEL (info); the other commands, unless it is set, only warnings and
+    errors, so their answer is not buried under the embedded PostgreSQL's start and release
+    lines."""
+    if command in ("run", "demo", "migrate") or "log_level" in settings.model_fields_set:
+        return settings.log_level
+    return "warning"
 
 
 def _missing_privilege(exc: Exception) -> str | None:

@@ -303,6 +303,10 @@ def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) 
     # A second command attaches to (or restarts) the same data directory.
     again = cli("status", "--json", env=env, timeout=120)
     assert json.loads(again.stdout)["database"] == "ok"
+    # A one-shot command's answer is not buried under the server's start and release lines.
+    assert not again.stderr, again.stderr
+    told = cli("status", env={**env, "SOKRATOS_LOG_LEVEL": "info"}, timeout=120)
+    assert "embedded_postgres_ready" in told.stderr, told.stderr
 
 
 def test_check_probes_everything_and_names_what_failed(database_url: str, tmp_path: Path) -> None:

@@ -88,6 +88,7 @@ def _crash_a_holder(data: Path) -> int:
 
 def _status(data: Path) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(data), "SOKRATOS_DATA_DIR": str(data)}
+    env["SOKRATOS_LOG_LEVEL"] = "info"  # the server's start and stop lines are read below
     return subprocess.run(
         [sys.executable, "-m", "sokratos_worker", "status"],
         cwd=ROOT,
