@@ -17,13 +17,11 @@ import re
 import ssl
 import sys
 from collections.abc import Mapping
-from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
 from urllib.parse import urlsplit
 
 import psycopg
-from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 from pydantic import (
     AfterValidator,
@@ -45,6 +43,8 @@ from pydantic_settings import (
     SettingsConfigDict,
     SettingsError,
 )
+
+from sokratos_worker import libpq
 
 ENV_PREFIX = "SOKRATOS_"
 
@@ -322,173 +322,6 @@ def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "sokratos-worker"
 
 
-# libpq's own lists (libpq 18, fe-connect.c). libpq checks an option's value only when it
-# connects, and psycopg reports the refusal like an outage: waited out, then exit 75, and
-# restarted by systemd for ever. So the values are checked here, before any connection.
-_LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
-    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
-    "target_session_attrs": (
-        "any",
-        "read-write",
-        "read-only",
-        "primary",
-        "standby",
-        "prefer-standby",
-    ),
-    "gssencmode": ("disable", "prefer", "require"),
-    "channel_binding": ("disable", "prefer", "require"),
-    "load_balance_hosts": ("disable", "random"),
-    "sslcertmode": ("disable", "allow", "require"),
-    "sslnegotiation": ("postgres", "direct"),
-    "min_protocol_version": ("3.0", "3.2", "latest"),
-    "max_protocol_version": ("3.0", "3.2", "latest"),
-}
-_LIBPQ_STRONG_SSLMODES = ("require", "verify-ca", "verify-full")  # what sslnegotiation=direct needs
-_READ_ONLY_SESSIONS = ("read-only", "standby", "prefer-standby")
-_LIBPQ_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")  # any case; empty: no bound
-_LIBPQ_INTEGERS = (
-    "keepalives",
-    "keepalives_idle",
-    "keepalives_interval",
-    "keepalives_count",
-    "tcp_user_timeout",
-)
-_LIBPQ_AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
-
-
-def libpq_option_problem(options: Mapping[str, object], *, combined: bool = True) -> str | None:
-    """Why libpq would refuse one of ``options`` (parsed by ``conninfo_to_dict``), or None.
-
-    ``combined=False`` leaves out the sslmode each of sslnegotiation=direct and
-    sslrootcert=system needs: a PG* variable may give it (:func:`_libpq_sslmode_problem`).
-    Only option names and values that are not secret are quoted."""
-    port = str(options.get("port") or "")
-    if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
-        # libpq would report it as a host it cannot resolve: an outage (exit 75) that
-        # systemd restarts for ever, instead of this configuration error.
-        return "has a port that is not a number"
-    for key, choices in _LIBPQ_CHOICES.items():
-        value = options.get(key)
-        if value is not None and str(value) not in choices:
-            return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
-    attrs = options.get("target_session_attrs")
-    if attrs in _READ_ONLY_SESSIONS:
-        # libpq accepts it, then finds only a standby or none: the worker's writes would fail,
-        # or the start would wait for a server that never comes (exit 75).
-        return (
-            f"has target_session_attrs {attrs!r}: sokratos-worker writes to the database"
-            " (use read-write, primary or any)"
-        )
-    sslmode_problem = _libpq_sslmode_problem(options) if combined else None
-    if sslmode_problem is not None:
-        return sslmode_problem[1]
-    for key in ("ssl_min_protocol_version", "ssl_max_protocol_version"):
-        value = options.get(key)
-        if value and str(value).lower() not in (v.lower() for v in _LIBPQ_TLS_VERSIONS):
-            return (
-                f"has an invalid {key} {str(value)!r} (libpq accepts"
-                f" {', '.join(_LIBPQ_TLS_VERSIONS)})"
-            )
-    low, high = (
-        str(options.get(key) or "").lower()
-        for key in ("ssl_min_protocol_version", "ssl_max_protocol_version")
-    )
-    versions = [v.lower() for v in _LIBPQ_TLS_VERSIONS]
-    if low and high and versions.index(low) > versions.index(high):
-        return "has ssl_min_protocol_version above ssl_max_protocol_version: libpq refuses it"
-    for key in _LIBPQ_INTEGERS:
-        value = options.get(key)
-        if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
-            return f"has an invalid {key} {str(value)!r} (a whole number)"
-    return _require_auth_problem(options.get("require_auth"))
-
-
-def _libpq_sslmode_problem(options: Mapping[str, object]) -> tuple[str, str] | None:
-    """``(option, problem)`` when the sslmode is too weak for sslnegotiation=direct or
-    sslrootcert=system (libpq's order), naming the option that asks for more, else None."""
-    system = options.get("sslrootcert") == "system"
-    # libpq's default: verify-full with sslrootcert=system, else prefer.
-    sslmode = str(options.get("sslmode") or ("verify-full" if system else "prefer"))
-    if options.get("sslnegotiation") == "direct" and sslmode not in _LIBPQ_STRONG_SSLMODES:
-        return "sslnegotiation", (
-            f"has sslnegotiation=direct with sslmode {sslmode!r}: libpq refuses it (use"
-            f" sslmode {', '.join(_LIBPQ_STRONG_SSLMODES)})"
-        )
-    if system and sslmode != "verify-full":
-        return "sslrootcert", (
-            f"has sslrootcert=system with sslmode {sslmode!r}: libpq refuses it (use sslmode"
-            " verify-full)"
-        )
-    return None
-
-
-def _require_auth_problem(require_auth: object) -> str | None:
-    if not require_auth:
-        return None
-    methods = str(require_auth).split(",")
-    bare = [m.removeprefix("!") for m in methods]
-    unknown = [m for m in bare if m not in _LIBPQ_AUTH_METHODS]
-    if unknown:
-        return (
-            f"has an invalid require_auth method {unknown[0]!r} (libpq accepts"
-            f" {', '.join(_LIBPQ_AUTH_METHODS)}, each optionally negated with !)"
-        )
-    if len({m.startswith("!") for m in methods}) > 1:
-        return "has a require_auth that mixes negated (!) and plain methods: libpq refuses it"
-    if len(set(bare)) != len(bare):
-        return "has a require_auth that names a method twice: libpq refuses it"
-    return None
-
-
-# libpq reads these besides the connection options' own variables: session settings sent
-# to the server, and where it looks for service files.
-_LIBPQ_SESSION_VARIABLES = {"timezone": "PGTZ", "datestyle": "PGDATESTYLE", "geqo": "PGGEQO"}
-_LIBPQ_FILE_VARIABLES = ("PGSERVICEFILE", "PGSYSCONFDIR")
-
-
-@cache
-def libpq_option_variables() -> dict[str, str]:
-    """Connection option → the PG* variable libpq takes it from when the URL leaves it out,
-    as the linked libpq reports them (``PQconndefaults``)."""
-    return {
-        option.keyword.decode(): option.envvar.decode()
-        for option in pq.Conninfo.get_defaults()
-        if option.envvar
-    }
-
-
-def libpq_option_source(option: str, url_options: Mapping[str, object]) -> str:
-    """The variable that gave ``option`` its value: the URL's, else libpq's PG* variable."""
-    variable = libpq_option_variables().get(option)
-    if option in url_options or variable is None or variable not in os.environ:
-        return "SOKRATOS_DATABASE_URL"
-    return variable
-
-
-def libpq_session_variable(parameter: str) -> str | None:
-    """``PGTZ`` for the server parameter ``TimeZone`` (and so on) when it is set, else None."""
-    variable = _LIBPQ_SESSION_VARIABLES.get(parameter.lower())
-    return variable if variable is not None and variable in os.environ else None
-
-
-def forget_libpq_environment() -> list[str]:
-    """Remove libpq's PG* variables from this process's environment; returns their names.
-
-    For the embedded PostgreSQL only: they are meant for another server, and libpq would
-    apply them to this one as well (PGOPTIONS, PGSERVICE, PGTARGETSESSIONATTRS or PGPORT
-    broke its connection). Call it before any thread connects.
-    """
-    names = [
-        *libpq_option_variables().values(),
-        *_LIBPQ_SESSION_VARIABLES.values(),
-        *_LIBPQ_FILE_VARIABLES,
-    ]
-    present = sorted(name for name in set(names) if name in os.environ)
-    for name in present:
-        del os.environ[name]
-    return present
-
-
 def _refuse_bad_libpq_environment(url_options: Mapping[str, object]) -> None:
     """Raise a :class:`ConfigError` naming a PG* variable whose value libpq would refuse
     for an option the URL leaves out (libpq would only say so as it connects).
@@ -498,16 +331,16 @@ def _refuse_bad_libpq_environment(url_options: Mapping[str, object]) -> None:
     ValueError (the URL's) when none of them is to blame."""
     merged = dict(url_options)
     sources: dict[str, str] = {}
-    for option, variable in libpq_option_variables().items():
+    for option, variable in libpq.option_variables().items():
         value = os.environ.get(variable)
         if value is None or option in url_options:
             continue
         merged[option] = value
         sources[option] = variable
-        problem = libpq_option_problem(merged, combined=False)
+        problem = libpq.option_problem(merged, combined=False)
         if problem is not None:
             raise _libpq_variable_refused(variable, option, problem)
-    found = _libpq_sslmode_problem(merged)
+    found = libpq.sslmode_problem(merged)
     if found is None:
         return
     asking, problem = found
@@ -770,7 +603,7 @@ class Settings(BaseSettings):
                     "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
                     " or key=value string"
                 ) from None
-            problem = libpq_option_problem(parts, combined=False)
+            problem = libpq.option_problem(parts, combined=False)
             if problem is not None:
                 raise ValueError(problem)
             _refuse_bad_libpq_environment(parts)  # and the URL's sslmode with them

@@ -15,12 +15,8 @@ from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from sokratos_worker.config import (
-    ConfigError,
-    libpq_option_source,
-    libpq_option_variables,
-    libpq_session_variable,
-)
+from sokratos_worker import libpq
+from sokratos_worker.config import ConfigError
 from sokratos_worker.errors import DatabaseUnavailable
 
 T = TypeVar("T")
@@ -175,7 +171,7 @@ def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
     for pattern, option in _OPTION_REFUSED:
         match = pattern.search(text)
         if match is not None:
-            variable = libpq_option_source(option or match.group(1), url_options)
+            variable = libpq.option_source(option or match.group(1), url_options)
             return DatabaseOptionRefused(variable, _refusal(text, match))
     match = _SETTING_REFUSED.search(text)
     if match is None:
@@ -187,14 +183,14 @@ def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
 def _setting_source(parameter: str, url_options: dict[str, Any]) -> str:
     """The variable that sent the server ``parameter``: PGTZ and the like, the option of the
     same name (client_encoding: the URL's or PGCLIENTENCODING), else ``options``'s."""
-    session = libpq_session_variable(parameter)
+    session = libpq.session_variable(parameter)
     if session is not None:
         return session
     option = parameter.lower()
-    variable = libpq_option_variables().get(option)
+    variable = libpq.option_variables().get(option)
     if variable is not None and (option in url_options or variable in os.environ):
-        return libpq_option_source(option, url_options)
-    return libpq_option_source("options", url_options)
+        return libpq.option_source(option, url_options)
+    return libpq.option_source("options", url_options)
 
 
 def _refusal(text: str, match: re.Match[str]) -> str:

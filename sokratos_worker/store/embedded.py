@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from sokratos_worker.config import forget_libpq_environment
+from sokratos_worker import libpq
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +89,7 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
 
 
 def _ignore_libpq_environment() -> None:
-    ignored = forget_libpq_environment()
+    ignored = libpq.forget_environment()
     if ignored:
         log.info(
             "libpq_environment_ignored",

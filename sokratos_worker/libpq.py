@@ -1,0 +1,176 @@
+"""What libpq would refuse in the database's connection options, checked before connecting.
+
+libpq checks an option's value only when it connects, and psycopg reports the refusal like an
+outage: waited out, then exit 75, and restarted by systemd for ever. The options come from
+SOKRATOS_DATABASE_URL and from libpq's own PG* variables, which fill what the URL leaves out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from functools import cache
+
+from psycopg import pq
+
+# libpq's own lists (libpq 18, fe-connect.c).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+    "min_protocol_version": ("3.0", "3.2", "latest"),
+    "max_protocol_version": ("3.0", "3.2", "latest"),
+}
+_STRONG_SSLMODES = ("require", "verify-ca", "verify-full")  # what sslnegotiation=direct needs
+_READ_ONLY_SESSIONS = ("read-only", "standby", "prefer-standby")
+_TLS_VERSIONS = ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3")  # any case; empty: no bound
+_INTEGERS = (
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
+
+
+def option_problem(options: Mapping[str, object], *, combined: bool = True) -> str | None:
+    """Why libpq would refuse one of ``options`` (parsed by ``conninfo_to_dict``), or None.
+
+    ``combined=False`` leaves out the sslmode each of sslnegotiation=direct and
+    sslrootcert=system needs: a PG* variable may give it (:func:`sslmode_problem`).
+    Only option names and values that are not secret are quoted."""
+    port = str(options.get("port") or "")
+    if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
+        # libpq would report it as a host it cannot resolve: an outage (exit 75) that
+        # systemd restarts for ever, instead of this configuration error.
+        return "has a port that is not a number"
+    for key, choices in _CHOICES.items():
+        value = options.get(key)
+        if value is not None and str(value) not in choices:
+            return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(choices)})"
+    attrs = options.get("target_session_attrs")
+    if attrs in _READ_ONLY_SESSIONS:
+        # libpq accepts it, then finds only a standby or none: the worker's writes would fail,
+        # or the start would wait for a server that never comes (exit 75).
+        return (
+            f"has target_session_attrs {attrs!r}: sokratos-worker writes to the database"
+            " (use read-write, primary or any)"
+        )
+    weak_sslmode = sslmode_problem(options) if combined else None
+    if weak_sslmode is not None:
+        return weak_sslmode[1]
+    for key in ("ssl_min_protocol_version", "ssl_max_protocol_version"):
+        value = options.get(key)
+        if value and str(value).lower() not in (v.lower() for v in _TLS_VERSIONS):
+            return f"has an invalid {key} {str(value)!r} (libpq accepts {', '.join(_TLS_VERSIONS)})"
+    low, high = (
+        str(options.get(key) or "").lower()
+        for key in ("ssl_min_protocol_version", "ssl_max_protocol_version")
+    )
+    versions = [v.lower() for v in _TLS_VERSIONS]
+    if low and high and versions.index(low) > versions.index(high):
+        return "has ssl_min_protocol_version above ssl_max_protocol_version: libpq refuses it"
+    for key in _INTEGERS:
+        value = options.get(key)
+        if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
+            return f"has an invalid {key} {str(value)!r} (a whole number)"
+    return _require_auth_problem(options.get("require_auth"))
+
+
+def sslmode_problem(options: Mapping[str, object]) -> tuple[str, str] | None:
+    """``(option, problem)`` when the sslmode is too weak for sslnegotiation=direct or
+    sslrootcert=system (libpq's order), naming the option that asks for more, else None."""
+    system = options.get("sslrootcert") == "system"
+    # libpq's default: verify-full with sslrootcert=system, else prefer.
+    sslmode = str(options.get("sslmode") or ("verify-full" if system else "prefer"))
+    if options.get("sslnegotiation") == "direct" and sslmode not in _STRONG_SSLMODES:
+        return "sslnegotiation", (
+            f"has sslnegotiation=direct with sslmode {sslmode!r}: libpq refuses it (use"
+            f" sslmode {', '.join(_STRONG_SSLMODES)})"
+        )
+    if system and sslmode != "verify-full":
+        return "sslrootcert", (
+            f"has sslrootcert=system with sslmode {sslmode!r}: libpq refuses it (use sslmode"
+            " verify-full)"
+        )
+    return None
+
+
+def _require_auth_problem(require_auth: object) -> str | None:
+    if not require_auth:
+        return None
+    methods = str(require_auth).split(",")
+    bare = [m.removeprefix("!") for m in methods]
+    unknown = [m for m in bare if m not in _AUTH_METHODS]
+    if unknown:
+        return (
+            f"has an invalid require_auth method {unknown[0]!r} (libpq accepts"
+            f" {', '.join(_AUTH_METHODS)}, each optionally negated with !)"
+        )
+    if len({m.startswith("!") for m in methods}) > 1:
+        return "has a require_auth that mixes negated (!) and plain methods: libpq refuses it"
+    if len(set(bare)) != len(bare):
+        return "has a require_auth that names a method twice: libpq refuses it"
+    return None
+
+
+# libpq reads these besides the connection options' own variables: session settings sent
+# to the server, and where it looks for service files.
+_SESSION_VARIABLES = {"timezone": "PGTZ", "datestyle": "PGDATESTYLE", "geqo": "PGGEQO"}
+_FILE_VARIABLES = ("PGSERVICEFILE", "PGSYSCONFDIR")
+
+
+@cache
+def option_variables() -> dict[str, str]:
+    """Connection option → the PG* variable libpq takes it from when the URL leaves it out,
+    as the linked libpq reports them (``PQconndefaults``)."""
+    return {
+        option.keyword.decode(): option.envvar.decode()
+        for option in pq.Conninfo.get_defaults()
+        if option.envvar
+    }
+
+
+def option_source(option: str, url_options: Mapping[str, object]) -> str:
+    """The variable that gave ``option`` its value: the URL's, else libpq's PG* variable."""
+    variable = option_variables().get(option)
+    if option in url_options or variable is None or variable not in os.environ:
+        return "SOKRATOS_DATABASE_URL"
+    return variable
+
+
+def session_variable(parameter: str) -> str | None:
+    """``PGTZ`` for the server parameter ``TimeZone`` (and so on) when it is set, else None."""
+    variable = _SESSION_VARIABLES.get(parameter.lower())
+    return variable if variable is not None and variable in os.environ else None
+
+
+def forget_environment() -> list[str]:
+    """Remove libpq's PG* variables from this process's environment; returns their names.
+
+    For the embedded PostgreSQL only: they are meant for another server, and libpq would
+    apply them to this one as well (PGOPTIONS, PGSERVICE, PGTARGETSESSIONATTRS or PGPORT
+    broke its connection). Call it before any thread connects.
+    """
+    names = [
+        *option_variables().values(),
+        *_SESSION_VARIABLES.values(),
+        *_FILE_VARIABLES,
+    ]
+    present = sorted(name for name in set(names) if name in os.environ)
+    for name in present:
+        del os.environ[name]
+    return present
