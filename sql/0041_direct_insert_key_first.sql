@@ -14,6 +14,19 @@
 -- item the settling statement has just claimed. Should the item finish between this check
 -- and the index (its row deleted), the row is written, and sokratos_check_key, AFTER it,
 -- refuses it with the same 23505: a row is kept only under a key recorded for itself.
+-- The refusal both triggers give (0040's message): SQLSTATE 23505, naming the key's item.
+CREATE OR REPLACE FUNCTION sokratos_refuse_recorded_key(queue text, key text, existing bigint)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'idempotency key "%" is already recorded for % item %', key, queue, existing
+        USING ERRCODE = 'unique_violation',
+              TABLE = queue,
+              CONSTRAINT = 'sokratos_idempotency_keys_pkey',
+              DETAIL = 'A key is accepted once, also after its item finished'
+                       ' (see work_outcomes for its outcome).',
+              HINT = 'The row is already queued or done: treat this as success.';
+END $$;
+
 CREATE OR REPLACE FUNCTION sokratos_remember_key() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     existing bigint;
@@ -35,14 +48,8 @@ BEGIN
     IF queued THEN
         RETURN NEW;  -- still queued: the unique index answers (23505, or ON CONFLICT skips)
     END IF;
-    RAISE EXCEPTION 'idempotency key "%" is already recorded for % item %',
-                    NEW.idempotency_key, TG_TABLE_NAME, existing
-        USING ERRCODE = 'unique_violation',
-              TABLE = TG_TABLE_NAME,
-              CONSTRAINT = 'sokratos_idempotency_keys_pkey',
-              DETAIL = 'A key is accepted once, also after its item finished'
-                       ' (see work_outcomes for its outcome).',
-              HINT = 'The row is already queued or done: treat this as success.';
+    PERFORM sokratos_refuse_recorded_key(TG_TABLE_NAME, NEW.idempotency_key, existing);
+    RETURN NULL;  -- (not reached: the call raises)
 END $$;
 
 -- The row written: its key must be recorded for it. Otherwise the item the key is recorded
@@ -54,14 +61,7 @@ BEGIN
     SELECT k.item_id INTO existing FROM sokratos_idempotency_keys k
     WHERE k.queue = TG_TABLE_NAME AND k.key = NEW.idempotency_key;
     IF existing IS DISTINCT FROM NEW.id THEN
-        RAISE EXCEPTION 'idempotency key "%" is already recorded for % item %',
-                        NEW.idempotency_key, TG_TABLE_NAME, existing
-            USING ERRCODE = 'unique_violation',
-                  TABLE = TG_TABLE_NAME,
-                  CONSTRAINT = 'sokratos_idempotency_keys_pkey',
-                  DETAIL = 'A key is accepted once, also after its item finished'
-                           ' (see work_outcomes for its outcome).',
-                  HINT = 'The row is already queued or done: treat this as success.';
+        PERFORM sokratos_refuse_recorded_key(TG_TABLE_NAME, NEW.idempotency_key, existing);
     END IF;
     RETURN NULL;
 END $$;
