@@ -97,8 +97,12 @@ def test_a_stop_signal_mid_drain_exits_0_within_the_grace_and_loses_nothing(
     # Nothing is leased any more: each item is settled or released with its attempt given back.
     assert count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NOT NULL") == 0
     assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts > 0") == 0
-    assert count(db, "SELECT count(*) FROM pending_triage") + _done(db) == n
+    left = count(db, "SELECT count(*) FROM pending_triage")
+    assert left > 0, "the drain finished before the signal: nothing was stopped mid-drain"
+    assert left + _done(db) == n
+    assert count(db, "SELECT count(DISTINCT item_id) FROM work_outcomes") == _done(db)
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome <> 'saved'") == 0
+    assert count(db, "SELECT count(*) FROM memories") == _done(db)
 
 
 def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(
@@ -108,8 +112,13 @@ def test_new_item_in_an_idle_daemon_with_a_60s_heartbeat_starts_at_once(
     log = tmp_path / "daemon.log"
     proc = start_daemon(env, log)
     try:
-        assert wait_until(lambda: "worker_started" in log.read_text(), timeout=30)
-        time.sleep(0.5)  # idle: the first tick has run
+        # Idle: the first tick has run and the listener is connected (its own wake on
+        # connecting claims what is there: an item enqueued before it would prove nothing).
+        assert wait_until(
+            lambda: all(e in log.read_text() for e in ('"worker_started"', '"listening"')),
+            timeout=30,
+        ), log.read_text()[-3000:]
+        time.sleep(1.0)  # (that wake is handled in moments)
         enqueue_many(db, 1)
         started = time.monotonic()
         assert wait_until(lambda: _done(db) == 1, timeout=30)

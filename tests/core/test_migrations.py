@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -313,11 +314,16 @@ def test_the_wait_for_the_migration_lock_is_logged_again_at_intervals(
     monkeypatch.setattr(migrations, "LOCK_LOG_EVERY_S", 0.6)
     monkeypatch.setattr(migrations, "LOCK_POLL_S", 0.1)
     logs: list[dict[str, object]] = []
+    heard: list[float] = []  # when each wait was said (the same lines as the log's)
     done = threading.Event()
+
+    def said(line: str) -> None:
+        if line.startswith("waiting for the migration lock"):
+            heard.append(time.monotonic())
 
     def migrate() -> None:
         with capture_logs() as captured:
-            apply_migrations(empty_database_url)
+            apply_migrations(empty_database_url, said)
         logs.extend(captured)
         done.set()
 
@@ -325,10 +331,18 @@ def test_the_wait_for_the_migration_lock_is_logged_again_at_intervals(
         holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
         thread = threading.Thread(target=migrate, daemon=True)
         thread.start()
-        time.sleep(2.0)
+        # Three waits said (bounded: however slowly the thread gets going), not a fixed sleep.
+        deadline = time.monotonic() + 30
+        while len(heard) < 3:
+            assert time.monotonic() < deadline, f"{len(heard)} waits said in 30 s"
+            time.sleep(0.05)
         assert not done.is_set()
         holder.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
     assert done.wait(60)
     waits = [e for e in logs if e["event"] == "migration_lock_waiting"]
-    assert 2 <= len(waits) <= 5, [e["waiting_s"] for e in waits]
+    assert len(waits) == len(heard) >= 3, [e["waiting_s"] for e in waits]
+    # Said again at intervals, not at every poll (0.1 s here): a lower bound, which load
+    # can only lengthen.
+    gaps = [later - earlier for earlier, later in itertools.pairwise(heard)]
+    assert min(gaps) > 0.45, gaps
     assert any(e["event"] == "migrations_applied" for e in logs)

@@ -78,14 +78,19 @@ def test_settle_is_one_transaction_with_effects_and_replay_writes_nothing_twice(
     memory = NewMemory(origin=item.origin(0), summary="fact", salience=6)
     # A crash after the memory commit is impossible (same tx); simulate an earlier replay that
     # already wrote the origin: the settle must reuse it, not insert a second row.
-    db.execute("INSERT INTO memories (summary, origin) VALUES ('fact', %s)", (item.origin(0),))
+    replayed = db.execute(
+        "INSERT INTO memories (summary, origin) VALUES ('fact', %s) RETURNING id", (item.origin(0),)
+    ).fetchone()
+    assert replayed is not None
     result, _ = store.settle_success(
         db, item, Effects(Outcome.SAVED, memories=(memory,)), owner="w"
     )
     assert result.settled
     assert count(db, "SELECT count(*) FROM memories WHERE origin = %s", item.origin(0)) == 1
-    row = db.execute("SELECT memory_ids FROM work_outcomes").fetchone()
-    assert row is not None and len(row[0]) == 1
+    row = db.execute("SELECT outcome, memory_ids FROM work_outcomes").fetchone()
+    assert row == ("saved", [replayed[0]])  # the outcome lists the row the replay wrote
+    assert list(result.memory_ids) == [replayed[0]]
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
 
 
 def test_three_failed_attempts_become_one_failed_operation_with_the_whole_payload(

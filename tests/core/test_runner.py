@@ -76,16 +76,21 @@ def test_backends_unavailable_gives_the_attempt_back_and_pauses(
     runner = Runner(
         settings=_settings(), database=database, handlers={Queue.TRIAGE: handler}, worker_id="w"
     )
-    runner.start(drain_only=True, budget_s=1.0)
-    runner.wait_drained(20)
-    runner.shutdown(1)
+    with capture_logs() as logs:
+        runner.start(drain_only=True, budget_s=1.0)
+        assert runner.wait_drained(20)
+        runner.shutdown(1)
     database.close()
     assert runner.state == "stopping"
     rows = db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchall()
     assert len(rows) == 3 and all(r == (0, None) for r in rows)
     assert count(db, "SELECT count(*) FROM failed_operations") == 0
-    # Claiming paused after the first give-back: not every item was tried.
-    assert handler.calls <= 3
+    # Items were tried (a runner that claimed nothing would leave the rows just so), and
+    # claiming paused after the first give-back: none was claimed again, the drain ended paused.
+    assert 1 <= handler.calls <= 3, handler.calls
+    events = [e["event"] for e in logs]
+    assert events.count("claiming_paused") == 1 and "drain_ended_paused" in events, events
+    assert "tick_budget_spent" not in events, events
 
 
 def test_item_whose_last_attempt_died_is_dead_lettered_without_running(
@@ -208,8 +213,10 @@ def test_run_once_budget_also_stops_slots_claiming_their_next_item(
     claimed = count(db, "SELECT count(*) FROM work_outcomes") + count(
         db, "SELECT count(*) FROM pending_triage WHERE attempts > 0"
     )
-    # ~20 items fit in 1 s at 50 ms each; the one in flight at the budget may finish.
-    assert drained_s < 2.0 and claimed < 40, (round(drained_s, 1), claimed)
+    # ~20 items fit in 1 s at 50 ms each; the one in flight at the budget may finish. Slots
+    # claiming past the budget keep one item in flight until the drain's deadline (the grace
+    # + 5 s = 9 s): ~200 claimed. Bounds generous for a loaded machine.
+    assert drained_s < 8.0 and claimed < 40, (round(drained_s, 1), claimed)
 
 
 def test_a_slot_freed_by_a_failure_claims_again_without_waiting(
@@ -233,7 +240,11 @@ def test_a_slot_freed_by_a_failure_claims_again_without_waiting(
     runner.request_stop()
     runner.shutdown(1)
     database.close()
-    assert took < 3.0, f"8 instant dead letters on 2 slots took {took:.1f} s"
+    assert not count(db, "SELECT count(*) FROM pending_triage")
+    assert count(db, "SELECT count(*) FROM failed_operations") == 8
+    # Waiting for the dispatcher's idle timeout, the 3 batches after the first took 5 s each
+    # (15 s); generous for a loaded machine.
+    assert took < 8.0, f"8 instant dead letters on 2 slots took {took:.1f} s"
 
 
 def test_enqueue_while_postgres_is_down_is_spooled_and_imported_once(

@@ -251,6 +251,9 @@ def test_html_only_message_with_unclosed_tags_parses_in_bounded_time(
         b"Content-Type: text/html; charset=utf-8\r\n\r\n" + body + b"\r\n"
     )
     _parses_within(raw, tmp_path, 10)
+    parsed = parse_email(raw)  # in bounded time, and still read: the headers, and why it is short
+    assert (parsed.message_id, parsed.subject) == ("<quadratic@example.org>", "x")
+    assert any("HTML part cut" in note for note in parsed.notes), parsed.notes
 
 
 def test_a_huge_content_type_header_parses_in_bounded_time(tmp_path: Path) -> None:
@@ -275,6 +278,9 @@ def test_a_content_type_as_long_as_a_whole_message_parses_in_bounded_time(
         b"Content-Type: text/plain\r\n\r\nhello\r\n--B--\r\n"
     )  # fmt: skip
     _parses_within(raw, tmp_path, 10)
+    parsed = parse_email(raw)  # the boundary lies past the cut: shown as raw text, not lost
+    assert parsed.message_id == "<longest-type@example.org>"
+    assert "hello" in parsed.body, parsed.body[:200]
 
 
 def test_each_header_of_a_many_part_message_is_parsed_once(

@@ -50,8 +50,10 @@ def test_self_signed_certificate_is_refused_by_default(
     tls_server: ScriptedLLM, make_client: Callable[..., FallbackChatClient]
 ):
     assert tls_server.url.startswith("https://")
-    with pytest.raises(NoBackendReachable):
+    # Refused for its certificate (any unreachable server would raise the same type).
+    with pytest.raises(NoBackendReachable, match="CERTIFICATE_VERIFY_FAILED") as refused:
         ask(make_client(backend(tls_server, "tls"), attempts=1))
+    assert "set the backend's ca_file" in str(refused.value)
     assert tls_server.count() == 0
 
 

@@ -75,7 +75,7 @@ def test_producer_can_only_enqueue(conn: psycopg.Connection) -> None:
     archive = conn.execute(
         "SELECT sokratos_enqueue_distillation(%s::jsonb)", ('{"archive_text": "a"}',)
     ).fetchone()
-    assert archive is not None
+    assert archive is not None and archive[0] is not None
 
     # A bad payload still gets its clear error, not a permission error.
     with pytest.raises(errors.InvalidParameterValue):
@@ -99,6 +99,8 @@ def test_producer_can_only_enqueue(conn: psycopg.Connection) -> None:
     conn.execute("RESET ROLE")
     count = conn.execute("SELECT count(*) FROM pending_triage").fetchone()
     assert count == (2,)
+    archives = conn.execute("SELECT id FROM pending_distillation").fetchall()
+    assert archives == [(archive[0],)]
 
 
 def test_worker_works_the_queues_but_cannot_change_the_schema(
