@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from sokratos_worker.errors import InvalidPayload, ItemError
-from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder
+from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder, EmbeddingFailed
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
@@ -58,20 +58,20 @@ class DistillationHandler:
             return ()
         # min_bytes=1: the archive must keep every message, short ones too (no scrap rule).
         chunks = chunk_text(archive.text.strip(), min_bytes=1)
-        vectors = self._embed_best_effort(item, chunks)
-        model = self.embedder.model if self.embedder is not None and vectors else None
+        rows = self._embed_best_effort(item, chunks)
+        model = self.embedder.model if self.embedder is not None else None
         return tuple(
             NewMemory(
                 origin=item.origin(i),
-                summary=chunk,
+                summary=text,
                 salience=ARCHIVE_SALIENCE,
                 memory_type="general",
                 source=ARCHIVE_TAG,
                 tags=(ARCHIVE_TAG,),
-                embedding=tuple(vectors[i]) if vectors else None,
-                embedding_model=model,
+                embedding=tuple(vec) if vec is not None else None,
+                embedding_model=model if vec is not None else None,
             )
-            for i, chunk in enumerate(chunks)
+            for i, (text, vec) in enumerate(rows)
         )
 
     def probe(self) -> bool:
@@ -187,16 +187,28 @@ class DistillationHandler:
             backend=backend,
         )
 
-    def _embed_best_effort(self, item: Item, chunks: list[str]) -> list[list[float]]:
-        """Vectors for the archive chunks, or none: a raw archive is kept even without them."""
+    def _embed_best_effort(
+        self, item: Item, chunks: list[str]
+    ) -> list[tuple[str, list[float] | None]]:
+        """The archive's rows: every chunk with its vector, or all of them without one (a raw
+        archive is kept even then). A chunk the server calls too large is embedded in parts,
+        each its own row, as every other write does (behaviour §3.3): it used to cost the
+        whole archive its vectors, and Sokratos's NOT NULL column then refused the archive."""
+        bare: list[tuple[str, list[float] | None]] = [(chunk, None) for chunk in chunks]
         if self.embedder is None:
-            return []
+            return bare
         try:
-            vectors = self.embedder.embed(chunks)
+            try:
+                vectors = self.embedder.embed(chunks)
+            except EmbeddingFailed:  # this input (one chunk fails its batch), not an outage
+                pairs = [pair for chunk in chunks for pair in self.embedder.embed_splitting(chunk)]
+                return [(text, vec) for text, vec in pairs]
         except ItemError as exc:
             log.warning("archive_embedding_failed", item_id=item.id, error=type(exc).__name__)
-            return []
-        return vectors if len(vectors) == len(chunks) else []
+            return bare
+        if len(vectors) != len(chunks):
+            return bare
+        return [(chunk, vec) for chunk, vec in zip(chunks, vectors, strict=True)]
 
 
 def _bounded(item: Item, archive: Archive) -> Archive:

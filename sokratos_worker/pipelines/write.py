@@ -14,7 +14,7 @@ from datetime import datetime
 
 import structlog
 
-from sokratos_worker.errors import ItemError
+from sokratos_worker.errors import BackendsUnavailable, ItemError
 from sokratos_worker.llm.types import ChatClient, Embedder, EmbeddingFailed
 from sokratos_worker.model import Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
@@ -101,7 +101,8 @@ class MemoryWriter:
         ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation),
         including the facts planned before it from the same item (``batch``: their vectors),
         which are written in the same transaction and so are not in the table yet.
-        Embedding outages propagate (the attempt is given back); a failed verdict does not.
+        Embedding and chat-backend outages propagate (the attempt is given back); a verdict
+        that failed (no valid reply) does not: the memory is saved without supersessions.
         """
         draft, escaped = storable(draft)
         chunks = chunk_text(draft.text)
@@ -192,6 +193,11 @@ class MemoryWriter:
                 max_tokens=CONTRADICTION_MAX_TOKENS,
                 purpose="contradiction",
             )
+        except BackendsUnavailable:
+            # An outage (no backend reachable, circuits open, all refusing) is no verdict: the
+            # attempt is given back and the check runs with the next one. Swallowed, it saved
+            # the memory for good with the contradicted one left live.
+            raise
         except ItemError as exc:
             # A missing verdict only means no supersession; the memory itself is still worth saving.
             log.warning(

@@ -6,6 +6,7 @@ commit, and everything it inserts is keyed by ``origin`` so a replay writes noth
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,14 +167,21 @@ class MemoryReader:
         self.embedding_model = embedding_model
 
     def adaptive_param(self, key: str, default: float) -> float:
-        """``adaptive_params.value`` for ``key``; the default on no row or any error."""
+        """``adaptive_params.value`` for ``key``; the default on no row, any error, or a value
+        that is not a finite number (NaN passes every "salience < threshold" test)."""
         rows = self._read(
             "adaptive_param",
             "SELECT value FROM adaptive_params WHERE key = %(key)s",
             {"key": key},
             fallback=[],
         )
-        return float(rows[0][0]) if rows and rows[0][0] is not None else default
+        if not rows or rows[0][0] is None:
+            return default
+        value = float(rows[0][0])
+        if not math.isfinite(value):
+            log.warning("adaptive_param_ignored", key=key, value=str(value), default=default)
+            return default
+        return value
 
     def coverage_count(self, vec: Sequence[float], max_distance: float = 0.3) -> int:
         """How many live memories (not identity/reflection) lie within ``max_distance``."""

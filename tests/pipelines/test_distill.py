@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
 from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.llm.embeddings import HttpEmbedder
 from sokratos_worker.llm.types import ChatFailed, ContextTooLong, EmbeddingsUnavailable
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
 from sokratos_worker.pipelines import DistillationHandler
@@ -17,6 +19,13 @@ from sokratos_worker.pipelines.text import chunk_text
 from sokratos_worker.pipelines.write import MemoryWriter
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import MemoryReader
+from sokratos_worker.testing.scripted_llm import (
+    EMBEDDINGS,
+    Reply,
+    Request,
+    ScriptedLLM,
+    hash_embedding,
+)
 
 from .conftest import apply, insert_memory, make_item, memory_rows
 from .fakes import FakeChat, FakeEmbedder, near
@@ -383,3 +392,48 @@ def test_an_archive_too_long_to_distil_is_refused_whole_without_archive_memories
     fits = distill_item({"archive_text": "user: I like tea and biscuits\n" * 16_000})
     assert handler.handle(fits).outcome is Outcome.SKIPPED
     assert 30 <= len(chat.calls) <= 32
+
+
+def _too_large_over(limit: int) -> Callable[[Request], Reply]:
+    """An embeddings server (llama.cpp) that refuses any input over ``limit`` bytes."""
+
+    def respond(request: Request) -> Reply:
+        texts = request.body.get("input", []) if isinstance(request.body, dict) else []
+        texts = [texts] if isinstance(texts, str) else texts
+        if any(len(str(t).encode()) > limit for t in texts):
+            return Reply.error(500, "input is too large to process. increase the physical batch size")
+        return Reply.embeddings([hash_embedding(str(t), 8) for t in texts])
+
+    return respond
+
+
+def test_final_failure_archive_is_embedded_when_a_chunk_is_too_large_for_the_server(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    """A chunk the embedding server calls too large (dense tool output: more tokens than its
+    batch) is split and embedded in parts, as every other write (and Sokratos's raw-archive
+    save, behaviour §3.3/§3.7) does. It used to fail the whole batch, so the archive was kept
+    without any vector: refused by Sokratos's NOT NULL column (the dead letter then keeps no
+    archive memory), and never found by a vector search elsewhere."""
+    messages = [
+        {"role": "user", "content": "Remember that I sail on the Alster every Sunday."},
+        {"role": "tool", "name": "fetch", "content": '{"k": "v"} ' * 90},  # 990 bytes
+    ]
+    with ScriptedLLM() as server:
+        server.on(EMBEDDINGS, _too_large_over(600))
+        embedder = HttpEmbedder(server.url, "scripted", 8)
+        try:
+            reader = MemoryReader(database, embedding_model="scripted")
+            handler = DistillationHandler(MemoryWriter(reader, chat, embedder), chat, embedder)
+            memories = handler.final_failure_memories(distill_item({"messages": messages}))
+        finally:
+            embedder.close()
+    assert len(memories) > 1  # the one chunk of the archive, embedded in parts
+    assert all(m.embedding is not None and m.embedding_model == "scripted" for m in memories)
+    joined = "".join("".join(m.summary.split()) for m in memories)  # (a split trims halves)
+    assert "sailontheAlstereverySunday." in joined
+    assert joined.count('{"k":"v"}') == 90
+    apply(db, _archived(memories))
+    rows = memory_rows(db)
+    assert [r["origin"] for r in rows] == [f"pending_distillation:3:{i}" for i in range(len(rows))]
+    assert {(r["dims"], r["source"]) for r in rows} == {(8, "conversation_archive")}

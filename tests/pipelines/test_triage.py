@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import psycopg
 import pytest
 
-from sokratos_worker.config import load_settings
+from sokratos_worker.config import BackendConfig, load_settings
 from sokratos_worker.errors import InvalidPayload, ItemError
 from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import (
     ChatFailed,
     ContextTooLong,
@@ -21,6 +23,7 @@ from sokratos_worker.pipelines import DistillationHandler, TriageHandler, build_
 from sokratos_worker.pipelines.write import MemoryWriter
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import MemoryReader
+from sokratos_worker.testing.scripted_llm import Reply, ScriptedLLM
 
 from .conftest import apply, insert_memory, make_item, memory_rows
 from .fakes import FakeChat, FakeEmbedder, hashed_vector, near
@@ -98,6 +101,24 @@ def test_adaptive_threshold_is_read_from_the_table(
     effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
     assert effects.outcome is Outcome.SKIPPED
     assert effects.detail == "salience 6.5 below triage_conversation_unverified_threshold 7"
+
+
+@pytest.mark.parametrize("value", ["NaN", "-Infinity"])
+def test_a_non_finite_adaptive_threshold_falls_back_to_the_default(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder, value: str
+) -> None:
+    """A float column holds NaN and infinities. "salience < NaN" is false, so a NaN threshold
+    saved every exchange, "No new information." at salience 0 included (Sokratos's
+    "salience >= NaN" saves none); the default (behaviour §1.6, fail-open) is used instead."""
+    db.execute(
+        "INSERT INTO adaptive_params (key, value, source) VALUES "
+        "('triage_conversation_unverified_threshold', %s::float8, 'manual')",
+        (value,),
+    )
+    chat.script("conversation_triage", verdict(0, summary="No new information."))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "salience 0 below triage_conversation_unverified_threshold 5"
 
 
 def test_saved_memory_has_every_column(
@@ -473,3 +494,31 @@ def test_build_handlers(database: Database, chat: FakeChat, embedder: FakeEmbedd
     assert isinstance(handlers[Queue.DISTILLATION], DistillationHandler)
     assert handlers[Queue.TRIAGE].final_failure_memories(make_item({"exchange": "x"})) == ()
     assert handlers[Queue.TRIAGE].probe()
+
+
+def test_a_backend_outage_at_the_contradiction_check_gives_the_attempt_back(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """The chat server goes away after the triage answered and before the contradiction
+    check: that is an outage (the attempt is given back and the check runs next time), not a
+    verdict that failed. It used to save the memory for good with the contradicted memory
+    left live (behaviour §2: Sokratos defers such a check; durability: not the item's fault)."""
+    # The answer closes its connection, so the next call has to connect again.
+    answer = dataclasses.replace(Reply.chat(verdict(6)), close=True)
+    server = ScriptedLLM(chat=lambda request: answer).start()
+
+    class ServerGoesAway(FakeEmbedder):
+        def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
+            server.close()  # between the triage call and the contradiction call
+            return super().embed_splitting(text)
+
+    embedder = ServerGoesAway()
+    insert_memory(db, "Anna lives in Porto.", near(embedder.vector(SUMMARY), 0.2))
+    chat = FallbackChatClient([BackendConfig(name="s", url=server.url, model="m", timeout=5)])
+    try:
+        with pytest.raises(NoBackendReachable):
+            triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    finally:
+        chat.close()
+        server.close()
+    assert server.count() == 1  # the triage itself was answered
