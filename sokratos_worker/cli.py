@@ -54,8 +54,10 @@ any variable X may be given as X_FILE or as a file X in $CREDENTIALS_DIRECTORY.
 With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DATA_DIR.
 
 exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable or read-only
-(SOKRATOS_STARTUP_TIMEOUT; run --once: no backend or database reachable, or a queue table
-locked by another session, items left), 78 bad config.
+(run, migrate: past SOKRATOS_STARTUP_TIMEOUT; failed: at once, or a table locked by another
+session for 5 s; enqueue: only when the spool cannot be written either; run --once: no
+backend or database reachable, or a queue table locked by another session, items left),
+78 bad config. status exits 0 with the database away; check exits 1 naming what failed.
 """
 
 
@@ -93,14 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run the daemon in the foreground until SIGTERM/SIGINT/SIGHUP",
-        description="Apply pending migrations, then drain the queues: heartbeat ticks every"
+        description="Apply pending migrations (unless --no-migrate or"
+        " SOKRATOS_MIGRATE_ON_START=false), then drain the queues: heartbeat ticks every"
         " SOKRATOS_HEARTBEAT_INTERVAL, instant wake-ups on new work (LISTEN/NOTIFY), email"
         " checks in a thread of their own (at start, then each account every"
         " SOKRATOS_EMAIL_CHECK_INTERVAL, each IMAP session within SOKRATOS_EMAIL_CHECK_DEADLINE)."
         " SIGTERM, SIGINT or SIGHUP (also during --once) stops claiming, cuts IMAP sessions in"
         " progress, lets items in flight finish within SOKRATOS_SHUTDOWN_GRACE, gives the rest"
         " back and exits 0;"
-        " a second signal exits at once. Configuration is read at start: restart to change it.",
+        " a second signal exits at once. Configuration is read at start: restart to change it."
+        " --once exits 75 when its drain was cut short (no LLM backend, embedding server or"
+        " writable database reachable, or a queue table locked past the budget) and items were"
+        " left waiting; with no LLM backend configured it drains nothing and exits 0.",
     )
     run.add_argument(
         "--once",
@@ -159,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="queues, recent failures, live workers, email accounts",
         description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
         " failures in the last 24 h by op_type; each live worker's state and backends;"
-        " email accounts and their last check. It exits 0 even when the database is"
-        " unreachable: read the 'database' field ('ok' or 'unreachable'). With"
+        " email accounts and their last check; enqueues waiting in the spool (and those meant"
+        " for another database); migrations not applied. It exits 0 even when the database is"
+        " unreachable: read the 'database' field ('ok' or 'unreachable'; and 'read_only' when"
+        " the server takes no writes, as a standby). With"
         " SOKRATOS_DATABASE_URL unset it attaches to the embedded PostgreSQL, or starts it"
         " for the length of the command.",
     )
@@ -190,17 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     fretry = actions.add_parser(
         "retry",
         help="re-enqueue the stored payload as a new item (once per failure)",
-        description="Name failure IDs, or --all (optionally with --op-type); not both.",
+        description="Name failure IDs, or --all (optionally with --op-type); not both. One line"
+        " per failure saying what was done; exit 1 when any could not be re-enqueued (the"
+        " line says why and what to do).",
     )
     fretry.add_argument("ids", type=int, nargs="*", metavar="ID", help="failures to retry")
     fretry.add_argument(
         "--all",
         action="store_true",
         help="every failure not yet retried (instead of IDs), except payloads the worker"
-        " found invalid, which a replay would fail the same way",
+        " found invalid, which a replay would fail the same way, and failures with no queue"
+        " payload: spool files the import refused, mail that could not be read, rows Sokratos"
+        " wrote (retry one by ID to learn what to do)",
     )
     fretry.add_argument("--op-type", help="with --all only: just this op_type")
-    fpurge = actions.add_parser("purge", help="delete failures older than DAYS")
+    fpurge = actions.add_parser(
+        "purge",
+        help="delete failures older than DAYS",
+        description="Delete every failure (retried or not) created more than DAYS days ago and"
+        " print how many. SOKRATOS_FAILED_OPS_TTL_DAYS makes the worker do this hourly.",
+    )
     fpurge.add_argument(
         "--older-than",
         type=_at_least_one,
@@ -224,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="try everything locally with the bundled tiny model (needs the local extra)",
         description="Embedded PostgreSQL, the bundled SmolLM2 model, sample conversations, an"
         " email-like item and an archive with tool calls; runs until the queues are empty and"
-        " prints the memories and outcomes it produced.",
+        " prints the memories and outcomes it produced, all in a temporary directory removed"
+        " at the end. Ctrl-C stops it after the items in flight and prints what was done"
+        " (during its start, at once, exit 1).",
     )
     return parser
 

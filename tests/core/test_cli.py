@@ -66,6 +66,22 @@ def test_help_documents_every_command() -> None:
         assert info.value.code == 0
 
 
+def _subcommand_help(*names: str) -> str:
+    return " ".join(_subparser(build_parser(), *names).format_help().split())
+
+
+def test_help_states_the_exit_codes_and_what_is_left_out() -> None:
+    run = _subcommand_help("run")
+    assert "--once exits 75" in run and "no LLM backend configured" in run
+    assert "--no-migrate" in run.split("options:")[0]
+    retry = _subcommand_help("failed", "retry")
+    assert "exit 1" in retry and "spool files the import refused" in retry
+    assert "spool" in _subcommand_help("status")
+    assert "SOKRATOS_FAILED_OPS_TTL_DAYS" in _subcommand_help("failed", "purge")
+    top = " ".join(build_parser().format_help().split())
+    assert "failed: at once" in top and "status exits 0" in top and "check exits 1" in top
+
+
 def test_enqueue_prints_the_id_and_a_known_key_returns_it_again(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
