@@ -77,8 +77,14 @@ def _warn(report: dict[str, Any], *, caller_has_backend: bool) -> None:
     """The top-level warning: from the live workers' heartbeats when there are any, else
     (labelled so) from this command's own configuration."""
     workers = report.get("workers") or []
-    if workers:
-        if all(w.get("cannot_process") for w in workers):
+    alive = [w for w in workers if not w.get("overdue")]
+    if workers and not alive:
+        report["warning"] = (
+            "every worker listed is silent far past its heartbeat (killed without a word, or"
+            " hung): items wait until a worker runs again"
+        )
+    elif alive:
+        if all(w.get("cannot_process") for w in alive):
             report["warning"] = (
                 "no live worker can process items (none has an LLM backend configured):"
                 " items wait in their queues"

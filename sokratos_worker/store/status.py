@@ -76,15 +76,25 @@ def outcome_counts(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
     return result
 
 
+# How long a worker silent past its heartbeat (see _overdue) stays listed, flagged: long
+# enough to be seen; the plain window alone dropped it before it could be flagged.
+OVERDUE_SHOWN_S = 600.0
+
+
 def live_workers(conn: psycopg.Connection, *, stale_after_s: float) -> list[dict[str, Any]]:
-    """Workers that ticked recently, with the state and backends they reported."""
+    """Workers that ticked within ``stale_after_s`` (or, silent past their own heartbeat,
+    within OVERDUE_SHOWN_S after that), with the state and backends they reported."""
     rows = conn.execute(
         """SELECT worker_id, hostname, pid, version, started_at, last_tick_at, state, detail,
                   extract(epoch FROM now() - last_tick_at)::float8
            FROM worker_heartbeats
-           WHERE last_tick_at > now() - make_interval(secs => %s) AND state <> 'stopped'
+           WHERE state <> 'stopped'
+             AND last_tick_at > now() - make_interval(secs => greatest(%s,
+                 3 * CASE WHEN jsonb_typeof(detail -> 'heartbeat_s') = 'number'
+                          THEN (detail ->> 'heartbeat_s')::float8 ELSE 0 END
+                 + 30 + %s))
            ORDER BY worker_id""",
-        (stale_after_s,),
+        (stale_after_s, OVERDUE_SHOWN_S),
     ).fetchall()
     return [
         {

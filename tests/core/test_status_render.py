@@ -15,7 +15,7 @@ from sokratos_worker.config import Settings, load_settings
 from sokratos_worker.daemon import Worker
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.model import Queue
-from sokratos_worker.status import collect_status, render_status
+from sokratos_worker.status import _warn, collect_status, render_status
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.status import live_workers
 from tests.support.daemon import daemon_env, wait_until
@@ -92,6 +92,30 @@ def test_a_worker_silent_far_past_its_heartbeat_is_shown_as_overdue(
     text = render_status(report)
     assert "worker fine: running, last tick" in text
     assert "worker quiet: running? no heartbeat for 100s (expected every 2s)" in text
+
+
+def test_a_worker_killed_with_the_default_heartbeat_is_listed_as_overdue(
+    db: psycopg.Connection,
+) -> None:
+    """With a 60 s heartbeat a worker is overdue after 210 s of silence, but the listing
+    dropped it after 180 s: a killed worker was never shown as such, only gone."""
+    for worker_id, silent_s in (("killed", 300), ("long-gone", 3600)):
+        db.execute(
+            "INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,"
+            " state, detail) VALUES (%s, 'h', 1, '0', now() - make_interval(secs => %s),"
+            " 'running', jsonb_build_object('heartbeat_s', 60))",
+            (worker_id, silent_s),
+        )
+    workers = live_workers(db, stale_after_s=180)
+    assert [(w["worker_id"], w["overdue"]) for w in workers] == [("killed", True)]
+    report = _report([])
+    report["workers"] = workers
+    report.pop("warning", None)
+    _warn(report, caller_has_backend=True)
+    assert "every worker listed is silent far past its heartbeat" in report["warning"]
+    assert "worker killed: running? no heartbeat for 300s (expected every 60s)" in render_status(
+        report
+    )
 
 
 def test_a_tick_finishing_after_the_stop_does_not_list_the_worker_as_live(
