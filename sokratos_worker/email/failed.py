@@ -17,12 +17,12 @@ from sokratos_worker.config import EmailAccountConfig
 from sokratos_worker.email.imap import FetchedMessage, MessageRef
 from sokratos_worker.store import email as store
 from sokratos_worker.store.connection import translated
-from sokratos_worker.store.failures import record_failure
+from sokratos_worker.store.failures import EMAIL_OP_TYPE, record_failure
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
 
-OP_TYPE = "email_message"
+OP_TYPE = EMAIL_OP_TYPE
 # Enough of the header block to find the message in a mail client; never the body.
 HEADERS_LIMIT = 4000
 

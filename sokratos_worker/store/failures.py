@@ -98,19 +98,22 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
                            AND NOT context_data -> 'payload' ? %(unparsable)s, false),
-                  context_data ->> 'kept_as'
+                  context_data ->> 'kept_as', context_data ->> 'what_to_do'
            FROM failed_operations WHERE id = %(id)s FOR UPDATE""",
         {"id": failure_id, "unparsable": store.UNPARSABLE_KEY},
     ).fetchone()
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
-    key, retried_at, retried_as, source_queue, op_type, stored, an_object, kept_as = row
+    key, retried_at, retried_as, source_queue, op_type, stored, an_object, kept_as, todo = row
     if retried_at is not None:
         return RetryResult(
             failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
         )
     if op_type == "spool_import":
         return RetryResult(failure_id, None, _spool_file_hint(failure_id, kept_as))
+    if op_type == EMAIL_OP_TYPE and todo:
+        # A mail the worker could not read or record: not a queue item, it is fetched again.
+        return RetryResult(failure_id, None, f"refused: this is a mail, not a queue item: {todo}")
     if not stored or not source_queue:
         return RetryResult(
             failure_id,
@@ -150,6 +153,7 @@ _REPLAY = {
 
 
 _REPLAY_QUEUES = tuple(q.value for q in Queue)
+EMAIL_OP_TYPE = "email_message"  # email/failed.py's records (it imports this module)
 
 
 def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:

@@ -412,6 +412,12 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     [event] = [e for e in logs if e["event"] == "email_message_failed"]
     assert (event["account"], event["uid"], event["error"]) == ("home", 2, error)
     assert event["what_to_do"] == context["what_to_do"]
+    # `failed retry` says what to do with a mail, not "not written by sokratos-worker".
+    from sokratos_worker.store.failures import retry_failure
+
+    [failure_id] = [r[0] for r in db.execute("SELECT id FROM failed_operations").fetchall()]
+    refused = retry_failure(db, failure_id)
+    assert refused.item_id is None and context["what_to_do"] in refused.message, refused.message
 
     # Once fixed, the statement the operator is given fetches it again; nothing else re-triaged.
     monkeypatch.undo()
