@@ -44,7 +44,7 @@ class Notifier:
         return self._address is not None
 
     def watchdog_interval(self) -> float | None:
-        """Seconds between ``WATCHDOG=1`` pings (half of ``WATCHDOG_USEC``), or None.
+        """Half of ``WATCHDOG_USEC`` in seconds (the daemon pings every half of that), or None.
 
         None when the watchdog is off, or when ``WATCHDOG_PID`` names another process.
         """
