@@ -110,6 +110,9 @@ class Worker:
             on_progress=self._progressed,
             on_item_done=lambda q, kind, secs: self.metrics.item_settled(q.value, kind, secs),
         )
+        # The state it starts in: the gauge is otherwise set on a change, and a worker that
+        # stays running (no backend configured, say) exposed no sample at all.
+        self.metrics.set_worker_state(self.runner.state)
 
     # -- the tick --------------------------------------------------------------------
 

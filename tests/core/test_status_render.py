@@ -118,6 +118,28 @@ def test_a_worker_killed_with_the_default_heartbeat_is_listed_as_overdue(
     )
 
 
+def test_a_new_worker_exposes_its_state_before_any_change(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The state gauge was set only on a change: a worker that stayed running (one with no
+    LLM backend configured) exposed HELP and TYPE but no sample."""
+    from prometheus_client import generate_latest
+
+    settings = load_settings({})
+    database = Database(database_url, size=1)
+    try:
+        worker = Worker(
+            settings=settings,
+            database=database,
+            handlers={},
+            context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
+        )
+        scraped = generate_latest(worker.metrics.registry).decode()
+    finally:
+        database.close()
+    assert 'sokratos_worker_state{state="running"} 1.0' in scraped, scraped
+
+
 def test_a_tick_finishing_after_the_stop_does_not_list_the_worker_as_live(
     db: psycopg.Connection, database_url: str
 ) -> None:
