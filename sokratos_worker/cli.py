@@ -626,6 +626,13 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
                 " the same way): fix the producer, or retry one by ID after an upgrade that"
                 " accepts it"
             )
+        other = failures.not_replayable_counts(conn, op_type=args.op_type)
+        if other:
+            kinds = ", ".join(f"{count} {kind}" for kind, count in other.items())
+            print(
+                f"skipped {sum(other.values())} failures that are not queue items ({kinds}):"
+                " retry one by ID to be told what to do with it"
+            )
     if not ids:
         print("nothing to retry")
         return EXIT_OK

@@ -200,6 +200,19 @@ def invalid_payload_count(conn: psycopg.Connection, *, op_type: str | None) -> i
     return int(row[0]) if row else 0
 
 
+def not_replayable_counts(conn: psycopg.Connection, *, op_type: str | None) -> dict[str, int]:
+    """Failures not retried yet that hold no queue payload (left out of ``--all``), by op_type:
+    spool files the import refused, mail that could not be read, rows Sokratos wrote."""
+    rows = conn.execute(
+        """SELECT op_type, count(*) FROM failed_operations
+           WHERE retried_at IS NULL AND source_queue IS NULL
+             AND (%(op)s::text IS NULL OR op_type = %(op)s)
+           GROUP BY op_type ORDER BY op_type""",
+        {"op": op_type},
+    ).fetchall()
+    return {str(r[0]): int(r[1]) for r in rows}
+
+
 def purge_failures(conn: psycopg.Connection, *, older_than_days: int) -> int:
     """Delete failures older than the given age; returns how many."""
     cur = conn.execute(

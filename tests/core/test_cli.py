@@ -238,6 +238,25 @@ def test_failed_retry_of_a_record_naming_an_unknown_queue_is_refused_not_a_trace
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
 
 
+def test_failed_retry_all_says_what_it_leaves_out(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """It printed only "nothing to retry" while spool files, unreadable mail and Sokratos's own
+    rows waited, unnamed."""
+    db.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message, context_data) VALUES"
+        " ('spool_import', 'f.json', 'e', '{}'), ('email_message', 'home UID 2', 'e', '{}'),"
+        " ('distillation', 'sokratos', 'e', NULL)"
+    )
+    retried = cli("failed", "retry", "--all", env=env_for(database_url, tmp_path))
+    assert retried.returncode == 0, retried.stderr
+    assert (
+        "skipped 3 failures that are not queue items (1 distillation, 1 email_message,"
+        " 1 spool_import): retry one by ID" in retried.stdout
+    ), retried.stdout
+    assert "nothing to retry" in retried.stdout
+
+
 def test_failed_show_and_retry_read_a_dead_letter_nested_deeper_than_python_parses(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
