@@ -1,4 +1,5 @@
-"""What libpq would refuse in the database's connection options, checked before connecting.
+"""What libpq refuses in the database's connection options: checked before connecting, and
+read from its refusals when it connects.
 
 libpq checks an option's value only when it connects, and psycopg reports the refusal like an
 outage: waited out, then exit 75, and restarted by systemd for ever. The options come from
@@ -174,3 +175,67 @@ def forget_environment() -> list[str]:
     for name in present:
         del os.environ[name]
     return present
+
+
+# What libpq answers when an option's value is wrong (it checks most only as it connects):
+# waiting will not help. Each is about the option given, or the one its group names.
+_OPTION_REFUSED = (
+    (re.compile(r'definition of service "[^"]*" not found'), "service"),
+    (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
+    (re.compile(r'invalid "?(\w+)"? value: '), None),
+    (re.compile(r"could not match \d+ port numbers"), "port"),
+    # sslnegotiation=direct or sslrootcert=system from a service file (config.py checks the
+    # URL's and the variables').
+    (re.compile(r'weak sslmode "[^"]*" may not be used with'), "sslmode"),
+    # Checked before store/connection.py's login markers, whose "does not exist" would take it.
+    (re.compile(r'root certificate file "[^"]*" does not exist'), "sslrootcert"),
+)
+# Only PGSERVICEFILE names a service file libpq requires to exist.
+_SERVICE_FILE_MISSING = re.compile(r'service file "[^"]*" not found')
+# The server refusing a setting sent at start-up: from ``options`` (the URL's or PGOPTIONS),
+# from PGTZ, PGDATESTYLE or PGGEQO, or an option of its own (client_encoding); a group names
+# the parameter when there is one.
+_SETTING_REFUSED = re.compile(
+    r'FATAL:\s+(?:(?:unrecognized configuration|invalid value for) parameter "(\w+)"'
+    r'|parameter "(\w+)" (?:cannot be changed|requires an? \w+ value)'
+    r'|[^\n]*? is outside the valid range for parameter "(\w+)"'
+    r'|permission denied to set parameter "(\w+)"'
+    r"|invalid command-line argument|-+[\w-]+ requires a value)"
+)
+
+
+def refusal(text: str, url_options: Mapping[str, object]) -> tuple[str, str] | None:
+    """``(variable, what was refused)`` when libpq's or the server's refusal ``text`` is about
+    a connection option (waiting will not help), else None; the variable is the URL's, or
+    the PG* variable that gave the option."""
+    match = _SERVICE_FILE_MISSING.search(text)
+    if match is not None:
+        return "PGSERVICEFILE", _refused_line(text, match)
+    for pattern, option in _OPTION_REFUSED:
+        match = pattern.search(text)
+        if match is not None:
+            return option_source(option or match.group(1), url_options), _refused_line(text, match)
+    match = _SETTING_REFUSED.search(text)
+    if match is None:
+        return None
+    parameter = next((group for group in match.groups() if group), "")
+    return _setting_source(parameter, url_options), _refused_line(text, match)
+
+
+def _setting_source(parameter: str, url_options: Mapping[str, object]) -> str:
+    """The variable that sent the server ``parameter``: PGTZ and the like, the option of the
+    same name (client_encoding: the URL's or PGCLIENTENCODING), else ``options``'s."""
+    session = session_variable(parameter)
+    if session is not None:
+        return session
+    option = parameter.lower()
+    variable = option_variables().get(option)
+    if variable is not None and (option in url_options or variable in os.environ):
+        return option_source(option, url_options)
+    return option_source("options", url_options)
+
+
+def _refused_line(text: str, match: re.Match[str]) -> str:
+    """The line of ``text`` from ``match`` on, without the server's ``FATAL:``."""
+    line = text[match.start() :].splitlines()[0].removeprefix("FATAL:")
+    return " ".join(line.split())

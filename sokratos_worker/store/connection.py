@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -123,33 +121,6 @@ class DatabaseLoginRefused(ConfigError):
         )
 
 
-# What libpq answers when an option's value is wrong (it checks most only as it connects):
-# waiting will not help. Each is about the option given, or the one its group names.
-_OPTION_REFUSED = (
-    (re.compile(r'definition of service "[^"]*" not found'), "service"),
-    (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
-    (re.compile(r'invalid "?(\w+)"? value: '), None),
-    (re.compile(r"could not match \d+ port numbers"), "port"),
-    # sslnegotiation=direct or sslrootcert=system from a service file (config.py checks the
-    # URL's and the variables').
-    (re.compile(r'weak sslmode "[^"]*" may not be used with'), "sslmode"),
-    # Before _LOGIN_REFUSED's "does not exist" (a role or database) takes it.
-    (re.compile(r'root certificate file "[^"]*" does not exist'), "sslrootcert"),
-)
-# Only PGSERVICEFILE names a service file libpq requires to exist.
-_SERVICE_FILE_MISSING = re.compile(r'service file "[^"]*" not found')
-# The server refusing a setting sent at start-up: from ``options`` (the URL's or PGOPTIONS),
-# from PGTZ, PGDATESTYLE or PGGEQO, or an option of its own (client_encoding); a group names
-# the parameter when there is one.
-_SETTING_REFUSED = re.compile(
-    r'FATAL:\s+(?:(?:unrecognized configuration|invalid value for) parameter "(\w+)"'
-    r'|parameter "(\w+)" (?:cannot be changed|requires an? \w+ value)'
-    r'|[^\n]*? is outside the valid range for parameter "(\w+)"'
-    r'|permission denied to set parameter "(\w+)"'
-    r"|invalid command-line argument|-+[\w-]+ requires a value)"
-)
-
-
 class DatabaseOptionRefused(ConfigError):
     """libpq or the server refused a connection option: fix the variable that gave it."""
 
@@ -164,39 +135,8 @@ class DatabaseOptionRefused(ConfigError):
 
 def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
     """The configuration error in libpq's or the server's refusal ``text``, or None."""
-    url_options = conninfo_to_dict(conninfo)
-    match = _SERVICE_FILE_MISSING.search(text)
-    if match is not None:
-        return DatabaseOptionRefused("PGSERVICEFILE", _refusal(text, match))
-    for pattern, option in _OPTION_REFUSED:
-        match = pattern.search(text)
-        if match is not None:
-            variable = libpq.option_source(option or match.group(1), url_options)
-            return DatabaseOptionRefused(variable, _refusal(text, match))
-    match = _SETTING_REFUSED.search(text)
-    if match is None:
-        return None
-    parameter = next((group for group in match.groups() if group), "")
-    return DatabaseOptionRefused(_setting_source(parameter, url_options), _refusal(text, match))
-
-
-def _setting_source(parameter: str, url_options: dict[str, Any]) -> str:
-    """The variable that sent the server ``parameter``: PGTZ and the like, the option of the
-    same name (client_encoding: the URL's or PGCLIENTENCODING), else ``options``'s."""
-    session = libpq.session_variable(parameter)
-    if session is not None:
-        return session
-    option = parameter.lower()
-    variable = libpq.option_variables().get(option)
-    if variable is not None and (option in url_options or variable in os.environ):
-        return libpq.option_source(option, url_options)
-    return libpq.option_source("options", url_options)
-
-
-def _refusal(text: str, match: re.Match[str]) -> str:
-    """The line of ``text`` from ``match`` on, without the server's ``FATAL:``."""
-    line = text[match.start() :].splitlines()[0].removeprefix("FATAL:")
-    return " ".join(line.split())
+    found = libpq.refusal(text, conninfo_to_dict(conninfo))
+    return DatabaseOptionRefused(*found) if found is not None else None
 
 
 def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
