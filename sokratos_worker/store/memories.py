@@ -15,7 +15,7 @@ import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import Effects, NewMemory
+from sokratos_worker.model import Effects, Item, NewMemory
 from sokratos_worker.store.connection import Database
 
 log = structlog.get_logger(__name__)
@@ -71,6 +71,50 @@ def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
             )
     ids = (*by_origin.values(), *effects.existing_memory_ids, *duplicates)
     return Written(memory_ids=ids, new=len(by_origin), duplicate_of=tuple(duplicates))
+
+
+def archive_already_saved(
+    conn: psycopg.Connection, item: Item, archive: Sequence[NewMemory]
+) -> tuple[tuple[NewMemory, ...], tuple[int, ...]]:
+    """``archive`` split into the chunks still to write and the ids of those already saved.
+
+    A dead-lettered item that ``failed retry`` replays is a new item with new origins: when
+    it fails again, its raw archive would be saved a second time. The chunks an earlier item
+    of its replay chain (failed_operations.retried_as) saved with the same text are reused.
+    """
+    pool: dict[str, list[int]] = {}
+    for memory_id, summary in conn.execute(
+        _EARLIER_ARCHIVES, {"queue": item.queue.value, "id": item.id}
+    ):
+        pool.setdefault(summary, []).append(int(memory_id))
+    to_write: list[NewMemory] = []
+    reused: list[int] = []
+    for memory in archive:
+        ids = pool.get(memory.summary)
+        if ids:
+            reused.append(ids.pop(0))
+        else:
+            to_write.append(memory)
+    return tuple(to_write), tuple(reused)
+
+
+# The archive memories of the items this one replays, oldest replay first: the chain runs
+# back through failed_operations rows whose retry became the next item (UNION stops cycles).
+_EARLIER_ARCHIVES = """
+WITH RECURSIVE earlier (item_id) AS (
+    SELECT f.item_id FROM failed_operations f
+    WHERE f.source_queue = %(queue)s AND f.retried_as = %(id)s AND f.item_id IS NOT NULL
+  UNION
+    SELECT f.item_id FROM failed_operations f JOIN earlier e ON f.retried_as = e.item_id
+    WHERE f.source_queue = %(queue)s AND f.item_id IS NOT NULL
+)
+SELECT m.id, m.summary
+FROM earlier e
+JOIN work_outcomes o ON o.queue = %(queue)s AND o.item_id = e.item_id
+                    AND o.outcome = 'archived'
+CROSS JOIN LATERAL unnest(o.memory_ids) AS saved (id)
+JOIN memories m ON m.id = saved.id
+ORDER BY e.item_id, m.id"""
 
 
 def _insert(conn: psycopg.Connection, memory: NewMemory) -> int:

@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.store.connection import time_limited
-from sokratos_worker.store.memories import Written, write_effects
+from sokratos_worker.store.memories import Written, archive_already_saved, write_effects
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
@@ -472,7 +472,8 @@ def dead_letter(
     """failed_operations row (whole payload, every attempt's error) + outcome + delete.
 
     With ``memories`` (distillation's raw archive) they are saved in the same transaction
-    and the outcome is ``archived`` instead of ``failed``. ``last_attempt`` is the attempt the
+    and the outcome is ``archived`` instead of ``failed``; chunks an earlier item of its
+    ``failed retry`` chain already saved are listed, not saved again. ``last_attempt`` is the attempt the
     record ends with when it is not the claim's own: a claim that only found the last attempt
     dead is not an attempt (durability.md), so the attempt that died is recorded instead.
     """
@@ -487,7 +488,9 @@ def dead_letter(
             _, payload_text, key, source, history, now = row
             attempts = [*(history or []), _history_entry(attempt, error, backend, now)]
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
-            memory_ids = write_effects(conn, Effects(outcome, memories=memories)).memory_ids
+            to_write, saved = archive_already_saved(conn, item, memories) if memories else ((), ())
+            effects = Effects(outcome, memories=to_write, existing_memory_ids=saved)
+            memory_ids = write_effects(conn, effects).memory_ids
             context = {
                 "queue": item.queue.value,
                 "item_id": item.id,

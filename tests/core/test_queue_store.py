@@ -333,3 +333,61 @@ def test_a_dead_letter_keeps_every_digit_of_the_payloads_numbers(db: psycopg.Con
         " \"big\": 12345678901234567890123}'::jsonb FROM failed_operations"
     )
     assert same is True
+
+
+def _archive(item_id: int, texts: list[str]) -> tuple[NewMemory, ...]:
+    return tuple(
+        NewMemory(
+            origin=f"pending_distillation:{item_id}:{i}",
+            summary=text,
+            salience=3,
+            source="conversation_archive",
+            tags=("conversation_archive",),
+        )
+        for i, text in enumerate(texts)
+    )
+
+
+def test_a_retried_distillation_failing_again_keeps_one_raw_archive(
+    db: psycopg.Connection,
+) -> None:
+    """The replay of a dead letter is a new item with new origins: failing again, it used to
+    save the raw archive a second time. Its chunks are listed from the first save instead, and
+    a chunk the first save lacked is still written."""
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'conv-7')")
+    outcomes = []
+    for round_ in range(3):
+        (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+        texts = ["chunk one", "chunk two"] + (["chunk three"] if round_ == 2 else [])
+        archive = _archive(item.id, texts)
+        assert store.dead_letter(db, item, owner="w", error="boom", memories=archive).settled
+        outcomes.append(
+            db.execute(
+                "SELECT outcome, memory_ids FROM work_outcomes WHERE item_id = %s", (item.id,)
+            ).fetchone()
+        )
+        (failure_id,) = db.execute(
+            "SELECT id FROM failed_operations WHERE item_id = %s", (item.id,)
+        ).fetchone()
+        if round_ < 2:
+            assert failures.retry_failure(db, failure_id).item_id is not None
+    first, second, third = outcomes
+    assert first[0] == second[0] == third[0] == "archived"
+    assert second[1] == first[1] and len(first[1]) == 2
+    assert set(first[1]) < set(third[1]) and len(third[1]) == 3
+    rows = db.execute(
+        "SELECT summary, count(*) FROM memories GROUP BY summary ORDER BY summary"
+    ).fetchall()
+    assert rows == [("chunk one", 1), ("chunk three", 1), ("chunk two", 1)]
+
+
+def test_an_unrelated_distillation_with_the_same_text_gets_its_own_archive(
+    db: psycopg.Connection,
+) -> None:
+    """Only the item's own replay chain is reused: two conversations that read alike are two."""
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'conv-a')")
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'conv-b')")
+    for item in store.claim(db, Queue.DISTILLATION, owner="w", limit=2, lease_s=60):
+        archive = _archive(item.id, ["same"])
+        assert store.dead_letter(db, item, owner="w", error="boom", memories=archive).settled
+    assert count(db, "SELECT count(*) FROM memories WHERE summary = 'same'") == 2
