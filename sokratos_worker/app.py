@@ -30,7 +30,8 @@ POOL_READY_TIMEOUT_S = 10.0
 # this, a third of it ahead: such a start is slow, not hung, and a new one would wait the same.
 MIGRATION_EXTENSION_S = 30.0
 # After them, the rest of the start (pool, schema check, local model, first tick) gets as long
-# as the unit's TimeoutStartSec gives a whole start.
+# as the unit's TimeoutStartSec gives a whole start. systemd only ever moves the deadline
+# later (EXTEND_TIMEOUT_USEC), so a longer TimeoutStartSec set in a drop-in still holds.
 REST_OF_START_S = 120.0
 
 
