@@ -10,10 +10,14 @@ An item's life (``../shared/design/durability.md``)::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
+
+# `failed retry` enqueues a replay under the original key plus ``#retry-N`` (N counts up).
+RETRY_KEY_SUFFIX = re.compile(r"#retry-(\d+)$")
 
 
 class Queue(StrEnum):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +11,8 @@ from psycopg.types.json import Jsonb
 from psycopg.types.string import TextLoader
 
 from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload
-from sokratos_worker.model import Queue
+from sokratos_worker.model import RETRY_KEY_SUFFIX, Queue
 from sokratos_worker.store import queue as store
-
-_RETRY_SUFFIX = re.compile(r"#retry-(\d+)$")
 
 
 def record_failure(
@@ -68,7 +65,7 @@ class RetryResult:
 def retry_key(original: str | None, failure_id: int) -> str:
     """The new item's key: the original with ``#retry-N`` appended (N counts up)."""
     base = original or f"failed_operations:{failure_id}"
-    match = _RETRY_SUFFIX.search(base)
+    match = RETRY_KEY_SUFFIX.search(base)
     if match:
         return f"{base[: match.start()]}#retry-{int(match.group(1)) + 1}"
     return f"{base}#retry-1"

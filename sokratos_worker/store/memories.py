@@ -7,6 +7,7 @@ commit, and everything it inserts is keyed by ``origin`` so a replay writes noth
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import Effects, Item, NewMemory
+from sokratos_worker.model import RETRY_KEY_SUFFIX, Effects, Item, NewMemory
 from sokratos_worker.store.connection import Database
 
 log = structlog.get_logger(__name__)
@@ -80,17 +81,22 @@ def archive_already_saved(
 
     A dead-lettered item that ``failed retry`` replays is a new item with new origins: when
     it fails again, its raw archive would be saved a second time. The chunks an earlier item
-    of its replay chain (failed_operations.retried_as) saved with the same text are reused.
+    of its replay chain saved with the same text (its header's time aside) are reused.
     """
+    key = item.idempotency_key
+    replayed = key is not None and RETRY_KEY_SUFFIX.search(key) is not None
+    params = {
+        "queue": item.queue.value,
+        "id": item.id,
+        "base": RETRY_KEY_SUFFIX.sub("", key) if key is not None and replayed else None,
+    }
     pool: dict[str, list[int]] = {}
-    for memory_id, summary in conn.execute(
-        _EARLIER_ARCHIVES, {"queue": item.queue.value, "id": item.id}
-    ):
-        pool.setdefault(summary, []).append(int(memory_id))
+    for memory_id, summary in conn.execute(_EARLIER_ARCHIVES, params):
+        pool.setdefault(_without_header(summary), []).append(int(memory_id))
     to_write: list[NewMemory] = []
     reused: list[int] = []
     for memory in archive:
-        ids = pool.get(memory.summary)
+        ids = pool.get(_without_header(memory.summary))
         if ids:
             reused.append(ids.pop(0))
         else:
@@ -98,8 +104,20 @@ def archive_already_saved(
     return tuple(to_write), tuple(reused)
 
 
-# The archive memories of the items this one replays, oldest replay first: the chain runs
-# back through failed_operations rows whose retry became the next item (UNION stops cycles).
+# The first line of a raw archive from ``messages`` (pipelines/archive.py) names the time its
+# item was enqueued, which a replay's item does not share.
+_ARCHIVE_HEADER = re.compile(r"\[Conversation archived [^\]\n]*\]\n?")
+
+
+def _without_header(text: str) -> str:
+    match = _ARCHIVE_HEADER.match(text)
+    return text[match.end() :] if match else text
+
+
+# The archive memories of the items this one replays. Two links lead back to them, so that
+# pruning either leaves the other: failed_operations rows whose retry became the next item
+# (UNION stops cycles), and the outcomes, kept for good, of the replay key's base key and its
+# other ``#retry-N`` (a seq scan of work_outcomes, only when an archive is dead-lettered).
 _EARLIER_ARCHIVES = """
 WITH RECURSIVE earlier (item_id) AS (
     SELECT f.item_id FROM failed_operations f
@@ -107,9 +125,14 @@ WITH RECURSIVE earlier (item_id) AS (
   UNION
     SELECT f.item_id FROM failed_operations f JOIN earlier e ON f.retried_as = e.item_id
     WHERE f.source_queue = %(queue)s AND f.item_id IS NOT NULL
+), same_key (item_id) AS (
+    SELECT o.item_id FROM work_outcomes o
+    WHERE o.queue = %(queue)s AND o.outcome = 'archived' AND o.item_id <> %(id)s
+      AND (o.idempotency_key = %(base)s
+           OR starts_with(o.idempotency_key, %(base)s || '#retry-'))
 )
 SELECT m.id, m.summary
-FROM earlier e
+FROM (SELECT item_id FROM earlier UNION SELECT item_id FROM same_key) e
 JOIN work_outcomes o ON o.queue = %(queue)s AND o.item_id = e.item_id
                     AND o.outcome = 'archived'
 CROSS JOIN LATERAL unnest(o.memory_ids) AS saved (id)

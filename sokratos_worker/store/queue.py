@@ -473,9 +473,10 @@ def dead_letter(
 
     With ``memories`` (distillation's raw archive) they are saved in the same transaction
     and the outcome is ``archived`` instead of ``failed``; chunks an earlier item of its
-    ``failed retry`` chain already saved are listed, not saved again. ``last_attempt`` is the attempt the
-    record ends with when it is not the claim's own: a claim that only found the last attempt
-    dead is not an attempt (durability.md), so the attempt that died is recorded instead.
+    ``failed retry`` chain already saved are listed, not saved again. ``last_attempt`` is the
+    attempt the record ends with when it is not the claim's own: a claim that only found the
+    last attempt dead is not an attempt (durability.md), so the attempt that died is
+    recorded instead.
     """
     error = clean_text(error)
     attempt = item.attempt if last_attempt is None else last_attempt

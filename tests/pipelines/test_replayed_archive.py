@@ -1,0 +1,133 @@
+"""A dead-lettered distillation replayed with ``failed retry`` that fails again keeps one raw
+archive: the replay lists the memories its earlier items saved (real runner and pipelines)."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from sokratos_worker.config import load_settings
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.model import Queue
+from sokratos_worker.pipelines import build_handlers
+from sokratos_worker.runner import Runner
+from sokratos_worker.store import failures
+from sokratos_worker.store.connection import Database
+from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+from tests.pipelines.fakes import FakeEmbedder
+from tests.support.db import count, enqueue_many
+from tests.support.handlers import ScriptedHandler, fast_settings
+
+
+def _never_valid(_: Request) -> Reply:
+    return Reply.chat({"not": "what was asked"})  # no backend ever distils it
+
+
+def _drain(database_url: str, server: ScriptedLLM) -> None:
+    settings = load_settings(
+        {
+            "SOKRATOS_DATABASE_URL": database_url,
+            "SOKRATOS_MAX_ATTEMPTS": "1",
+            "SOKRATOS_LLM_BACKENDS": json.dumps(
+                [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
+            ),
+        }
+    )
+    chat = FallbackChatClient(settings.llm_backends)
+    database = Database(database_url, size=settings.pool_size)
+    try:
+        handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
+        runner = Runner(settings=settings, database=database, handlers=handlers, worker_id="replay")
+        runner.start(drain_only=True, budget_s=20)
+        assert runner.wait_drained(60)
+        runner.shutdown(1)
+    finally:
+        chat.close()
+        database.close()
+
+
+def test_a_replayed_messages_archive_failing_again_is_saved_once(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A replay of a ``messages`` archive is a new item with a new enqueue time, which the
+    archive's header line names: its raw archive still matches the first one's and is listed,
+    not saved again."""
+    payload = {
+        "messages": [
+            {"role": "user", "content": "I was born in Oslo in 1990."},
+            {"role": "assistant", "content": "Noted, thanks."},
+        ]
+    }
+    (item_id,) = db.execute(
+        "SELECT sokratos_enqueue_distillation(%s::jsonb)", (json.dumps(payload),)
+    ).fetchone()
+    # The archive was queued yesterday (its conversation ended then).
+    db.execute(
+        "UPDATE pending_distillation SET created_at = now() - interval '1 day' WHERE id = %s",
+        (item_id,),
+    )
+    with ScriptedLLM(chat=_never_valid) as server:
+        _drain(database_url, server)
+        (failure_id, outcome) = db.execute(
+            "SELECT f.id, o.outcome FROM failed_operations f JOIN work_outcomes o"
+            " ON o.queue = f.source_queue AND o.item_id = f.item_id"
+        ).fetchone()
+        assert outcome == "archived"
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            replay = failures.retry_failure(conn, failure_id)
+        assert replay.item_id is not None, replay.message
+        _drain(database_url, server)  # the replay fails the same way
+    assert db.execute("SELECT count(*) FROM pending_distillation").fetchone() == (0,)
+    rows = db.execute(
+        "SELECT id, origin, left(summary, 60) FROM memories"
+        " WHERE source = 'conversation_archive' AND summary LIKE '%%born in Oslo%%' ORDER BY id"
+    ).fetchall()
+    assert len(rows) == 1, f"the conversation was saved {len(rows)} times: {rows}"
+
+
+def _drain_scripted(database_url: str) -> None:
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=fast_settings(max_attempts=1),
+        database=database,
+        handlers={Queue.DISTILLATION: ScriptedHandler()},
+        worker_id="replay",
+    )
+    try:
+        runner.start(drain_only=True, budget_s=10)
+        assert runner.wait_drained(30)
+        runner.shutdown(1)
+    finally:
+        database.close()
+
+
+@pytest.mark.parametrize("purged", [False, True], ids=["control", "purged"])
+def test_a_replay_keeps_one_raw_archive_also_when_its_failure_row_was_purged(
+    db: psycopg.Connection, database_url: str, purged: bool
+) -> None:
+    """The replay link in failed_operations is pruned (``failed purge``, the TTL, Sokratos's
+    own maintenance); the replay's ``#retry-N`` key still leads back to the first item's
+    outcome, kept for good, so the raw archive is not saved a second time."""
+    enqueue_many(db, 1, behaviour="fail", queue="pending_distillation", prefix="conv")
+    _drain_scripted(database_url)
+    (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone()
+    assert count(db, "SELECT count(*) FROM memories") == 1  # the raw archive, once
+    # The operator replays a failure from last month...
+    db.execute(
+        "UPDATE failed_operations SET created_at = now() - interval '40 days' WHERE id = %s",
+        (failure_id,),
+    )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        replay = failures.retry_failure(conn, failure_id)
+        assert replay.item_id is not None, replay.message
+        if purged:  # ... and the 30-day retention runs before the replay is drained.
+            assert failures.purge_failures(conn, older_than_days=30) == 1
+    _drain_scripted(database_url)  # the replay fails again: dead-lettered with its raw archive
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    archives = db.execute(
+        "SELECT id, origin FROM memories WHERE source = 'conversation_archive' ORDER BY id"
+    ).fetchall()
+    assert len(archives) == 1, f"the conversation's raw archive was saved {len(archives)} times: {archives}"
