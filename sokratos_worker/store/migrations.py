@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 import structlog
 
+from sokratos_worker.config import ConfigError
 from sokratos_worker.errors import WorkerError
 from sokratos_worker.store.connection import connect, translated
 from sokratos_worker.store.status import SESSION_COLUMNS, session
@@ -42,6 +43,14 @@ def _nobody_listens(_: str) -> None:
 
 class MigrationError(WorkerError):
     """A migration failed or the recorded history disagrees with the files."""
+
+
+class MigrationRefused(MigrationError, ConfigError):
+    """The server refused a migration for good (no pgvector, a role that may not create):
+    only the operator can fix it, so it exits 78 and systemd does not restart it in a loop."""
+
+    def __init__(self, message: str) -> None:
+        ConfigError.__init__(self, "SOKRATOS_DATABASE_URL", message)
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,7 @@ def _create_history_table(conn: psycopg.Connection) -> None:
     except psycopg.errors.InsufficientPrivilege as exc:
         row = conn.execute("SELECT current_user").fetchone()
         user = row[0] if row else conn.info.user
-        raise MigrationError(
+        raise MigrationRefused(
             f"migrations are pending and the role {user!r} may not apply them:"
             f" {str(exc).splitlines()[0]}. Run 'sokratos-worker migrate' as the role that owns"
             " the tables, or let this role start without migrating"
@@ -256,12 +265,12 @@ def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration)
         return True
     except psycopg.errors.LockNotAvailable:
         return False
-    except psycopg.errors.FeatureNotSupported as exc:
-        raise MigrationError(_explain(migration, exc)) from exc
-    except psycopg.errors.UndefinedFile as exc:
-        raise MigrationError(_explain(migration, exc)) from exc
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise MigrationError(_explain(migration, exc)) from exc
+    except (
+        psycopg.errors.FeatureNotSupported,
+        psycopg.errors.UndefinedFile,
+        psycopg.errors.InsufficientPrivilege,
+    ) as exc:
+        raise MigrationRefused(_explain(migration, exc)) from exc
 
 
 def _explain(migration: Migration, exc: psycopg.Error) -> str:
