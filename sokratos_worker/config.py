@@ -404,12 +404,12 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
     or None when an explicit variable wins or no file is given: a non-blank ``X`` first,
     then ``X_FILE``, then ``$CREDENTIALS_DIRECTORY/X``."""
     names = _variable_names(field_name)
-    if any(_is_given(os.environ.get(name)) for name in names):
+    if any(_environment_value(name) is not None for name in names):
         return None  # an explicit variable wins
     for name in names:
-        file_var = f"{name}_FILE"
-        path = os.environ.get(file_var)
-        if _is_given(path):
+        found = _environment_value(f"{name}_FILE")
+        if found is not None:
+            file_var, path = found
             return file_var, path, _read_or_refuse(file_var, path)
     creds = credentials_directory()
     if creds is None:
@@ -426,6 +426,23 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
         if present:
             return name, path, _read_or_refuse(name, path)
     return None
+
+
+def _environment_value(name: str) -> tuple[str, str] | None:
+    """``(name as set, value)`` of the variable ``name`` in any letter case, when it is not
+    blank: pydantic-settings reads the variables themselves case-insensitively, and their
+    ``_FILE`` forms must agree (``sokratos_database_url`` set must win over a credential)."""
+    exact = os.environ.get(name)
+    if _is_given(exact):
+        return name, exact
+    return next(
+        (
+            (key, value)
+            for key, value in os.environ.items()
+            if key.upper() == name and _is_given(value)
+        ),
+        None,
+    )
 
 
 def _read_or_refuse(variable: str, path: str) -> str:
@@ -737,8 +754,15 @@ def _variable_for(loc: tuple[int | str, ...]) -> str:
     return variable
 
 
-def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-    """Validate the whole configuration or raise one :class:`ConfigError`."""
+def load_settings(
+    environ: Mapping[str, str] | None = None, *, libpq_environment: bool = True, **overrides: Any
+) -> Settings:
+    """Validate the whole configuration or raise one :class:`ConfigError`.
+
+    ``libpq_environment=False`` leaves libpq's PG* variables out, for a command that never
+    connects to the URL's server (``demo``): they are meant for that server only."""
+    if not libpq_environment:
+        environ = libpq.without_environment(os.environ if environ is None else environ)
     if environ is not None:
         saved = dict(os.environ)
         os.environ.clear()

@@ -103,20 +103,26 @@ def demo_settings(settings: Settings, data_dir: Path) -> Settings:
 def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
     """Enqueue the samples, drain until the queues are empty, print outcomes and memories.
 
-    Ctrl-C stops it: during start-up at once (exit 1), during a round after the items in
-    flight (then the report so far is printed).
+    Ctrl-C, SIGTERM or SIGHUP stops it: during start-up, before the first round, at once
+    (exit 0, as ``run``, and nothing is printed); during a round after the items in flight,
+    between rounds at once (then the report so far is printed).
     """
+    from sokratos_worker.cli import stops_while_starting  # noqa: PLC0415 - cli imports us
+
     try:
-        return _run_demo(settings, out or sys.stdout)
+        with stops_while_starting():
+            return _run_demo(settings, out or sys.stdout)
     except KeyboardInterrupt:
-        # (Raised before the round installs its own handler, e.g. while PostgreSQL starts.)
-        print("sokratos-worker: demo interrupted; nothing was kept", file=sys.stderr)
-        return 1
+        # The temporary directory and its embedded PostgreSQL are gone: nothing to report.
+        log.warning(
+            "stopped_while_starting",
+            hint="a stop signal came before the demo's first round: nothing was processed",
+        )
+        return 0
 
 
 def _run_demo(settings: Settings, out: TextIO) -> int:
     from sokratos_worker import client  # noqa: PLC0415 - heavy imports only for the demo
-    from sokratos_worker.app import run_worker  # noqa: PLC0415
     from sokratos_worker.cli import database_url  # noqa: PLC0415
     from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
 
@@ -129,15 +135,33 @@ def _run_demo(settings: Settings, out: TextIO) -> int:
                 client.enqueue(url, Queue.TRIAGE, payload, key=f"demo-triage-{n}", source=source)
             client.enqueue(url, Queue.DISTILLATION, SAMPLE_ARCHIVE, key="demo-archive")
             log.info("demo_enqueued", items=len(SAMPLE_TRIAGE) + 1)
-            for _ in range(DEMO_ROUNDS):
-                code = run_worker(local, url, None, once=True, migrate=False, stopped=stopped)
-                if code != 0:
-                    return code
-                if stopped.is_set() or report.pending_count(url) == 0:
-                    break
+            code = _rounds(local, url, stopped)
+            if code != 0:
+                return code
             print_report(url, out)
             if stopped.is_set():
                 out.write("\nInterrupted: the report shows what was done until then.\n")
+    return 0
+
+
+def _rounds(local: Settings, url: str, stopped: threading.Event) -> int:
+    """Up to DEMO_ROUNDS drains; a stop signal between two (the next one starting) ends
+    them, and one before the first is raised (KeyboardInterrupt: still starting)."""
+    from sokratos_worker.app import run_worker  # noqa: PLC0415
+
+    done = 0
+    try:
+        for _ in range(DEMO_ROUNDS):
+            code = run_worker(local, url, None, once=True, migrate=False, stopped=stopped)
+            done += 1
+            if code != 0:
+                return code
+            if stopped.is_set() or report.pending_count(url) == 0:
+                break
+    except KeyboardInterrupt:
+        if done == 0:
+            raise
+        stopped.set()
     return 0
 
 

@@ -159,6 +159,17 @@ def session_variable(parameter: str) -> str | None:
     return variable if variable is not None and variable in os.environ else None
 
 
+def environment_names() -> frozenset[str]:
+    """Every PG* variable libpq reads: connection options, session settings, service files."""
+    return frozenset((*option_variables().values(), *_SESSION_VARIABLES.values(), *_FILE_VARIABLES))
+
+
+def without_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without libpq's PG* variables (for a command that ignores the URL)."""
+    names = environment_names()
+    return {name: value for name, value in environ.items() if name not in names}
+
+
 def forget_environment() -> list[str]:
     """Remove libpq's PG* variables from this process's environment; returns their names.
 
@@ -166,12 +177,7 @@ def forget_environment() -> list[str]:
     apply them to this one as well (PGOPTIONS, PGSERVICE, PGTARGETSESSIONATTRS or PGPORT
     broke its connection). Call it before any thread connects.
     """
-    names = [
-        *option_variables().values(),
-        *_SESSION_VARIABLES.values(),
-        *_FILE_VARIABLES,
-    ]
-    present = sorted(name for name in set(names) if name in os.environ)
+    present = sorted(name for name in environment_names() if name in os.environ)
     for name in present:
         del os.environ[name]
     return present
@@ -220,6 +226,27 @@ def refusal(text: str, url_options: Mapping[str, object]) -> tuple[str, str] | N
         return None
     parameter = next((group for group in match.groups() if group), "")
     return _setting_source(parameter, url_options), _refused_line(text, match)
+
+
+# A connection pooler (PgBouncer) refusing a startup parameter it does not track: ``options``
+# (the URL's or PGOPTIONS) or a session setting such as PGGEQO's. Newer PgBouncers name a
+# setting inside ``options`` instead ("unsupported startup parameter in options: jit").
+_STARTUP_PARAMETER_REFUSED = re.compile(
+    r'unsupported startup parameter(?P<in_options> in options)?:\s*"?(?P<name>[\w.-]+)'
+)
+
+
+def startup_parameter_refusal(
+    text: str, url_options: Mapping[str, object]
+) -> tuple[str, str, str] | None:
+    """``(variable, parameter, what was refused)`` when a pooler's refusal ``text`` is about a
+    startup parameter, else None; ``parameter`` is the one the client sent (``options`` for a
+    setting inside it) and the variable the URL's, or the PG* variable that sent it."""
+    match = _STARTUP_PARAMETER_REFUSED.search(text)
+    if match is None:
+        return None
+    parameter = "options" if match.group("in_options") else match.group("name")
+    return _setting_source(parameter, url_options), parameter, _refused_line(text, match)
 
 
 def _setting_source(parameter: str, url_options: Mapping[str, object]) -> str:

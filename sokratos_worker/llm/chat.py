@@ -23,7 +23,7 @@ import structlog
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
-from sokratos_worker.config import BackendConfig
+from sokratos_worker.config import BackendConfig, without_credentials
 from sokratos_worker.llm.breaker import Admission, CircuitBreaker
 from sokratos_worker.llm.gbnf import schema_to_gbnf
 from sokratos_worker.llm.http import (
@@ -48,6 +48,7 @@ from sokratos_worker.llm.types import (
     NoBackendReachable,
     T,
 )
+from sokratos_worker.logs import mask_secrets, url_password
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +119,8 @@ class _Backend:
         # Parsed once: httpx parses a string URL on every request (half of build_request).
         self.chat_url = httpx.URL(f"{config.url}/chat/completions")
         key = config.api_key.get_secret_value() if config.api_key else None
+        # What a server may echo back (LiteLLM: "Received=<key>") and no reason may repeat.
+        self.secrets = tuple(s for s in (key, url_password(config.url)) if s)
         self.clients = ClientPerThread(
             functools.partial(
                 make_client,
@@ -224,6 +227,8 @@ class FallbackChatClient:
         self._sleep = sleep
         self._random = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         self._backends = [_Backend(b, self.policy, clock) for b in backends]
+        # The request form every backend refused, probed in that form; None when none was.
+        self._refused_form: type[BaseModel] | None = None
 
     @property
     def backend_names(self) -> list[str]:
@@ -299,6 +304,7 @@ class FallbackChatClient:
                 tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
                 continue
             backend.breaker.record_success()
+            self._refused_form = None
             tried.append(self._attempt(backend, "answered", "", started))
             return ChatResult(
                 value=value,
@@ -333,7 +339,7 @@ class FallbackChatClient:
         """
         healthy = False
         for backend in self._backends:
-            if self._probe_one(backend):
+            if self._probe_one(backend, self._refused_form):
                 backend.breaker.allow_probe_now()
                 healthy = True
         return healthy
@@ -466,14 +472,12 @@ class FallbackChatClient:
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Transient(reason, status, wait)
         if verdict is not Verdict.OK:
-            reason = f"http_{status}" + (f" {verdict.value}" if verdict is Verdict.CONTEXT else "")
-            if verdict is Verdict.REFUSED:  # a wrong key or model: the server says which
-                reason += _server_says(response)
+            reason = _refusal(backend, response, verdict)
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Permanent(verdict, reason, status)
         payload, problem = _completion(response)
         if problem is not None:  # a login page, a wrong path: the server's fault, not the item's
-            reason = f"malformed_response: {problem}"
+            reason = f"malformed_response: {mask_secrets(problem, backend.secrets)}"
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Transient(reason, status)
         answer = _answer_from(payload)
@@ -522,14 +526,15 @@ class FallbackChatClient:
     ) -> Exception:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
-        Refused or unreachable everywhere is the configuration's or an outage only when a
-        probe right after, of each backend the request reached, agrees: a refusal or a crash
-        that only this request gets (a WAF rule, a 404 "no endpoints" for a long prompt) must
-        use the item's attempt, or the item would be given back and claimed again for ever.
+        Refused, rejected or unreachable everywhere is the configuration's or an outage only
+        when a probe right after, of each backend the request reached, in the request's form,
+        agrees: a refusal or a crash that only this request gets (a WAF rule, a 404 "no
+        endpoints" for a long prompt, a 400 for this input) must use the item's attempt, or
+        the item would be given back and claimed again for ever.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
-        if all(k in {"unreachable", "skipped", "busy", "refused"} for k in kinds):
+        if all(k in {"unreachable", "skipped", "busy", "refused", "rejected"} for k in kinds):
             # A skipped backend never saw the request: its health says nothing about it.
             reached = [
                 self._backend(a.backend)
@@ -537,7 +542,11 @@ class FallbackChatClient:
                 if k not in {"skipped", "busy"}
             ]
             if not any(self._request_would_be_served(b, response_model) for b in reached):
-                return _not_the_items_fault(tried, kinds, summary)
+                failure = _not_the_items_fault(tried, kinds, summary)
+                if isinstance(failure, LLMBackendsMisconfigured):
+                    # Until it is served, a plain probe's success must not resume claiming.
+                    self._refused_form = response_model
+                return failure
             # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 
@@ -615,10 +624,11 @@ def _not_the_items_fault(
             " servers can serve more at once, or lower SOKRATOS_CONCURRENCY",
             tried=tried,
         )
-    if all(k == "refused" for k in kinds):
+    if all(k in {"refused", "rejected"} for k in kinds):
+        check = "api_key and model" if all(k == "refused" for k in kinds) else "url and model"
         return LLMBackendsMisconfigured(
             f"every LLM backend refused the request ({summary}): check each backend's"
-            " api_key and model ('sokratos-worker check')",
+            f" {check} ('sokratos-worker check'); a request in the same form was refused too",
             tried=tried,
         )
     limited = all(a.reason.startswith("http_429") for a in tried)
@@ -633,16 +643,39 @@ def _busy_reason(backend: _Backend) -> str:
     return f"busy: {slots} stayed in use for {backend.config.timeout:g} s"
 
 
-def _server_says(response: httpx.Response) -> str:
-    """``: <the error message>`` of an OpenAI-style error body (bounded), or nothing."""
+def _refusal(backend: _Backend, response: httpx.Response, verdict: Verdict) -> str:
+    """The reason for a permanent answer: the status, and what the server says about it."""
+    status = response.status_code
+    if 300 <= status < 400:
+        return f"http_{status}: {_redirect(response)}"
+    reason = f"http_{status}" + (f" {verdict.value}" if verdict is Verdict.CONTEXT else "")
+    if 400 <= status < 500:  # a wrong key, model or parameter: the server says which
+        reason += _server_says(response, backend.secrets)
+    return reason
+
+
+def _redirect(response: httpx.Response) -> str:
+    """Where a redirect points, and the backend URL that would not be redirected."""
+    location = response.headers.get("Location")
+    if not location:
+        return "a redirect without a Location: check the backend's url"
+    target = without_credentials(str(response.url.join(location)))
+    base = target.removesuffix("/chat/completions")
+    return f"redirects to {target}: set the backend's url to {base}"
+
+
+def _server_says(response: httpx.Response, secrets: Sequence[str] = ()) -> str:
+    """``: <the error message>`` of an OpenAI-style error body (bounded, ``secrets`` masked),
+    or nothing."""
     try:
         error = response.json().get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return ""
     message = error.get("message") if isinstance(error, dict) else error
     if not isinstance(message, str) or not message.strip():
         return ""
-    return ": " + " ".join(message.split())[:160]
+    # Masked before it is cut: a key cut in half would no longer be found.
+    return ": " + mask_secrets(" ".join(message.split()), secrets)[:160]
 
 
 def _echoed(content: str, max_tokens: int) -> str:
@@ -656,7 +689,7 @@ def _completion(response: httpx.Response) -> tuple[Any, str | None]:
     """The parsed body, and why it is not an OpenAI chat completion (None when it is one)."""
     try:
         payload = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         kind = response.headers.get("content-type", "no content type").split(";")[0]
         return None, f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):

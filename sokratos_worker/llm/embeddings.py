@@ -4,7 +4,8 @@ Never falls back to another model (vectors of different models are not comparabl
 Sokratos's protocol (behaviour reference §3.3): a suffix appended to every input,
 L2-normalised vectors, and a text the server calls "too large" split and embedded in parts.
 A transient failure (connection error, 408, 429, 5xx) is retried a few times with backoff
-before it counts, so one 503 while the model loads costs no attempt of the item.
+(or after the server's Retry-After) before it counts, so one 503 while the model loads costs
+no attempt of the item.
 """
 
 from __future__ import annotations
@@ -18,15 +19,21 @@ from typing import Any
 import httpx
 import structlog
 from tenacity import (
+    RetryCallState,
     Retrying,
     retry_if_exception_type,
     retry_if_not_exception_type,
-    stop_after_attempt,
     wait_exponential,
     wait_random,
 )
 
-from sokratos_worker.llm.http import ClientPerThread, excerpt, make_client, tls_verification
+from sokratos_worker.llm.http import (
+    ClientPerThread,
+    excerpt,
+    make_client,
+    retry_after_seconds,
+    tls_verification,
+)
 from sokratos_worker.llm.types import (
     EmbeddingDimensionMismatch,
     EmbeddingFailed,
@@ -40,6 +47,14 @@ log = structlog.get_logger(__name__)
 TOO_LARGE = "too large"
 MIN_SPLIT_BYTES = 100
 _NUMBERS = (int, float)  # what a vector component may be (a bool is neither here)
+
+
+class _Throttled(EmbeddingsUnavailable):
+    """A transient answer (408, 429, 5xx) that may say when to ask again (Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class HttpEmbedder:
@@ -59,12 +74,14 @@ class HttpEmbedder:
         tls_verify: bool = True,
         attempts: int = 3,
         backoff_base: float = 0.5,
+        retry_after_max: float = 30.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.url = url.rstrip("/")
         self._embeddings_url = httpx.URL(f"{self.url}/embeddings")  # parsed once, not per call
         self.attempts = attempts  # HTTP attempts per batch for transient errors
-        self._backoff_base = backoff_base
+        self._backoff = wait_exponential(multiplier=backoff_base, max=8.0) + wait_random(0, 1)
+        self._retry_after_max = retry_after_max  # a longer Retry-After: stop, give back
         self._sleep = sleep
         self.model = model
         self.dim = dim
@@ -110,8 +127,8 @@ class HttpEmbedder:
 
     def _embed_all(self, texts: Sequence[str], attempts: int | None = None) -> list[list[float]]:
         retrying = Retrying(
-            stop=stop_after_attempt(attempts or self.attempts),
-            wait=wait_exponential(multiplier=self._backoff_base, max=8.0) + wait_random(0, 1),
+            stop=functools.partial(self._stop, attempts or self.attempts),
+            wait=self._wait,
             retry=retry_if_exception_type(EmbeddingsUnavailable)
             & retry_if_not_exception_type(EmbeddingsMisconfigured),  # the answer will not change
             sleep=self._sleep,
@@ -121,6 +138,16 @@ class HttpEmbedder:
         for start in range(0, len(texts), self.batch_size):
             vectors.extend(retrying(self._embed_batch, texts[start : start + self.batch_size]))
         return vectors
+
+    def _wait(self, state: RetryCallState) -> float:
+        """The server's Retry-After when it gave one, else backoff with jitter."""
+        retry_after = _retry_after(state)
+        return self._backoff(state) if retry_after is None else retry_after
+
+    def _stop(self, attempts: int, state: RetryCallState) -> bool:
+        # Waiting out a long rate limit would hold the slot: give the attempt back instead.
+        too_long = (_retry_after(state) or 0.0) > self._retry_after_max
+        return state.attempt_number >= attempts or too_long
 
     def embed_splitting(self, text: str) -> list[tuple[str, list[float]]]:
         """Embed ``text``; when the server says it is too large, embed its halves instead."""
@@ -164,8 +191,9 @@ class HttpEmbedder:
             raise EmbeddingFailed(f"embedding server returned {response.status_code}: {body_start}")
         if response.status_code >= 500 or response.status_code in (408, 429):
             log.warning("embedding_failed", status=response.status_code, count=len(texts))
-            raise EmbeddingsUnavailable(
-                f"embedding server returned {response.status_code}: {body_start}"
+            raise _Throttled(
+                f"embedding server returned {response.status_code}: {body_start}",
+                retry_after_seconds(response.headers.get("Retry-After")),
             )
         if response.status_code in (401, 403, 404):
             # A rotated key or a model never pulled: every item would fail the same way.
@@ -187,7 +215,8 @@ class HttpEmbedder:
             data = payload["data"]
             raw = [d["embedding"] for d in data]
             indices = [d.get("index") for d in data]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # (RecursionError: a body nested past Python's limit)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise EmbeddingReplyInvalid("embedding response is not in the OpenAI format") from exc
         if len(raw) != expected:
             raise EmbeddingReplyInvalid(
@@ -209,6 +238,12 @@ class HttpEmbedder:
             return l2_normalise([float(x) for x in vector])
         except OverflowError as exc:  # an integer of hundreds of digits
             raise EmbeddingReplyInvalid("embedding server returned a non-finite vector") from exc
+
+
+def _retry_after(state: RetryCallState) -> float | None:
+    """The Retry-After of the attempt that just failed, if it had one."""
+    exc = state.outcome.exception() if state.outcome else None
+    return exc.retry_after if isinstance(exc, _Throttled) else None
 
 
 def _in_index_order(vectors: list[Any], indices: list[Any]) -> list[Any]:

@@ -106,7 +106,7 @@ def _check_models(config: BackendConfig) -> str | None:
         return None  # not every server offers the list; the structured call decides
     try:
         ids = [str(m.get("id")) for m in response.json().get("data", [])]
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     if ids and not any(_same_model(config.model, i) for i in ids):
         return f"model {config.model!r} not offered (server has: {', '.join(ids[:5])})"

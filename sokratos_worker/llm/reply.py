@@ -51,7 +51,7 @@ def _load(text: str) -> Any:
     could cut a string that mentions a code fence or ``</think>`` apart."""
     try:
         strict = _json(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's limit ("[[[[…" in a loop)
         strict = None
     if isinstance(strict, dict):
         return strict
@@ -59,6 +59,8 @@ def _load(text: str) -> Any:
         return _json(clean_llm_json(text))
     except ValueError as exc:
         raise ReplyInvalid(f"the reply is not a JSON object ({exc})") from exc
+    except RecursionError as exc:
+        raise ReplyInvalid("the reply is not a JSON object (nested too deeply)") from exc
 
 
 def _json(text: str) -> Any:

@@ -4,8 +4,10 @@ httpx's default transport (httpcore + h11) does its HTTP/1.1 work in more Python
 ``http.client`` does, so a call costs less CPU on this transport than on httpx's own
 (bench/results/http_client.md). With 20 slot threads sharing one GIL, that CPU is time
 every other slot waits (bench/README.md).
-Everything above the transport (timeouts, headers, JSON, content decoding, proxies
-from the environment, the exceptions callers catch) is still httpx's.
+Everything above the transport (timeouts, headers, JSON, the exceptions callers catch)
+is still httpx's. An HTTP proxy is spoken to here too (absolute-form requests, ``CONNECT``
+tunnels for https), so a proxied call keeps the deadline and the size cap; a compressed
+body is decoded here, within the same cap, before httpx sees it.
 
 Connections are kept alive and reused; an idle one the server has closed is noticed
 before it is reused, so a request is never sent twice; and an answer the server sent
@@ -15,6 +17,7 @@ httpcore does; tests/llm/test_transport.py runs the same tests against both.
 
 from __future__ import annotations
 
+import base64
 import functools
 import http.client
 import io
@@ -23,6 +26,7 @@ import socket
 import ssl
 import threading
 import time
+import zlib
 from typing import TYPE_CHECKING, cast
 
 import httpx
@@ -62,7 +66,36 @@ DEADLINE_SLACK = 0.05
 
 
 class ResponseTooLarge(httpx.RemoteProtocolError):
-    """The server sent more than ``MAX_RESPONSE_BYTES``."""
+    """The server sent more than ``MAX_RESPONSE_BYTES`` (on the wire or once decoded)."""
+
+
+# zlib's window bits for each Content-Encoding decoded here: gzip's header, or zlib's or raw
+# deflate for "deflate" (servers send both).
+_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": 32 + zlib.MAX_WBITS,
+}
+
+
+def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed, never past ``limit`` bytes: a 40 KB gzip body can decode to GBs."""
+    if encoding not in _WBITS:
+        raise httpx.DecodingError(f"unsupported Content-Encoding {encoding!r}")
+    try:
+        try:
+            decoder = zlib.decompressobj(_WBITS[encoding])
+            data = decoder.decompress(body, limit + 1)
+        except zlib.error:
+            if encoding != "deflate":
+                raise
+            decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header
+            data = decoder.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise httpx.DecodingError(f"cannot decode the {encoding} body: {exc}") from exc
+    if len(data) > limit:
+        raise ResponseTooLarge(f"the response is over {limit} bytes once decoded")
+    return data
 
 
 class StdlibTransport(httpx.BaseTransport):
@@ -79,8 +112,11 @@ class StdlibTransport(httpx.BaseTransport):
         verify: ssl.SSLContext | bool = True,
         max_idle: int = 2,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        proxy: httpx.URL | None = None,
     ) -> None:
         self._max_response_bytes = max_response_bytes
+        self._proxy = proxy  # an http:// proxy every request goes through, or None
+        self._proxy_headers = _proxy_authorization(proxy)
         self._max_idle = max_idle  # kept per host; more in use at once are closed after use
         self._ssl: ssl.SSLContext | None = None
         self._verify = verify
@@ -101,15 +137,27 @@ class StdlibTransport(httpx.BaseTransport):
             conn.close()
         else:
             self._checkin(key, conn)
+        headers, content = self._decode(response)
         return httpx.Response(
             status_code=response.status,
-            headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers],
-            stream=httpx.ByteStream(response.content),
+            headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+            stream=httpx.ByteStream(content),
             extensions={
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": response.reason.encode("ascii", errors="replace"),
             },
         )
+
+    def _decode(self, response: _Received) -> tuple[list[tuple[str, str]], bytes]:
+        """Headers and body with any Content-Encoding undone here, within the size cap (httpx
+        would decode it with no limit)."""
+        names = {k.lower(): v for k, v in response.headers}
+        encoding = names.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return response.headers, response.content
+        content = _decoded(response.content, encoding, self._max_response_bytes)
+        kept = [(k, v) for k, v in response.headers if k.lower() not in _ENCODING_HEADERS]
+        return [*kept, ("Content-Length", str(len(content)))], content
 
     def close(self) -> None:
         with self._lock:
@@ -148,13 +196,7 @@ class StdlibTransport(httpx.BaseTransport):
         self, key: tuple[str, str, int], timeout: float | None
     ) -> http.client.HTTPConnection:
         scheme, host, port = key
-        conn: http.client.HTTPConnection
-        if scheme == "https":
-            if self._ssl is None:
-                self._ssl = _ssl_context(self._verify)
-            conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn = self._new_connection(scheme, host, port, timeout)
         try:
             conn.connect()
         except TimeoutError as exc:
@@ -165,6 +207,21 @@ class StdlibTransport(httpx.BaseTransport):
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         assert conn.sock is not None  # noqa: S101 - connect() succeeded
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _new_connection(
+        self, scheme: str, host: str, port: int, timeout: float | None
+    ) -> http.client.HTTPConnection:
+        """A connection to the server, or to the proxy (through a tunnel for https)."""
+        proxy = self._proxy
+        address = (host, port) if proxy is None else (proxy.host, proxy.port or 80)
+        if scheme != "https":
+            return http.client.HTTPConnection(*address, timeout=timeout)
+        if self._ssl is None:
+            self._ssl = _ssl_context(self._verify)
+        conn = http.client.HTTPSConnection(*address, timeout=timeout, context=self._ssl)
+        if proxy is not None:
+            conn.set_tunnel(host, port, headers=self._proxy_headers)  # TLS is to the server
         return conn
 
     # -- one exchange ------------------------------------------------------------------
@@ -226,17 +283,23 @@ class StdlibTransport(httpx.BaseTransport):
             response.read()  # a body of known length, read to its end: release the connection
         return b"".join(chunks)
 
-    @staticmethod
     def _send(
-        conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
+        self, conn: http.client.HTTPConnection, request: httpx.Request, timeout: float | None
     ) -> None:
         assert conn.sock is not None  # noqa: S101 - checked out connected
         _set_timeout(conn.sock, timeout)
-        target = request.url.raw_path.decode("ascii")
+        url = request.url
+        target = url.raw_path.decode("ascii")
+        # Through a proxy, plain http asks for the absolute URL (https goes through a tunnel).
+        forwarded = self._proxy is not None and url.scheme == "http"
+        if forwarded:
+            target = f"http://{url.netloc.decode('ascii')}{target}"
         try:
             conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
             for name, value in request.headers.raw:
                 conn.putheader(name, value)
+            for header, text in self._proxy_headers.items() if forwarded else ():
+                conn.putheader(header, text)
             # httpx announces a body of unknown length as chunked; http.client encodes it.
             chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
             conn.endheaders(request.read() or None, encode_chunked=chunked)
@@ -317,6 +380,17 @@ def _response_class(timeout: float | None) -> type[http.client.HTTPResponse]:
     return cast(
         "type[http.client.HTTPResponse]", functools.partial(_DeadlineResponse, timeout=timeout)
     )
+
+
+_ENCODING_HEADERS = frozenset({"content-encoding", "content-length"})
+
+
+def _proxy_authorization(proxy: httpx.URL | None) -> dict[str, str]:
+    """``Proxy-Authorization`` for a proxy URL's ``user:password@``, as httpx sends it."""
+    if proxy is None or not proxy.username:
+        return {}
+    credentials = f"{proxy.username}:{proxy.password}".encode()
+    return {"Proxy-Authorization": "Basic " + base64.b64encode(credentials).decode("ascii")}
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:

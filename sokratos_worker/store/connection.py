@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -124,19 +124,47 @@ class DatabaseLoginRefused(ConfigError):
 class DatabaseOptionRefused(ConfigError):
     """libpq or the server refused a connection option: fix the variable that gave it."""
 
-    def __init__(self, variable: str, detail: str) -> None:
-        remedy = (
-            "correct it in the URL"
-            if variable == "SOKRATOS_DATABASE_URL"
-            else "libpq applies this variable to the database connection: correct or unset it"
-        )
+    def __init__(self, variable: str, detail: str, remedy: str | None = None) -> None:
+        if remedy is None:
+            remedy = (
+                "correct it in the URL"
+                if variable == "SOKRATOS_DATABASE_URL"
+                else "libpq applies this variable to the database connection: correct or unset it"
+            )
         super().__init__(variable, f"a connection option was refused ({detail}); {remedy}")
 
 
 def option_refused(text: str, conninfo: str) -> DatabaseOptionRefused | None:
     """The configuration error in libpq's or the server's refusal ``text``, or None."""
-    found = libpq.refusal(text, conninfo_to_dict(conninfo))
+    options = conninfo_to_dict(conninfo)
+    pooled = libpq.startup_parameter_refusal(text, options)
+    if pooled is not None:
+        variable, parameter, detail = pooled
+        return DatabaseOptionRefused(variable, detail, _pooler_remedy(variable, parameter, options))
+    found = libpq.refusal(text, options)
     return DatabaseOptionRefused(*found) if found is not None else None
+
+
+def _pooler_remedy(variable: str, parameter: str, url_options: Mapping[str, object]) -> str:
+    """What to do when a pooler refuses ``parameter``: say who sent it and how to stop that."""
+    if variable != "SOKRATOS_DATABASE_URL":
+        sender, stop = f"{variable} sends {parameter}", f"unset {variable}"
+    elif parameter in url_options:
+        sender = f"SOKRATOS_DATABASE_URL sends it as {parameter}="
+        stop = f"remove {parameter}= from the URL"
+    else:
+        # Neither the URL nor a PG* variable: a service file, or a bug of ours.
+        sender = f"neither SOKRATOS_DATABASE_URL nor a PG* variable sets {parameter}"
+        stop = (
+            "remove it from the service file that the URL's service= or PGSERVICE names"
+            " (without one, sokratos-worker sent it itself: please report it)"
+        )
+    return (
+        "a connection pooler such as PgBouncer refuses startup parameters it does not track,"
+        f" and {sender}: {stop} and make the setting the role's default on the server instead"
+        f" (ALTER ROLE ... SET), or add {parameter} to PgBouncer's ignore_startup_parameters"
+        " (it then drops the parameter unapplied)"
+    )
 
 
 def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:

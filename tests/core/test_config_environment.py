@@ -604,3 +604,47 @@ def test_libpq_variables_meant_for_another_server_do_not_touch_the_embedded_post
     report = json.loads(status.stdout)
     assert report["database"] == "ok"
     assert report["queues"]["pending_triage"]["ready"] == 1  # no backend: the item waits
+
+
+# -- lowercase names, read as pydantic-settings reads them ----------------------------------
+
+
+@pytest.mark.parametrize("name", ["sokratos_database_url", "Sokratos_Database_Url", "database_url"])
+def test_a_lowercase_database_url_wins_over_an_empty_credential_as_the_uppercase_one_does(
+    tmp_path: Path, name: str
+) -> None:
+    """pydantic-settings reads the variable in any case; the check that lets an explicit
+    variable win over `_FILE` and the credential looked only at the uppercase name, so the
+    empty credential was refused (exit 78) though the URL was set."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_DATABASE_URL").write_text("\n")
+    url = "postgresql://u@db.example.org/sokratos"
+    env = {"CREDENTIALS_DIRECTORY": str(creds), "SOKRATOS_DATABASE_URL_FILE": "/nowhere/url"}
+    s = load_settings({**env, name: url})
+    assert s.database_url is not None and s.database_url.get_secret_value() == url
+
+
+def test_a_lowercase_file_variable_is_read_not_silently_the_embedded_postgres(
+    tmp_path: Path,
+) -> None:
+    """`sokratos_database_url_file` counted as known (no typo warning) but was never read:
+    the worker used the embedded PostgreSQL instead of the database it names."""
+    secret = tmp_path / "url"
+    secret.write_text("postgresql://u@db.example.org/sokratos\n")
+    s = load_settings({"sokratos_database_url_file": str(secret)})
+    assert s.database_url is not None
+    assert s.database_url.get_secret_value() == "postgresql://u@db.example.org/sokratos"
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="is empty") as refused:
+        load_settings({"sokratos_database_url_file": str(empty)})
+    assert refused.value.variable == "sokratos_database_url_file"
+
+
+def test_libpq_variables_are_not_checked_when_the_url_is_not_used() -> None:
+    """`demo` never connects to the URL's server: its PG* variables must not stop it."""
+    env = {"SOKRATOS_DATABASE_URL": "postgresql://u@db.example.org/s", "PGSSLMODE": "bogus"}
+    with pytest.raises(ConfigError, match="PGSSLMODE"):
+        load_settings(env)
+    assert load_settings(env, libpq_environment=False).database_url is not None

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, Field
 
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.llm.chat import FallbackChatClient, RetryPolicy
@@ -74,3 +75,17 @@ def make_client(
     yield make
     for client in clients:
         client.close()
+
+
+class Scored(BaseModel):
+    """A small structured reply, like the triage verdict."""
+
+    score: float = Field(ge=0, le=10)
+    summary: str
+
+
+def ask(client: FallbackChatClient) -> Any:
+    """One structured call, as a pipeline makes it."""
+    return client.complete(
+        response_model=Scored, system="sys", user="user text", max_tokens=200, purpose="test"
+    )

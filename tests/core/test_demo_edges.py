@@ -1,0 +1,113 @@
+"""`sokratos-worker demo` at its edges: it ignores PG* variables (they are for the URL's server,
+which the demo never uses), and a stop signal during its start ends it as it ends `run`'s:
+exit 0, `stopped_while_starting`, its embedded PostgreSQL stopped and its directory removed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped]
+import pytest
+
+from tests.support.daemon import ROOT
+
+pytestmark = [pytest.mark.subprocess]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """The demo's TMPDIR, short: the embedded PostgreSQL's socket path must fit 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="demo-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _demo(tmp_path: Path, **extra: str) -> subprocess.Popen[str]:
+    """The demo as a terminal runs it: Ctrl-C raises KeyboardInterrupt (not ignored)."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("SOKRATOS_")}
+    # A background shell starts its children with SIGINT ignored: undo that first.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+        " sys.argv = ['sokratos-worker', 'demo']; runpy.run_module('sokratos_worker', run_name='__main__')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", start],
+        env={
+            **env,
+            "SOKRATOS_LOG_FORMAT": "json",
+            "TMPDIR": str(tmp_path),
+            "PYTHONPATH": str(ROOT),
+            **extra,
+        },
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _stop_at(proc: subprocess.Popen[str], event: str, signum: signal.Signals) -> tuple[str, str]:
+    """Send ``signum`` once the log shows ``event``; (stdout, stderr) once the demo exited."""
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # (bounded: the demo ends by itself in any case)
+        seen.append(line)
+        if f'"event": "{event}"' in line:
+            break
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return out, "".join(seen) + err
+
+
+def _servers_under(folder: Path) -> list[int]:
+    """PostgreSQL processes whose command line names a directory under ``folder``."""
+    return [
+        p.pid
+        for p in psutil.process_iter(attrs=["cmdline"])
+        if any(str(folder) in part for part in p.info["cmdline"] or ())
+    ]
+
+
+@pytest.mark.parametrize(
+    ("event", "signum"),
+    [
+        # As the embedded PostgreSQL starts: held until it is up (a cut initdb kept writing
+        # into the directory being removed: a traceback, exit 1, files left), then stopped.
+        ("embedded_postgres_starting", signal.SIGINT),
+        ("embedded_postgres_ready", signal.SIGTERM),
+        ("demo_enqueued", signal.SIGHUP),
+    ],
+    ids=["sigint-postgres-starting", "sigterm-postgres-ready", "sighup-enqueued"],
+)
+def test_a_stop_signal_during_the_demo_start_exits_0_and_stops_its_postgres(
+    short_tmp: Path, event: str, signum: signal.Signals
+) -> None:
+    proc = _demo(short_tmp)
+    out, err = _stop_at(proc, event, signum)
+    assert proc.returncode == 0, err[-3000:]
+    assert '"event": "stopped_while_starting"' in err and "Traceback" not in err, err[-3000:]
+    assert out == ""  # nothing was processed: no report
+    assert not list(short_tmp.glob("sokratos-demo-*"))
+    assert _servers_under(short_tmp) == []
+
+
+def test_the_demo_ignores_a_bad_pg_variable_meant_for_the_url(short_tmp: Path) -> None:
+    """With a URL set, PGSSLMODE=bogus made the demo refuse to start (exit 78), though it
+    uses its own embedded PostgreSQL, where PG* variables are ignored as for `run`."""
+    proc = _demo(
+        short_tmp,
+        SOKRATOS_DATABASE_URL="postgresql://someone@db.invalid/prod",
+        PGSSLMODE="bogus",
+    )
+    _, err = _stop_at(proc, "embedded_postgres_ready", signal.SIGTERM)
+    assert proc.returncode == 0, err[-3000:]
+    ignored = [line for line in err.splitlines() if "libpq_environment_ignored" in line]
+    assert ignored and "PGSSLMODE" in ignored[0], err[-3000:]
+    assert _servers_under(short_tmp) == []
