@@ -612,6 +612,10 @@ class FallbackChatClient:
         )
 
 
+# Where the daemon's misconfiguration message sends the operator (``check`` leaves it out).
+RUN_CHECK = " ('sokratos-worker check')"
+
+
 def _not_the_items_fault(
     tried: tuple[BackendAttempt, ...], kinds: list[str], summary: str
 ) -> Exception:
@@ -628,7 +632,7 @@ def _not_the_items_fault(
         check = "api_key and model" if all(k == "refused" for k in kinds) else "url and model"
         return LLMBackendsMisconfigured(
             f"every LLM backend refused the request ({summary}): check each backend's"
-            f" {check} ('sokratos-worker check'); a request in the same form was refused too",
+            f" {check}{RUN_CHECK}; a request in the same form was refused too",
             tried=tried,
         )
     limited = all(a.reason.startswith("http_429") for a in tried)

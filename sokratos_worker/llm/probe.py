@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from sokratos_worker.config import BackendConfig, Settings
 from sokratos_worker.errors import BackendsUnavailable
-from sokratos_worker.llm.chat import FallbackChatClient, RetryPolicy
+from sokratos_worker.llm.chat import RUN_CHECK, FallbackChatClient, RetryPolicy
 from sokratos_worker.llm.embeddings import HttpEmbedder
 from sokratos_worker.llm.http import describe_connection_error, make_client, without_credentials
 from sokratos_worker.llm.local import LOCAL_BACKEND_NAME, LocalModelError, start_local_server
@@ -76,11 +76,27 @@ def probe_chat_backend(config: BackendConfig) -> CheckLine:
             purpose="check",
         )
     except (ChatFailed, BackendsUnavailable) as exc:
-        return CheckLine(component, False, f"structured call failed: {exc}")
+        return CheckLine(component, False, _call_failed(config, exc))
     finally:
         client.close()
     ms = round((time.perf_counter() - started) * 1000)
     return CheckLine(component, True, f"model {config.model} answered a structured call in {ms} ms")
+
+
+def _call_failed(config: BackendConfig, exc: ChatFailed | BackendsUnavailable) -> str:
+    """What the structured call's failure means for this backend's settings: a 404 or an
+    HTML page almost always is a ``url`` without its ``/v1``, which the bare reason hides."""
+    reasons = [a.reason for a in getattr(exc, "tried", ()) if a.result == "failed"]
+    endpoint = f"{without_credentials(config.url)}/chat/completions"
+    fix = (
+        f'check "url" in SOKRATOS_LLM_BACKENDS for {config.name!r} (the OpenAI-compatible'
+        f' base, usually ending in /v1) and "model"'
+    )
+    if reasons and all(r.startswith("http_404") for r in reasons):
+        return f"404 Not Found at {endpoint}: {fix} ({reasons[0]})"
+    if reasons and all("malformed_response" in r and "text/html" in r for r in reasons):
+        return f"answered an HTML page, not the OpenAI API, at {endpoint}: {fix} ({reasons[0]})"
+    return f"structured call failed: {str(exc).replace(RUN_CHECK, '')}"
 
 
 def _check_models(config: BackendConfig) -> str | None:
