@@ -48,6 +48,8 @@ class Item:
     idempotency_key: str | None
     created_at: datetime
     errors: tuple[dict[str, Any], ...] = ()
+    # The claim took over an expired lease: an earlier attempt was running when it ended.
+    took_over_lease: bool = False
 
     @property
     def op_type(self) -> str:

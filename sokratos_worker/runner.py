@@ -38,6 +38,10 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 WORKER_DIED = "worker died during the last attempt"
+ATTEMPTS_USED_UP = "attempts used up"
+# The unique key of work_outcomes (queue, item_id): a settle refused by it means the item's id
+# was handed out again (sql/0042_fresh_item_ids.sql).
+OUTCOME_KEY = "work_outcomes_queue_item_id_key"
 # The stop's release of unfinished items waits no longer behind a lock (a migration holding
 # a queue table): the leases expire instead, and the process exits.
 RELEASE_STATEMENT_TIMEOUT_MS = 5000
@@ -47,6 +51,25 @@ RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
+
+
+def _outcome_already_recorded(exc: BaseException) -> bool:
+    """A settle refused because work_outcomes holds an outcome under this item's id already."""
+    return isinstance(exc, pg_errors.UniqueViolation) and exc.diag.constraint_name == OUTCOME_KEY
+
+
+def _reused_id_hint(item: Item) -> str:
+    """What to do about an item whose id an earlier item's outcome holds (it cannot settle)."""
+    queue = item.queue.value
+    return (
+        f"{queue} item {item.id} has the id of an earlier item whose outcome is recorded (the"
+        " id sequence was reset, or the row bypassed the sokratos_fresh_id trigger of migration"
+        " 0042: session_replication_role = replica, an UPDATE of id), so it can never be"
+        " settled and runs again at every lease expiry. As the tables' owner, give it a fresh"
+        f" id: UPDATE {queue} SET id = sokratos_next_item_id('{queue}') WHERE id = {item.id}"
+        " RETURNING id; and point its key there: UPDATE sokratos_idempotency_keys SET item_id ="
+        f" <that id> WHERE queue = '{queue}' AND key = <its idempotency_key>"
+    )
 
 
 class State:
@@ -428,7 +451,7 @@ class Runner:
         handler = self.handlers[item.queue]
         try:
             if item.attempt > self.settings.max_attempts:
-                raise ItemError(WORKER_DIED)
+                raise ItemError(self._no_attempt_left(item))
             problem = store.payload_problem(item)
             if problem is not None:
                 raise problem
@@ -442,6 +465,8 @@ class Runner:
         except Exception as exc:
             # A write the database refuses (constraint, range, dimension) is a failed attempt;
             # it used to kill the slot thread and leave the item leased and renewed forever.
+            if _outcome_already_recorded(exc):
+                bound.error("item_id_reused", error=describe(exc), hint=_reused_id_hint(item))
             self._failed(item, started, exc, handler, bound)
             return None
         self._finished(item, started, kind)
@@ -519,6 +544,12 @@ class Runner:
         try:
             return self._settle_failure(item, exc, handler, bound)
         except Exception as settle_exc:
+            if _outcome_already_recorded(settle_exc):
+                bound.error(
+                    "item_id_reused", error=describe(settle_exc), hint=_reused_id_hint(item)
+                )
+                self._untrack(item, leave_leased=True)
+                return ABANDONED
             bound.error(
                 "settle_failed",
                 error=describe(settle_exc),
@@ -644,9 +675,22 @@ class Runner:
             )
             return write(())
 
+    def _no_attempt_left(self, item: Item) -> str:
+        """Why a claim past SOKRATOS_MAX_ATTEMPTS ends the item unrun: only a claim that took
+        over an expired lease found an attempt that died; otherwise none was running."""
+        if item.took_over_lease:
+            return WORKER_DIED
+        limit = self.settings.max_attempts
+        return (
+            f"{ATTEMPTS_USED_UP}: {item.attempt - 1} of SOKRATOS_MAX_ATTEMPTS={limit} before"
+            " this claim (inserted with attempts preset, or the limit was lowered); the item"
+            " never ran in this attempt"
+        )
+
     def _last_attempt(self, item: Item) -> int:
-        """The attempt a dead letter records: a claim that only found the last attempt dead
-        is not an attempt of its own (durability.md), so the attempt that died is named."""
+        """The attempt a dead letter records: a claim past the limit (the last attempt died,
+        or attempts were used up) is not an attempt of its own (durability.md), so the last
+        attempt counted before it is named."""
         return item.attempt - 1 if item.attempt > self.settings.max_attempts else item.attempt
 
     @staticmethod

@@ -114,7 +114,7 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                                  %(attempt)s::int, %(backend)s::text
                           FROM d RETURNING item_id),
                     picked AS (
-                          SELECT id FROM {table}
+                          SELECT id, lease_owner IS NOT NULL AS held FROM {table}
                           WHERE run_after <= now()
                             AND (lease_expires_at IS NULL OR lease_expires_at < now())
                             AND id <> %(id)s
@@ -127,9 +127,9 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                               lease_expires_at = now() + make_interval(secs => %(lease)s)
                           FROM picked WHERE t.id = picked.id
                           RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
-                                    t.attempts, t.created_at, t.attempt_errors)
+                                    t.attempts, t.created_at, t.attempt_errors, picked.held)
                SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
-                      c.attempts, c.created_at, c.attempt_errors
+                      c.attempts, c.created_at, c.attempt_errors, c.held
                FROM (SELECT 1) AS one LEFT JOIN c ON true"""
         ).format(table=table, fence=fence, source=source),
     }
@@ -174,7 +174,7 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
     return (
         sql.SQL(
             """WITH picked AS (
-               SELECT id FROM {table}
+               SELECT id, lease_owner IS NOT NULL AS held FROM {table}
                WHERE run_after <= now()
                  AND (lease_expires_at IS NULL OR lease_expires_at < now())
                ORDER BY run_after, id
@@ -186,7 +186,7 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
                lease_expires_at = now() + make_interval(secs => %(lease)s)
            FROM picked WHERE t.id = picked.id
            RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
-                     t.created_at, t.attempt_errors"""
+                     t.created_at, t.attempt_errors, picked.held"""
         )
         .format(table=table, source=_source(queue), limit=sql.Literal(limit))
         .as_bytes(None)
@@ -212,7 +212,7 @@ _INSERT_FAILED = sql.SQL(
 
 
 def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
-    item_id, payload, key, source, attempts, created_at, errors = row
+    item_id, payload, key, source, attempts, created_at, errors, held = row
     return Item(
         queue=queue,
         id=int(item_id),
@@ -222,6 +222,7 @@ def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
         idempotency_key=key,
         created_at=created_at,
         errors=tuple(errors or ()),
+        took_over_lease=bool(held),
     )
 
 
@@ -270,7 +271,11 @@ def payload_problem(item: Item) -> InvalidPayload | None:
 def claim(
     conn: psycopg.Connection, queue: Queue, *, owner: str, limit: int, lease_s: float
 ) -> list[Item]:
-    """Lease up to ``limit`` ready items, counting the attempt (autocommit: one statement)."""
+    """Lease up to ``limit`` ready items, counting the attempt (autocommit: one statement).
+
+    Each item's ``took_over_lease`` says whether an expired lease held it (an earlier attempt
+    never finished), which the runner needs to tell a dead worker from attempts used up.
+    """
     if limit <= 0:
         return []
     _parse_safely(conn)
