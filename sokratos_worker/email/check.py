@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 import structlog
@@ -100,6 +100,7 @@ class AccountReport:
     duplicates: int = 0
     failed: int = 0
     uidvalidity_reset: bool = False
+    uids_reused: bool = False  # UIDNEXT was at or below the checkpoint: the mailbox was re-read
     skipped_reason: str | None = None
     error: str | None = None
 
@@ -289,6 +290,81 @@ def _record(
     )
 
 
+Reset = Literal["uidvalidity", "uids_reused"]
+
+# What an operator reads when a server hands out UIDs the checkpoint already passed.
+_UIDS_REUSED_HINT = (
+    "nothing for this check: the mailbox is read again from its first message, and mail"
+    " already seen is not triaged again (processed_emails); a server restored from a backup"
+    " does this, and if it recurs without one, ask the server's operator why UIDs go back"
+)
+
+
+def _start_uid(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    checkpoint: store.Checkpoint | None,
+    state: MailboxState,
+) -> tuple[int, Reset | None]:
+    """The UID to read above, and why the checkpoint was reset to read the mailbox again."""
+    if checkpoint is None:
+        return 0, None
+    if checkpoint.uidvalidity not in (None, state.uidvalidity):
+        log.warning(
+            "email_uidvalidity_changed",
+            account=account.name,
+            mailbox=account.mailbox,
+            old=checkpoint.uidvalidity,
+            new=state.uidvalidity,
+        )
+        store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
+        return 0, "uidvalidity"
+    if state.uidnext is not None and state.uidnext <= checkpoint.last_uid:
+        # RFC 3501 forbids it, but a mailbox restored from a backup keeps its UIDVALIDITY and
+        # gives new mail UIDs at or below the checkpoint, which reading above it never fetches.
+        log.warning(
+            "email_uids_reused",
+            account=account.name,
+            mailbox=account.mailbox,
+            uidvalidity=state.uidvalidity,
+            last_uid=checkpoint.last_uid,
+            uidnext=state.uidnext,
+            what_happened="the server's next UID is not above the last UID already read, under"
+            " the same UIDVALIDITY: it hands out UIDs again (a mailbox restored from a backup?)",
+            what_to_do=_UIDS_REUSED_HINT,
+        )
+        store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
+        return 0, "uids_reused"
+    return checkpoint.last_uid, None
+
+
+def _lookback_cutoff(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    checkpoint: store.Checkpoint | None,
+    *,
+    lookback_s: float,
+    now: datetime,
+) -> datetime | None:
+    """Mail that arrived before this is seen without triage; None once a first check completed.
+
+    Only a new account's first check has a cutoff: after a UIDVALIDITY change or reused UIDs,
+    processed_emails alone tells seen from unseen, whatever a message's date. The cutoff is
+    fixed by the first attempt and reused by every later one until the first check completes.
+    """
+    if checkpoint is not None and checkpoint.first_check_done:
+        return None
+    if checkpoint is not None and checkpoint.first_check_cutoff is not None:
+        return checkpoint.first_check_cutoff
+    started = now
+    if checkpoint is not None:
+        # A first attempt made before cutoffs were stored began about when it recorded a message.
+        recorded = store.first_recorded_at(conn, account.name, account.mailbox)
+        started = min(now, recorded) if recorded is not None else now
+    cutoff = started - timedelta(seconds=lookback_s)
+    return store.begin_first_check(conn, account.name, account.mailbox, cutoff)
+
+
 def check_account(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -305,24 +381,10 @@ def check_account(
     ``deadline`` bounds the whole IMAP session; ``sessions`` lets a stopping worker cut it.
     """
     counts = _Counts()
-    reset = False
     with ImapSession(account, timeout=timeout, deadline=deadline, sessions=sessions) as session:
         state = session.examine()
-        last_uid = checkpoint.last_uid if checkpoint else 0
-        if checkpoint is not None and checkpoint.uidvalidity not in (None, state.uidvalidity):
-            log.warning(
-                "email_uidvalidity_changed",
-                account=account.name,
-                mailbox=account.mailbox,
-                old=checkpoint.uidvalidity,
-                new=state.uidvalidity,
-            )
-            store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
-            last_uid, reset = 0, True
-        # Only a new account's first check records old mail as seen; after a UIDVALIDITY
-        # change processed_emails alone tells seen from unseen, whatever a message's date.
-        first = checkpoint is None or not checkpoint.first_check_done
-        cutoff = now - timedelta(seconds=lookback_s) if first else None
+        last_uid, reset = _start_uid(conn, account, checkpoint, state)
+        cutoff = _lookback_cutoff(conn, account, checkpoint, lookback_s=lookback_s, now=now)
         refs = session.refs_above(last_uid)
         by_uid = {ref.uid: ref for ref in refs}
         refused_uid = checkpoint.refused_uid if checkpoint else None
@@ -345,7 +407,8 @@ def check_account(
         seen_without_triage=counts.seen_without_triage,
         duplicates=counts.duplicates,
         failed=counts.failed,
-        uidvalidity_reset=reset,
+        uidvalidity_reset=reset == "uidvalidity",
+        uids_reused=reset == "uids_reused",
     )
 
 
@@ -406,6 +469,7 @@ def _check_one(
         duplicates=report.duplicates,
         failed=report.failed,
         uidvalidity_reset=report.uidvalidity_reset,
+        uids_reused=report.uids_reused,
     )
     return report
 

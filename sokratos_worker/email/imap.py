@@ -45,6 +45,20 @@ BATCH_BYTES = 20 * 1024 * 1024
 # text, and a 54 MB message read and parsed whole cost the worker about 240 MB of memory.
 MESSAGE_BYTES_LIMIT = 16 * 1024 * 1024
 
+# A plain-IMAP server greets at once; one silent this long is asked whether it speaks TLS
+# (an implicit-TLS port never greets a client that does not start TLS first).
+GREETING_PATIENCE_S = 3.0
+
+# OpenSSL verify codes (X509_V_ERR_*): a trusted certificate for other names than the host,
+# an issuer missing from the trust store, an expired certificate.
+_NAME_MISMATCH = frozenset({62, 64})
+_UNKNOWN_ISSUER = frozenset({2, 18, 19, 20, 21})
+_EXPIRED = 10
+# OpenSSL's reasons when a TLS client gets plain text back (a plain-IMAP greeting).
+_NOT_TLS = frozenset(
+    {"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}
+)
+
 _UID = re.compile(rb"\bUID (\d+)")
 _SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
 _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
@@ -63,6 +77,10 @@ class ImapRefused(ImapError):
     def __init__(self, message: str, answer: str) -> None:
         super().__init__(message)
         self.answer = answer
+
+
+class NoGreeting(TimeoutError):
+    """The server accepted the connection but sent no IMAP greeting; the text says why."""
 
 
 class ImapAborted(ImapError):
@@ -196,10 +214,11 @@ class _WatchedIMAP4SSL(imaplib.IMAP4_SSL):
 
 @dataclass(frozen=True)
 class MailboxState:
-    """What EXAMINE reported: the UIDVALIDITY epoch and the number of messages."""
+    """What EXAMINE reported: the UIDVALIDITY epoch, the number of messages and UIDNEXT."""
 
     uidvalidity: int
     exists: int
+    uidnext: int | None = None  # the UID the next message will get (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -331,18 +350,89 @@ def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     if text.startswith(("b'", 'b"')):
         text = text[2:-1]
+    if isinstance(exc, NoGreeting):
+        return text  # it says what happened in words: no class name needed
     # imaplib's own exception classes are all called "error": name them by what they are.
     name = "IMAP error" if isinstance(exc, imaplib.IMAP4.error) else type(exc).__name__
     return f"{name}: {text}" if text else name
 
 
-def _next_step(exc: BaseException) -> str:
-    """What an operator does about the common causes, appended to the error."""
+def _certificate_step(
+    exc: ssl.SSLCertVerificationError, account: EmailAccountConfig, names: tuple[str, ...]
+) -> str:
+    """What to do about a certificate the client refused, by OpenSSL's verify code."""
+    code = exc.verify_code
+    if code in _NAME_MISMATCH:
+        covered = f"only for {', '.join(names)}" if names else "for other names"
+        return (
+            f" (the server's certificate is from a trusted issuer but {covered}, not"
+            f" {account.host}: set the account's host to a name the certificate covers, or"
+            f" have the server's certificate issued for {account.host}; ca_file is not the cause)"
+        )
+    if code == _EXPIRED:
+        return " (the server's certificate has expired: ask the server's operator to renew it)"
+    if code not in _UNKNOWN_ISSUER and code is not None:
+        return ""
+    if account.ca_file:
+        return (
+            f" (the account's ca_file {account.ca_file} does not hold the CA that issued the"
+            " server's certificate: put that CA's certificate there, docs/email.md)"
+        )
+    return " (a self-signed or private CA? set the account's ca_file, docs/email.md)"
+
+
+def _next_step(exc: BaseException, account: EmailAccountConfig, names: tuple[str, ...] = ()) -> str:
+    """What an operator does about the common causes, appended to the error.
+
+    ``names`` are the names the server's certificate covers, when a name mismatch was read.
+    """
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return " (a self-signed or private CA? set the account's ca_file, docs/email.md)"
+        return _certificate_step(exc, account, names)
+    if isinstance(exc, ssl.SSLError) and account.security == "tls" and exc.reason in _NOT_TLS:
+        return (
+            f" (the server did not answer TLS: port {account.imap_port} probably speaks plain"
+            ' IMAP; set security "starttls" for this port, or use port 993 with "tls")'
+        )
     if isinstance(exc, imaplib.IMAP4.error) and "AUTHENTICATIONFAILED" in str(exc).upper():
         return " (check username and password; Gmail, Fastmail and iCloud need an app password)"
     return ""
+
+
+def _certificate_names(cert: dict[str, Any]) -> tuple[str, ...]:
+    """The DNS names and IP addresses a parsed certificate covers (its CN without them)."""
+    alt = [value for kind, value in cert.get("subjectAltName", ()) if kind in ("DNS", "IP Address")]
+    if alt:
+        return tuple(alt)
+    return tuple(v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName")
+
+
+def _peek(sock: socket.socket, wait_s: float) -> bool:
+    """True when the server sent something (or closed) within ``wait_s``; nothing is consumed."""
+    sock.settimeout(max(wait_s, 0.001))
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # the read that follows reports it
+    return True
+
+
+def _answers_tls(address: Any, family: int, wait_s: float) -> bool:
+    """True when a second connection to ``address`` gets a TLS answer to a handshake."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only whether TLS comes back matters, not whose
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as raw:
+            raw.settimeout(wait_s)
+            raw.connect(address)
+            with context.wrap_socket(raw):
+                return True
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "")  # a TLS server refusing this client speaks TLS
+    except OSError:
+        return False
 
 
 class ImapSession:
@@ -421,7 +511,30 @@ class ImapSession:
                 " slow (a large first check over a slow link), raise"
                 " SOKRATOS_EMAIL_CHECK_DEADLINE; else ask the server's operator"
             )
-        return ImapError(f"{what}: {_describe(exc)}{_next_step(exc)}")
+        names = self._certificate_names() if _name_mismatch(exc) else ()
+        return ImapError(f"{what}: {_describe(exc)}{_next_step(exc, self.account, names)}")
+
+    def _certificate_names(self) -> tuple[str, ...]:
+        """The names the server's certificate covers, read over a second connection that checks
+        all but the name; empty when that fails too."""
+        context = ssl_context(self.account)
+        context.check_hostname = False
+        host, port = self.account.host, self.account.imap_port
+        conn: imaplib.IMAP4 | None = None
+        try:
+            if self.account.security == "tls":
+                conn = _WatchedIMAP4SSL(host, port, context, self.timeout, self._open_socket)
+            else:
+                conn = _WatchedIMAP4(host, port, self.timeout, self._open_socket)
+                conn.starttls(ssl_context=context)
+            cert = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
+        except (imaplib.IMAP4.error, OSError, EOFError, ValueError):
+            return ()
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.shutdown()
+        return _certificate_names(cert) if cert else ()
 
     def __exit__(
         self,
@@ -456,7 +569,40 @@ class ImapSession:
             return _WatchedIMAP4SSL(
                 host, port, self._ssl_context(), self.timeout, self._open_socket
             )
-        return _WatchedIMAP4(host, port, self.timeout, self._open_socket)
+        return _WatchedIMAP4(host, port, self.timeout, self._open_greeted_socket)
+
+    def _open_greeted_socket(self) -> socket.socket:
+        """A TCP connection on which the server's greeting has begun to arrive."""
+        sock = self._open_socket()
+        self._await_greeting(sock)
+        sock.settimeout(self.timeout)
+        return sock
+
+    def _await_greeting(self, sock: socket.socket) -> None:
+        """Wait up to the read timeout for the greeting; raise :class:`NoGreeting` without it.
+
+        A server silent past GREETING_PATIENCE_S is asked over a second connection whether it
+        speaks TLS: an implicit-TLS port fails the check then, not a read timeout later.
+        """
+        started = time.monotonic()
+        patience = min(GREETING_PATIENCE_S, self.timeout / 2)
+        if _peek(sock, patience):
+            return
+        if self._watch.cut_reason is None and _answers_tls(
+            sock.getpeername(), sock.family, patience
+        ):
+            raise NoGreeting(
+                f"no IMAP greeting within {patience:g} s, and port {self.account.imap_port}"
+                " answers a TLS handshake: it expects TLS at once (implicit TLS, usually port"
+                ' 993); set the account\'s security to "tls"'
+            )
+        if _peek(sock, self.timeout - (time.monotonic() - started)):
+            return
+        raise NoGreeting(
+            f"timed out: no IMAP greeting within {self.timeout:g} s; if port"
+            f" {self.account.imap_port} expects TLS at once (usually 993), set the account's"
+            ' security to "tls", else ask the server\'s operator'
+        )
 
     def _open_socket(self) -> socket.socket:
         """A TCP connection to the account's server, tried address by address; the session's
@@ -547,12 +693,17 @@ class ImapSession:
             typ, data = self.conn.select(quote_mailbox(self.account.mailbox), readonly=True)
             self._check(typ, list(data), f"EXAMINE {self.account.mailbox!r}")
             _, validity = self.conn.response("UIDVALIDITY")
+            _, uidnext = self.conn.response("UIDNEXT")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"EXAMINE on {self._where()} failed", exc) from None
         if not validity or not isinstance(validity[0], bytes):
             raise ImapError(f"{self._where()} reported no UIDVALIDITY")
         exists = data[0] if data and isinstance(data[0], bytes) else b"0"
-        self._state = MailboxState(uidvalidity=int(validity[0]), exists=int(exists or b"0"))
+        self._state = MailboxState(
+            uidvalidity=int(validity[0]),
+            exists=int(exists or b"0"),
+            uidnext=_number(uidnext),
+        )
         return self._state
 
     def refs_above(self, last_uid: int) -> list[MessageRef]:
@@ -676,6 +827,17 @@ class ImapSession:
                 self._skip_vanished(uids)
             return
         yield from messages
+
+
+def _name_mismatch(exc: BaseException) -> bool:
+    """A certificate refused only because it is for other names than the account's host."""
+    return isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code in _NAME_MISMATCH
+
+
+def _number(data: list[Any]) -> int | None:
+    """The number in an untagged response code such as ``[UIDNEXT 42]``, if one came."""
+    value = data[0] if data else None
+    return int(value) if isinstance(value, bytes) and value.strip().isdigit() else None
 
 
 def _uid_set(uids: list[int]) -> str:

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import html
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.message import Message
@@ -61,6 +62,8 @@ _STRUCTURE_PARAMETERS = frozenset({"boundary", "charset"})
 STRUCTURE_SEARCH_LIMIT = 64 * 1024
 # An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
 _ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
+# Parts that carry a whole message: listed as attachments, never read for the body.
+_ATTACHED_MESSAGE_TYPES = frozenset({"message/rfc822", "message/global"})
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ def _parsed_header(name: str, value: str) -> Any:
 
 
 _POLICY = _BoundedPolicy()
+_WIRE = _POLICY.clone(linesep="\r\n")
 
 
 def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
@@ -195,34 +199,70 @@ def _unescape(text: str, notes: list[str]) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def _decode_word(word: str, notes: list[str]) -> str:
-    """One RFC 2047 encoded word; a malformed one keeps its raw form."""
+def _word_bytes(word: str) -> tuple[bytes, str | None] | None:
+    """One RFC 2047 encoded word's bytes and charset; None when it is malformed."""
     try:
         pieces = email.header.decode_header(word)
-    except Exception:  # bad base64 and the like: show the word as it came
-        return word
-    return "".join(
-        _decode_bytes(data, charset, notes) if isinstance(data, bytes) else data
-        for data, charset in pieces
-    )
+    except Exception:  # bad base64 and the like: the caller shows the word as it came
+        return None
+    if len(pieces) != 1 or not isinstance(pieces[0][0], bytes):
+        return None
+    data, charset = pieces[0]
+    # An RFC 2231 language suffix ("utf-8*en") names no codec.
+    return data, charset.partition("*")[0] if charset else None
+
+
+class _WordRun:
+    """Adjacent encoded words of one charset, decoded together: a mailer may split one
+    multi-byte character across two words, which decoded one by one give U+FFFD twice."""
+
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+        self.out: list[str] = []
+        self._data = b""
+        self._charset: str | None = None
+
+    def add(self, data: bytes, charset: str | None) -> None:
+        """Append one word's bytes, decoding the run before it when its charset differs."""
+        if self._data and charset != self._charset:
+            self.flush()
+        self._data += data
+        self._charset = charset
+
+    def text(self, text: str) -> None:
+        """Append text that is not an encoded word, after the run before it."""
+        self.flush()
+        self.out.append(text)
+
+    def flush(self) -> None:
+        """Decode the pending run."""
+        if self._data:
+            self.out.append(_decode_bytes(self._data, self._charset, self.notes))
+        self._data, self._charset = b"", None
 
 
 def _decode_header(value: str, notes: list[str]) -> str:
     """A header value as text, unfolded: raw 8-bit bytes read as UTF-8, encoded words decoded.
 
     The text around encoded words is kept as it is, rather than passed through
-    ``email.header.decode_header``, which would turn its non-ASCII characters into escapes.
+    ``email.header.decode_header``, which would turn its non-ASCII characters into escapes;
+    adjacent encoded words of one charset are joined before decoding, as it does.
     """
     unfolded = re.sub(r"\r?\n[ \t]+", " ", _unescape(value, notes)).strip()
     chunks = _ENCODED_WORD.split(unfolded)
-    out: list[str] = []
+    run = _WordRun(notes)
     for index, chunk in enumerate(chunks):
         if index % 2:
-            out.append(_decode_word(chunk, notes))
-        elif not (chunk.isspace() and 0 < index < len(chunks) - 1):
+            word = _word_bytes(chunk)
+            if word is None:
+                run.text(chunk)
+            else:
+                run.add(*word)
+        elif not (chunk.isspace() and 0 < index < len(chunks) - 1) and chunk:
             # Whitespace between two encoded words is not part of the text (RFC 2047 §6.2).
-            out.append(chunk)
-    return "".join(out).strip()
+            run.text(chunk)
+    run.flush()
+    return "".join(run.out).strip()
 
 
 def _header(msg: Message, name: str, notes: list[str]) -> str:
@@ -272,14 +312,56 @@ def _is_attachment(part: Message) -> bool:
     return part.get_content_maintype() not in {"text", "multipart", "message"}
 
 
-def _attachment_name(part: Message, notes: list[str]) -> str:
+def _filename(part: Message, notes: list[str]) -> str | None:
     try:
         name = part.get_filename()
     except Exception:  # RFC 2231 parameters can be malformed
         name = None
-    if name:
-        return _decode_header(name, notes)
-    return f"(unnamed {part.get_content_type()})"
+    return _decode_header(name, notes) if name else None
+
+
+def _attachment_name(part: Message, notes: list[str]) -> str:
+    return _filename(part, notes) or f"(unnamed {part.get_content_type()})"
+
+
+def _is_attached_message(part: Message) -> bool:
+    """A message carried inside another (forwarded as an attachment, a bounce's original)."""
+    return part.get_content_type() in _ATTACHED_MESSAGE_TYPES
+
+
+def _attached_message_name(part: Message, notes: list[str]) -> str:
+    """Its file name, else the Subject of the message it carries."""
+    name = _filename(part, notes)
+    inner = part.get_payload(0) if part.is_multipart() and not name else None
+    if isinstance(inner, Message):
+        name = _header(inner, "Subject", notes)
+    return name or f"(unnamed {part.get_content_type()})"
+
+
+def _attached_message_size(part: Message, notes: list[str]) -> int:
+    """The attached message's size in bytes (as the email package writes it out again)."""
+    if not part.is_multipart():  # not parsed as a message (a transfer encoding on it)
+        return len(_payload_bytes(part, notes))
+    inner = part.get_payload(0)
+    try:
+        # Written with the CRLF line ends of the wire, to come close to its size there.
+        return len(inner.as_bytes(policy=_WIRE)) if isinstance(inner, Message) else 0
+    except Exception as exc:  # a message too broken to write out is still listed
+        notes.append(f"attached message of unknown size: {type(exc).__name__}")
+        return 0
+
+
+def _parts(msg: Message) -> Iterator[Message]:
+    """Every part depth first, as ``msg.walk()``, but an attached message is not entered: its
+    text and attachments are its own, not the outer message's."""
+    stack = [msg]
+    while stack:
+        part = stack.pop()
+        yield part
+        if part.is_multipart() and (part is msg or not _is_attached_message(part)):
+            children = part.get_payload()
+            if isinstance(children, list):
+                stack.extend(c for c in reversed(children) if isinstance(c, Message))
 
 
 def _defect_notes(msg: Message) -> list[str]:
@@ -291,7 +373,11 @@ def _walk(msg: Message, notes: list[str]) -> tuple[str, str, list[Attachment]]:
     """The first text/plain and text/html bodies and the attachments, depth first."""
     plain = html = ""
     attachments: list[Attachment] = []
-    for part in msg.walk():
+    for part in _parts(msg):
+        if part is not msg and _is_attached_message(part):
+            size = _attached_message_size(part, notes)
+            attachments.append(Attachment(_attached_message_name(part, notes), size))
+            continue
         if part.is_multipart():
             continue
         content_type = part.get_content_type()

@@ -24,9 +24,11 @@ __all__ = [
     "MessageRecord",
     "account_rows",
     "advisory_lock",
+    "begin_first_check",
     "clear_refusal",
     "connect",
     "finish_check",
+    "first_recorded_at",
     "forget_refusal",
     "load_checkpoint",
     "note_refusal",
@@ -49,6 +51,7 @@ class Checkpoint:
     last_error_at: datetime | None
     first_check_done: bool = False  # kept through UIDVALIDITY resets, unlike checked_at
     refused_uid: int | None = None  # the UID the server refused on the last checks, if any
+    first_check_cutoff: datetime | None = None  # the lookback cutoff of the first check
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint 
     with translated():
         row = conn.execute(
             "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at,"
-            " first_check_done, refused_uid"
+            " first_check_done, refused_uid, first_check_cutoff"
             " FROM email_checkpoints WHERE account = %s AND mailbox = %s",
             (account, mailbox),
         ).fetchone()
@@ -86,6 +89,34 @@ def reset_checkpoint(conn: Connection, account: str, mailbox: str, uidvalidity: 
             " refused_uid = NULL, refused_checks = 0",
             (account, mailbox, uidvalidity),
         )
+
+
+def begin_first_check(conn: Connection, account: str, mailbox: str, cutoff: datetime) -> datetime:
+    """The first check's lookback cutoff: the one stored by an earlier attempt, else ``cutoff``.
+
+    Committed at once (autocommit), before any message is recorded, so an attempt killed
+    part-way leaves the cutoff for the next attempt to reuse.
+    """
+    with translated():
+        row = conn.execute(
+            "INSERT INTO email_checkpoints (account, mailbox, first_check_cutoff)"
+            " VALUES (%s, %s, %s)"
+            " ON CONFLICT (account, mailbox) DO UPDATE SET first_check_cutoff ="
+            " COALESCE(email_checkpoints.first_check_cutoff, EXCLUDED.first_check_cutoff)"
+            " RETURNING first_check_cutoff",
+            (account, mailbox, cutoff),
+        ).fetchone()
+    return row[0] if row and row[0] is not None else cutoff
+
+
+def first_recorded_at(conn: Connection, account: str, mailbox: str) -> datetime | None:
+    """When the mailbox's first message was recorded, or None when none was."""
+    with translated():
+        row = conn.execute(
+            "SELECT min(seen_at) FROM processed_emails WHERE account = %s AND mailbox = %s",
+            (account, mailbox),
+        ).fetchone()
+    return row[0] if row else None
 
 
 def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
