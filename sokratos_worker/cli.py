@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -58,7 +61,8 @@ exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable or read-on
 (run, migrate: past SOKRATOS_STARTUP_TIMEOUT; failed: at once, or a table locked by another
 session for 5 s; enqueue: only when the spool cannot be written either; run --once: no
 backend or database reachable, or a queue table locked by another session, items left),
-78 bad config. status exits 0 with the database away; check exits 1 naming what failed.
+78 bad config. status exits 0 with the database away (78 when the server refuses the
+login); check exits 1 naming what failed.
 """
 
 
@@ -168,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         " failures in the last 24 h by op_type; each live worker's state and backends;"
         " email accounts and their last check; enqueues waiting in the spool (and those meant"
         " for another database); migrations not applied. It exits 0 even when the database is"
-        " unreachable: read the 'database' field ('ok' or 'unreachable'; and 'read_only' when"
-        " the server takes no writes, as a standby). With"
+        " unreachable (78 when the server refuses the login): read the 'database' field ('ok'"
+        " or 'unreachable'; and 'read_only' when the server takes no writes, as a standby). With"
         " SOKRATOS_DATABASE_URL unset it attaches to the embedded PostgreSQL, or starts it"
         " for the length of the command.",
     )
@@ -183,7 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         " naming that session and what was not done.",
     )
     actions = failed.add_subparsers(dest="action", metavar="ACTION", required=True)
-    flist = actions.add_parser("list", help="failures, newest first")
+    flist = actions.add_parser(
+        "list",
+        help="failures, newest first",
+        description="List failures, newest first, one line each: id, time, op_type, the"
+        " error's start and the item a retry created ('no failures' when there are none).",
+    )
     flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
     flist.add_argument(
         "--limit", type=_at_least_one, default=50, help="at most this many, 1 or more (default 50)"
@@ -252,7 +261,43 @@ def build_parser() -> argparse.ArgumentParser:
 def main(
     argv: Sequence[str] | None = None, *, handler_factory: HandlerFactory | None = None
 ) -> int:
-    """Entry point; tests and benchmarks pass their own ``handler_factory``."""
+    """Entry point; tests and benchmarks pass their own ``handler_factory``.
+
+    A reader that closes stdout early (``status | head -1``) ends the command quietly, at
+    the line that could not be written, as SIGPIPE ends other tools.
+    """
+    # Exit 0 then, as ``head`` users expect (the reader had all it wanted); the command's own
+    # code when only its last, buffered lines were lost (a failed retry still exits 1).
+    code = EXIT_OK
+    try:
+        try:
+            code = _main(argv, handler_factory)
+        except SystemExit:
+            sys.stdout.flush()  # --help and --version exit with their text still buffered
+            raise
+        sys.stdout.flush()  # buffered output meets the closed pipe here, not at print()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's (an LLM backend, a mailbox): a real failure, not the reader
+        # The Python docs' recipe: interpreter shutdown would flush into the pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
+def _stdout_reader_gone() -> bool:
+    """True when stdout's reader has gone, so the BrokenPipeError was stdout's."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (tests)
+        return False
+    if not hasattr(select, "poll"):
+        return True  # no poll to ask (Windows): the error is taken at its word
+    poller = select.poll()
+    poller.register(descriptor, 0)
+    return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in poller.poll(0))
+
+
+def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # The demo's own embedded PostgreSQL ignores PG* (they are for the URL's server).
@@ -279,10 +324,7 @@ def main(
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_TEMPFAIL
     except DatabaseUnavailable as exc:
-        print(
-            f"sokratos-worker: {exc}. Check SOKRATOS_DATABASE_URL and that PostgreSQL is running.",
-            file=sys.stderr,
-        )
+        print(f"sokratos-worker: {exc}. {_unreachable_hint(settings)}", file=sys.stderr)
         return EXIT_TEMPFAIL
     except WorkerError as exc:
         print(f"sokratos-worker: {exc}", file=sys.stderr)
@@ -306,6 +348,16 @@ def main(
             file=sys.stderr,
         )
         return EXIT_FAILURE
+
+
+def _unreachable_hint(settings: Settings) -> str:
+    """What to look at when the database is away: the URL, or the embedded server when unset."""
+    if settings.uses_embedded_postgres:
+        return (
+            f"Check the embedded PostgreSQL under {settings.data_dir / 'postgres'} (no"
+            " database URL is set) and that SOKRATOS_DATA_DIR is writable."
+        )
+    return "Check SOKRATOS_DATABASE_URL and that PostgreSQL is running."
 
 
 def _log_level(command: str, settings: Settings) -> str:
@@ -482,6 +534,12 @@ def _read_arg(value: str) -> str:
 def _enqueue(args: argparse.Namespace, settings: Settings) -> int:
     import psycopg  # noqa: PLC0415
 
+    if args.key is not None and not args.key.strip():
+        # An empty shell variable: as a key it would be accepted once, and every later
+        # enqueue with it answered with the first item's id, its own text dropped.
+        raise InvalidPayload(
+            "--key", "is blank (an empty variable?): give the item's key, or leave --key out"
+        )
     queue, payload = _enqueue_input(args)
     try:
         result = _enqueue_or_spool(settings, queue, payload, key=args.key)
@@ -521,7 +579,36 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
         raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise InvalidPayload("--file", "must hold a JSON object")
+    _check_distillation(payload)
     return Queue.DISTILLATION, payload
+
+
+def _check_distillation(payload: dict[str, Any]) -> None:
+    """InvalidPayload now for what the worker would dead-letter at its first claim, the field
+    named as the database's own check names it (``payload.messages``)."""
+    try:
+        _distillable(payload)
+    except InvalidPayload as exc:
+        raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
+
+
+def _distillable(payload: dict[str, Any]) -> None:
+    """The worker's own checks (the pipelines import no third-party module: enqueue stays quick)."""
+    from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
+    from sokratos_worker.pipelines.archive import archive_from_payload  # noqa: PLC0415
+    from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415
+    from sokratos_worker.pipelines.text import byte_len  # noqa: PLC0415
+
+    size = byte_len(archive_from_payload(payload, datetime.now(UTC)).text)
+    if size > MAX_ARCHIVE_BYTES:
+        name = "archive_text" if "archive_text" in payload else "messages"
+        raise InvalidPayload(
+            name,
+            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
+            " split the conversation into several items",
+        )
+    fields.optional_int(payload, "pipeline_id")
+    fields.optional_str(payload, "conversation_id")
 
 
 def _enqueue_or_spool(

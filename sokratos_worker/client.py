@@ -71,10 +71,11 @@ def enqueue(
     (a migration, a transaction left open) counts as unreachable too: spooled, or
     :class:`TableLocked` naming the session. Without it the enqueue waits for the lock.
 
-    Raises :class:`InvalidPayload` naming the field when the payload is malformed, and
-    psycopg's own errors for what the database refuses otherwise (missing migrations or
-    privileges).
+    Raises :class:`InvalidPayload` naming the field when the payload is malformed or ``key``
+    is blank, and psycopg's own errors for what the database refuses otherwise (missing
+    migrations or privileges).
     """
+    _refuse_blank_key(key)
     clean = storable_payload(payload)
     if key is None and spool_dir is not None:
         # A connection lost mid-call counts as unreachable and is spooled; the spooled copy
@@ -108,6 +109,7 @@ def spool(
     spool_for: str | None = None,
 ) -> Enqueued:
     """Write the enqueue to the spool, sanitized and checked as the database would check it."""
+    _refuse_blank_key(key)
     clean = storable_payload(payload)
     _validate_offline(queue, clean, source)
     return Enqueued(
@@ -115,6 +117,12 @@ def spool(
             spool_dir, queue, clean, idempotency_key=key, source=source, database=spool_for
         )
     )
+
+
+def _refuse_blank_key(key: str | None) -> None:
+    """A blank key would be taken once for good: every later item with it silently dropped."""
+    if key is not None and not key.strip():
+        raise InvalidPayload("key", "is blank: pass the item's idempotency key, or None")
 
 
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:

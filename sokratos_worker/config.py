@@ -16,6 +16,7 @@ import os
 import re
 import ssl
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
@@ -32,6 +33,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -320,6 +322,25 @@ def _default_data_dir() -> Path:
         # systemd may pass several colon-separated directories; the first is ours.
         return Path(state.split(":")[0])
     return Path.home() / ".local" / "share" / "sokratos-worker"
+
+
+def _unusable_directory(path: Path) -> str | None:
+    """Why this user cannot write ``path`` (or create it), else None; nothing is left behind."""
+    if path.is_dir():
+        # access() suffices for a directory that exists: it sees modes and read-only mounts.
+        if os.access(path, os.W_OK | os.X_OK):
+            return None
+        return f"{str(path)!r} is not writable by this user"
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        return f"{str(path)!r} cannot be created: {parent} is not a directory"
+    try:
+        # A real attempt: for root, access() calls even /proc writable, where mkdir fails.
+        os.rmdir(tempfile.mkdtemp(prefix=".sokratos-probe-", dir=parent))
+    except OSError as exc:
+        refused = f"{parent} refuses a new directory ({exc.strerror})"
+        return f"{str(path)!r} cannot be created: {refused}"
+    return None
 
 
 def _refuse_bad_libpq_environment(url_options: Mapping[str, object]) -> None:
@@ -628,7 +649,7 @@ class Settings(BaseSettings):
 
     @field_validator("data_dir")
     @classmethod
-    def _directory(cls, value: Path) -> Path:
+    def _directory(cls, value: Path, info: ValidationInfo) -> Path:
         # Caught now: later the embedded PostgreSQL or the spool would fail with a raw OSError.
         try:
             is_something_else = value.exists() and not value.is_dir()
@@ -636,6 +657,14 @@ class Settings(BaseSettings):
             raise ValueError(f"{str(value)!r} cannot be examined: {exc.strerror}") from None
         if is_something_else:
             raise ValueError(f"{str(value)!r} is a file, not a directory")
+        # Only the embedded PostgreSQL needs it at once (an invalid URL is the error shown).
+        if "database_url" in info.data and info.data["database_url"] is None:
+            problem = _unusable_directory(value)
+            if problem is not None:
+                raise ValueError(
+                    f"{problem}; the embedded PostgreSQL keeps its data there (no database URL"
+                    " is set): choose a directory this user may create and write"
+                )
         return value
 
     @field_validator("log_level", "log_format", mode="before")

@@ -96,8 +96,22 @@ BEGIN
     END LOOP;
 END $$;
 
+-- A blank key (an empty shell variable, '') is refused, not recorded: recorded, it made every
+-- later item with the same blank key return the first one's id, and their text was dropped.
+CREATE OR REPLACE FUNCTION sokratos_refuse_blank_key(key text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF key ~ '^\s*$' THEN
+        RAISE EXCEPTION 'idempotency key is blank'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass NULL for an item without a key, or the item''s own key'
+                         ' (an empty variable?).';
+    END IF;
+END $$;
+
 CREATE OR REPLACE FUNCTION sokratos_fresh_id() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM sokratos_refuse_blank_key(NEW.idempotency_key);
     IF sokratos_item_id_used(TG_TABLE_NAME, NEW.id, NEW.idempotency_key) THEN
         NEW.id := sokratos_next_item_id(TG_TABLE_NAME);
     END IF;
@@ -120,6 +134,7 @@ DECLARE
     existing bigint;
 BEGIN
     PERFORM sokratos_check_payload(queue, payload, source);
+    PERFORM sokratos_refuse_blank_key(idempotency_key);
     new_id := sokratos_next_item_id(queue);
     IF idempotency_key IS NOT NULL THEN
         INSERT INTO sokratos_idempotency_keys (queue, key, item_id)

@@ -1,0 +1,78 @@
+"""A reader that closes the pipe early (`status | head -1`) ends the command quietly.
+
+It used to print a BrokenPipeError traceback and exit 1. Now: nothing on stderr, exit 0; and a
+BrokenPipeError that is not stdout's (a socket's) is still a real failure.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.operator import REPO, cli_env
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["failed", "list"]])
+def test_reader_closing_the_pipe_gives_no_traceback(
+    tmp_path: Path, database_url: str, args: list[str]
+) -> None:
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", *args],
+        env=env,
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head -0`: the reader is gone before the answer is written
+    stderr = proc.stderr.read()
+    code = proc.wait(timeout=60)
+    assert stderr == "", stderr
+    assert code == 0, code
+
+
+def test_help_into_a_closed_pipe_exits_0_quietly(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", "--help"],
+        env=cli_env(tmp_path),
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert stderr == "", stderr
+
+
+# A command that meets a closed socket, run in a child: main() configures logging globally.
+SOCKET_GONE = """
+from sokratos_worker import cli
+
+def socket_gone(*_):
+    raise BrokenPipeError(32, "Broken pipe")  # as a backend's socket would
+
+cli._COMMANDS["status"] = socket_gone
+raise SystemExit(cli.main(["status"]))
+"""
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_not_hidden(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL="postgresql://x@127.0.0.1:1/none")
+    done = subprocess.run(
+        [sys.executable, "-c", SOCKET_GONE],
+        env=env,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and "BrokenPipeError" in done.stderr, done.stderr

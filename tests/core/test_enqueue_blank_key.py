@@ -1,0 +1,94 @@
+"""A blank idempotency key (an empty shell variable) is refused, never taken as a real key.
+
+Taken as a key, "" was accepted once for good: every later enqueue with an empty key printed
+the first item's id, exit 0, and its own text was dropped without a word.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from sokratos_worker import client
+from sokratos_worker.errors import InvalidPayload
+from sokratos_worker.model import Queue
+from tests.support.operator import cli_env, run_cli
+
+
+def test_an_empty_key_never_swallows_a_different_exchange(
+    tmp_path: Path, database_url: str
+) -> None:
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url)
+    first = run_cli(
+        ["enqueue", "triage", "--exchange", "user: my sister Ana moved to Porto\nassistant: noted!",
+         "--key", ""],
+        env,
+    )
+    second = run_cli(
+        ["enqueue", "triage", "--exchange", "user: I start at Example GmbH on Monday\nassistant: congrats!",
+         "--key", ""],
+        env,
+    )
+    for done in (first, second):
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert done.stderr.strip() == (
+            "sokratos-worker: invalid payload: --key is blank (an empty variable?): give the"
+            " item's key, or leave --key out"
+        )
+    with psycopg.connect(database_url) as conn:
+        queued = conn.execute("SELECT count(*) FROM pending_triage").fetchone()
+    assert queued == (0,)
+
+
+@pytest.mark.parametrize("kind", ["triage", "distillation"])
+def test_a_blank_key_is_refused_before_the_database_or_the_spool(
+    tmp_path: Path, kind: str
+) -> None:
+    # The database is down: a blank key must not reach the spool either.
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL="postgresql://x@127.0.0.1:1/none")
+    if kind == "triage":
+        args = ["enqueue", "triage", "--exchange", "user: hi\nassistant: hello", "--key", "  "]
+        done = run_cli(args, env)
+    else:
+        args = ["enqueue", "distillation", "--file", "-", "--key", "\t"]
+        done = run_cli(args, env, stdin='{"messages": [{"role": "user", "content": "hi"}]}')
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "--key is blank" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data" / "spool").exists()
+
+
+@pytest.mark.parametrize("key", ["", " ", "\n"])
+def test_the_python_client_refuses_a_blank_key(tmp_path: Path, key: str) -> None:
+    payload = client.triage_payload("user: hi\nassistant: hello")
+    # Refused before connecting: this URL would otherwise spool it.
+    with pytest.raises(InvalidPayload, match="key is blank"):
+        client.enqueue(
+            "postgresql://x@127.0.0.1:1/none", Queue.TRIAGE, payload, key=key, spool_dir=tmp_path
+        )
+    with pytest.raises(InvalidPayload, match="key is blank"):
+        client.spool(tmp_path, Queue.TRIAGE, payload, key=key)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key", ["", "  ", "\t\n"])
+def test_postgresql_refuses_a_blank_key_from_the_enqueue_functions_and_direct_inserts(
+    db: psycopg.Connection, key: str
+) -> None:
+    """The SQL level too (a Go producer calls the functions or inserts directly): refused with
+    22023 naming the blank key, nothing queued and no key recorded."""
+    statements = [
+        ("SELECT sokratos_enqueue_triage('{\"exchange\": \"user: a\\nassistant: b\"}', %s)",),
+        ("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', %s)",),
+        ("INSERT INTO pending_triage (payload, idempotency_key) VALUES ('{}', %s)",),
+        ("INSERT INTO pending_distillation (payload, idempotency_key) VALUES ('{}', %s)",),
+    ]
+    for (statement,) in statements:
+        refused = pytest.raises(psycopg.errors.InvalidParameterValue, match="key is blank")
+        with refused, db.transaction():
+            db.execute(statement, (key,))
+    assert db.execute(
+        "SELECT (SELECT count(*) FROM pending_triage) + (SELECT count(*) FROM pending_distillation)"
+        " + (SELECT count(*) FROM sokratos_idempotency_keys)"
+    ).fetchone() == (0,)

@@ -1,0 +1,56 @@
+"""`enqueue distillation` refuses, exit 1, a payload the worker would dead-letter at its first
+claim (the same checks: pipelines/archive.py and the 512 kB limit), and enqueues nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support.operator import cli_env, run_cli
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (
+            {"messages": [{"role": "bot", "content": "I moved to Porto"}]},
+            "payload.messages[0].role must be one of ['assistant', 'system', 'tool', 'user']",
+        ),
+        (
+            {"messages": [{"role": "user", "content": ["I moved", "to Porto"]}]},
+            "payload.messages[0].content must be a string",
+        ),
+        ({"archive_text": "x" * 600_000}, "payload.archive_text make an archive of 600,0"),
+        ({"messages": [], "archive_text": "both"}, "exactly one of them"),
+        ({"archive_text": "[Conversation archived]", "pipeline_id": "7"}, "payload.pipeline_id must be an integer"),
+    ],
+    ids=["unknown-role", "content-not-a-string", "over-512-kB", "both-shapes", "pipeline-id-text"],
+)
+def test_enqueue_refuses_a_distillation_payload_the_worker_rejects(
+    tmp_path: Path, database_url: str, payload: dict[str, object], message: str
+) -> None:
+    file = tmp_path / "archive.json"
+    file.write_text(json.dumps(payload))
+    done = run_cli(
+        ["enqueue", "distillation", "--file", str(file)],
+        cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url),
+    )
+    with psycopg.connect(database_url) as conn:
+        queued = conn.execute("SELECT count(*) FROM pending_distillation").fetchone()
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert queued == (0,)
+    assert done.stderr.startswith("sokratos-worker: invalid payload: ") and message in done.stderr
+
+
+def test_a_payload_the_worker_rejects_is_not_spooled_either(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL="postgresql://x@127.0.0.1:1/none")
+    bad = '{"messages": [{"role": "bot", "content": "hi"}]}'
+    done = run_cli(["enqueue", "distillation", "--file", "-"], env, stdin=bad)
+    assert done.returncode == 1 and "payload.messages[0].role" in done.stderr, done.stderr
+    assert not (tmp_path / "data" / "spool").exists()
+    good = '{"messages": [{"role": "user", "content": "hi", "timestamp": "2026-01-02T03:04:05Z"}]}'
+    done = run_cli(["enqueue", "distillation", "--file", "-"], env, stdin=good)
+    assert done.returncode == 0 and done.stdout.startswith("spooled "), done.stderr
