@@ -12,25 +12,33 @@
 --   one id at a time) and nextval is taken again. sokratos_enqueue (so both enqueue functions
 --   and `failed retry`) takes its ids from it.
 -- * The BEFORE INSERT trigger sokratos_fresh_id, on both queues, gives a row inserted directly
---   whose id (the column default's or an explicit one) already has an outcome, or is recorded
---   for another item's idempotency key, a fresh id the same way; `INSERT … RETURNING id` tells
---   the id the row got. An explicit id is a wish, not a key: producers deduplicate by
---   idempotency key. Triggers of one kind fire in name order, so it runs before
---   sokratos_remember_key (0041), which records the key under the id the row keeps. A row
---   whose id is queued already is left to the primary key (23505), as before.
+--   whose id (the column default's or an explicit one) already has an outcome, is recorded
+--   for another item's idempotency key, or is held by a row still queued, a fresh id the same
+--   way; `INSERT … RETURNING id` tells the id the row got. After a reset the default hands
+--   out the ids of queued rows: left to the primary key, the new row was refused (23505) or,
+--   under `INSERT … ON CONFLICT DO NOTHING`, dropped without an error, its key recorded for
+--   the unrelated queued item (below). An explicit id is a wish, not a key: a trigger cannot
+--   tell it from the default's, and producers deduplicate by idempotency key. Triggers of one
+--   kind fire in name order, so it runs before sokratos_remember_key (0041), which records
+--   the key under the id the row keeps (the fresh one). A producer's retry of the same keyed
+--   row (`INSERT … ON CONFLICT DO NOTHING`, with or without the first row's id) still stays
+--   one item: its key is recorded for the first row, which is queued, so sokratos_remember_key
+--   lets it on to the queue's unique index on the key, which skips it (or refuses it, 23505),
+--   as before. A keyless row sent twice with the same explicit id is two items now, as it
+--   already was once the first had finished: a keyless row has no identity to keep.
 -- * Rows queued now under an id that already has an outcome (looping as above) get a fresh id,
 --   their idempotency key follows them; their next claim settles them normally.
 --
--- Cost: the trigger probes work_outcomes' unique index and the new index on
--- sokratos_idempotency_keys (queue, item_id) once each per inserted row; the enqueue functions
--- also probe the queue's primary key. The move is rare (once after a reset); it is serialised
--- by a transaction advisory lock, so two inserts at once still get distinct ids (a second one
--- that needs the move waits for the first one's transaction, then finds the sequence moved),
--- and it leaves a gap of 1000 ids above the highest used one, so inserts that drew ids in the
--- meantime cannot pass it before the setval lands. setval is not transactional: a rollback
--- keeps the move, which is harmless. `attempts` of a row inserted directly are kept (see
--- docs/production.md, "Rows inserted directly"): the claim tells a row that used its attempts
--- without a lease apart from one whose last attempt died.
+-- Cost: the trigger probes the queue's primary key, work_outcomes' unique index and the new
+-- index on sokratos_idempotency_keys (queue, item_id) once each per inserted row; the enqueue
+-- functions probe them once more in sokratos_next_item_id. The move is rare (once after a
+-- reset); it is serialised by a transaction advisory lock, so two inserts at once still get
+-- distinct ids (a second one that needs the move waits for the first one's transaction, then
+-- finds the sequence moved), and it leaves a gap of 1000 ids above the highest used one, so
+-- inserts that drew ids in the meantime cannot pass it before the setval lands. setval is not
+-- transactional: a rollback keeps the move, which is harmless. `attempts` of a row inserted
+-- directly are kept (see docs/production.md, "Rows inserted directly"): the claim tells a row
+-- that used its attempts without a lease apart from one whose last attempt died.
 
 CREATE INDEX IF NOT EXISTS sokratos_idempotency_keys_item_idx
     ON sokratos_idempotency_keys (queue, item_id);
@@ -109,10 +117,24 @@ BEGIN
     END IF;
 END $$;
 
+-- A row held under the id already (a sequence reset hands out the ids of rows still queued)
+-- is another item's: the new row gets a fresh id too. Left to the primary key, it was refused
+-- (23505) or, under INSERT … ON CONFLICT DO NOTHING, dropped without a word, and its key, which
+-- sokratos_remember_key records under the id the row keeps, then named the unrelated queued
+-- item, so the work could never be enqueued again. The same row sent again stays one: its key
+-- is recorded for the first one, which is queued, so the queue's unique index on the key
+-- refuses or skips it as before, whatever id it asked for.
 CREATE OR REPLACE FUNCTION sokratos_fresh_id() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    queued boolean;
 BEGIN
     PERFORM sokratos_refuse_blank_key(NEW.idempotency_key);
-    IF sokratos_item_id_used(TG_TABLE_NAME, NEW.id, NEW.idempotency_key) THEN
+    IF TG_TABLE_NAME = 'pending_triage' THEN
+        queued := EXISTS (SELECT 1 FROM pending_triage t WHERE t.id = NEW.id);
+    ELSE
+        queued := EXISTS (SELECT 1 FROM pending_distillation t WHERE t.id = NEW.id);
+    END IF;
+    IF queued OR sokratos_item_id_used(TG_TABLE_NAME, NEW.id, NEW.idempotency_key) THEN
         NEW.id := sokratos_next_item_id(TG_TABLE_NAME);
     END IF;
     RETURN NEW;

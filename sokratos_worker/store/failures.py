@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg.types.string import TextLoader
@@ -90,7 +91,7 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     # What the payload is, asked of PostgreSQL: Python need not (and at some depths cannot)
     # parse the context.
     row = conn.execute(
-        """SELECT idempotency_key, retried_at, retried_as, source_queue, op_type,
+        """SELECT idempotency_key, retried_at, retried_as, source_queue, op_type, item_id,
                   coalesce(jsonb_typeof(context_data) = 'object' AND context_data ? 'payload',
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
@@ -101,7 +102,8 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     ).fetchone()
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
-    key, retried_at, retried_as, source_queue, op_type, stored, an_object, kept_as, todo = row
+    key, retried_at, retried_as, source_queue, op_type, original, stored, an_object = row[:8]
+    kept_as, todo = row[8:]
     if retried_at is not None:
         return RetryResult(
             failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
@@ -127,14 +129,37 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     if not an_object:
         raise InvalidPayload("payload", "is not a JSON object this worker can parse")
     queue = Queue(source_queue)
-    item_id = store.call_enqueue(
-        conn, _REPLAY[queue], {"id": failure_id, "key": retry_key(key, failure_id)}
-    )
+    new_key = _free_retry_key(conn, queue, key, failure_id)
+    item_id = store.call_enqueue(conn, _REPLAY[queue], {"id": failure_id, "key": new_key})
+    if original is not None:
+        # The link archive reuse follows (sql/0044, store/memories.py): made here, by the
+        # worker, in the replay's own transaction; a producer's item never carries one.
+        conn.execute(
+            sql.SQL("UPDATE {} SET replay_of = %s WHERE id = %s AND replay_of IS NULL").format(
+                sql.Identifier(queue.value)
+            ),
+            (original, item_id),
+        )
     conn.execute(
         "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
         (item_id, failure_id),
     )
     return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
+
+
+def _free_retry_key(
+    conn: psycopg.Connection, queue: Queue, key: str | None, failure_id: int
+) -> str:
+    """``retry_key``, counted on past keys a producer recorded itself (its own
+    ``chat-42#retry-1``): under such a key the enqueue would answer with the producer's item,
+    enqueue nothing, and the replay would be lost (and link the producer's item)."""
+    candidate = retry_key(key, failure_id)
+    while conn.execute(
+        "SELECT 1 FROM sokratos_idempotency_keys WHERE queue = %s AND key = %s",
+        (queue.value, candidate),
+    ).fetchone():
+        candidate = retry_key(candidate, failure_id)
+    return candidate
 
 
 # The stored payload is copied inside PostgreSQL: exact, at any depth (a round trip through

@@ -16,7 +16,7 @@ import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import RETRY_KEY_SUFFIX, Effects, Item, NewMemory
+from sokratos_worker.model import Effects, Item, NewMemory
 from sokratos_worker.store.connection import Database
 
 log = structlog.get_logger(__name__)
@@ -75,21 +75,22 @@ def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
 
 
 def archive_already_saved(
-    conn: psycopg.Connection, item: Item, archive: Sequence[NewMemory]
+    conn: psycopg.Connection,
+    item: Item,
+    archive: Sequence[NewMemory],
+    *,
+    replay_of: int | None,
 ) -> tuple[tuple[NewMemory, ...], tuple[int, ...]]:
     """``archive`` split into the chunks still to write and the ids of those already saved.
 
     A dead-lettered item that ``failed retry`` replays is a new item with new origins: when
     it fails again, its raw archive would be saved a second time. The chunks an earlier item
-    of its replay chain saved with the same text (its header's time aside) are reused.
+    of its replay chain saved with the same text (its header's time aside) are reused. The
+    chain is followed only along the links ``failed retry`` made (``replay_of``, the item's
+    own, then its predecessors' outcomes; failed_operations.retried_as for replays enqueued
+    before migration 0044), never along a key's shape: keys are the producer's to choose.
     """
-    key = item.idempotency_key
-    replayed = key is not None and RETRY_KEY_SUFFIX.search(key) is not None
-    params = {
-        "queue": item.queue.value,
-        "id": item.id,
-        "base": RETRY_KEY_SUFFIX.sub("", key) if key is not None and replayed else None,
-    }
+    params = {"queue": item.queue.value, "id": item.id, "replay_of": replay_of}
     pool: dict[str, list[int]] = {}
     for memory_id, summary in conn.execute(_EARLIER_ARCHIVES, params):
         pool.setdefault(_without_header(summary), []).append(int(memory_id))
@@ -114,30 +115,36 @@ def _without_header(text: str) -> str:
     return text[match.end() :] if match else text
 
 
-# The archive memories of the items this one replays. Two links lead back to them, so that
-# pruning either leaves the other: failed_operations rows whose retry became the next item
-# (UNION stops cycles), and the outcomes, kept for good, of the replay key's base key and its
-# other ``#retry-N`` (a seq scan of work_outcomes, only when an archive is dead-lettered).
+# The archive memories of the items this one replays, walked back from the item's own
+# ``replay_of`` (%(replay_of)s) through each earlier item's dead-letter outcome, kept for
+# good, and through failed_operations rows whose retry became the next item (the only link
+# of replays enqueued before migration 0044; pruning those rows leaves the outcomes' links).
+# UNION stops cycles. Each step is an index probe: work_outcomes (queue, item_id) and
+# failed_operations (source_queue, retried_as). Each memory is listed once, however many
+# items of the chain listed it.
 _EARLIER_ARCHIVES = """
 WITH RECURSIVE earlier (item_id) AS (
+    SELECT %(replay_of)s::bigint WHERE %(replay_of)s::bigint IS NOT NULL
+  UNION
     SELECT f.item_id FROM failed_operations f
     WHERE f.source_queue = %(queue)s AND f.retried_as = %(id)s AND f.item_id IS NOT NULL
   UNION
-    SELECT f.item_id FROM failed_operations f JOIN earlier e ON f.retried_as = e.item_id
-    WHERE f.source_queue = %(queue)s AND f.item_id IS NOT NULL
-), same_key (item_id) AS (
-    SELECT o.item_id FROM work_outcomes o
-    WHERE o.queue = %(queue)s AND o.outcome = 'archived' AND o.item_id <> %(id)s
-      AND (o.idempotency_key = %(base)s
-           OR starts_with(o.idempotency_key, %(base)s || '#retry-'))
+    SELECT back.item_id FROM earlier e
+    CROSS JOIN LATERAL (
+        SELECT o.replay_of FROM work_outcomes o
+        WHERE o.queue = %(queue)s AND o.item_id = e.item_id AND o.replay_of IS NOT NULL
+      UNION ALL
+        SELECT f.item_id FROM failed_operations f
+        WHERE f.source_queue = %(queue)s AND f.retried_as = e.item_id AND f.item_id IS NOT NULL
+    ) AS back (item_id)
 )
-SELECT m.id, m.summary
-FROM (SELECT item_id FROM earlier UNION SELECT item_id FROM same_key) e
-JOIN work_outcomes o ON o.queue = %(queue)s AND o.item_id = e.item_id
-                    AND o.outcome = 'archived'
-CROSS JOIN LATERAL unnest(o.memory_ids) AS saved (id)
-JOIN memories m ON m.id = saved.id
-ORDER BY e.item_id, m.id"""
+SELECT m.id, m.summary FROM memories m
+WHERE m.id IN (
+    SELECT saved.id FROM earlier e
+    JOIN work_outcomes o ON o.queue = %(queue)s AND o.item_id = e.item_id
+                        AND o.outcome = 'archived' AND o.item_id <> %(id)s
+    CROSS JOIN LATERAL unnest(o.memory_ids) AS saved (id))
+ORDER BY m.id"""
 
 
 def _insert(conn: psycopg.Connection, memory: NewMemory) -> int:

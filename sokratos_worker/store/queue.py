@@ -61,11 +61,12 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
     return {
         # The payload as text: the dead letter parses it itself, and keeps the text when
-        # it cannot be written back as JSON (see _failure_context).
+        # it cannot be written back as JSON (see _failure_context). ``replay_of`` (0044):
+        # the dead letter copies it into the outcome and follows it to earlier archives.
         "delete_fenced": sql.SQL(
             "DELETE FROM {table} AS t WHERE {fence}"
             " RETURNING t.id, t.payload::text, t.idempotency_key, {source}, t.attempt_errors,"
-            " to_jsonb(now())"
+            " to_jsonb(now()), t.replay_of"
         ).format(table=table, fence=fence, source=source),
         "retry": sql.SQL(
             """UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL,
@@ -114,7 +115,10 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                                  %(attempt)s::int, %(backend)s::text
                           FROM d RETURNING item_id),
                     picked AS (
-                          SELECT id, lease_owner IS NOT NULL AS held FROM {table}
+                          SELECT id,
+                                 lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL
+                                     AS held
+                          FROM {table}
                           WHERE run_after <= now()
                             AND (lease_expires_at IS NULL OR lease_expires_at < now())
                             AND id <> %(id)s
@@ -174,7 +178,8 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
     return (
         sql.SQL(
             """WITH picked AS (
-               SELECT id, lease_owner IS NOT NULL AS held FROM {table}
+               SELECT id, lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL AS held
+               FROM {table}
                WHERE run_after <= now()
                  AND (lease_expires_at IS NULL OR lease_expires_at < now())
                ORDER BY run_after, id
@@ -193,11 +198,12 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
     )
 
 
+# ``replay_of`` is a dead letter's (its item's, 0044); the success settles leave it NULL.
 _INSERT_OUTCOME = sql.SQL(
     """INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome, memory_ids,
-                                  detail, attempts, backend)
+                                  detail, attempts, backend, replay_of)
        VALUES (%(queue)s, %(item_id)s, %(key)s, %(source)s, %(outcome)s, %(memory_ids)s,
-               %(detail)s, %(attempt)s, %(backend)s)"""
+               %(detail)s, %(attempt)s, %(backend)s, %(replay_of)s)"""
 )
 
 _INSERT_FAILED = sql.SQL(
@@ -274,7 +280,11 @@ def claim(
     """Lease up to ``limit`` ready items, counting the attempt (autocommit: one statement).
 
     Each item's ``took_over_lease`` says whether an expired lease held it (an earlier attempt
-    never finished), which the runner needs to tell a dead worker from attempts used up.
+    never finished), which the runner needs to tell a dead worker from attempts used up. A
+    lease is an owner and an expiry: a claim sets both, and every path that ends a lease
+    (retry, give back, release) clears both. A claimable row with both set therefore held a
+    lease that expired (the WHERE admits no live one); a row inserted with an owner but no
+    expiry (or an expiry but no owner) never held one, so neither column alone says it.
     """
     if limit <= 0:
         return []
@@ -417,6 +427,7 @@ def _settle_with_effects(
             "detail": clean_text(detail),
             "attempt": item.attempt,
             "backend": effects.backend,
+            "replay_of": None,
         },
     )
     return SettleResult(settled=True, memory_ids=written.memory_ids, outcome=outcome)
@@ -478,7 +489,9 @@ def dead_letter(
 
     With ``memories`` (distillation's raw archive) they are saved in the same transaction
     and the outcome is ``archived`` instead of ``failed``; chunks an earlier item of its
-    ``failed retry`` chain already saved are listed, not saved again. ``last_attempt`` is the
+    ``failed retry`` chain already saved are listed, not saved again. The row's
+    ``replay_of`` (set by ``failed retry``) is kept in the outcome, so the chain outlives
+    the failure rows. ``last_attempt`` is the
     attempt the record ends with when it is not the claim's own: a claim that only found the
     last attempt dead is not an attempt (durability.md), so the attempt that died is
     recorded instead.
@@ -491,10 +504,14 @@ def dead_letter(
             row = conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
             if row is None:
                 raise _Fenced
-            _, payload_text, key, source, history, now = row
+            _, payload_text, key, source, history, now, replay_of = row
             attempts = [*(history or []), _history_entry(attempt, error, backend, now)]
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
-            to_write, saved = archive_already_saved(conn, item, memories) if memories else ((), ())
+            to_write, saved = (
+                archive_already_saved(conn, item, memories, replay_of=replay_of)
+                if memories
+                else ((), ())
+            )
             effects = Effects(outcome, memories=to_write, existing_memory_ids=saved)
             memory_ids = write_effects(conn, effects).memory_ids
             context = {
@@ -529,6 +546,7 @@ def dead_letter(
                     "detail": error,
                     "attempt": attempt,
                     "backend": backend,
+                    "replay_of": replay_of,
                 },
             )
     except _Fenced:

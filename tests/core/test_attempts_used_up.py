@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import psycopg
+import pytest
 
 from sokratos_worker.model import Effects, Outcome, Queue
-from sokratos_worker.runner import WORKER_DIED, Runner
+from sokratos_worker.runner import ATTEMPTS_USED_UP, WORKER_DIED, Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
@@ -84,6 +85,29 @@ def test_a_row_inserted_with_attempts_preset_is_not_reported_as_a_dead_worker(
     assert [entry["error"] for entry in history] == [error]
     assert list(outcomes(db).values()) == ["failed"]
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+@pytest.mark.parametrize(
+    ("owner", "expiry"),
+    [("'old'", "NULL"), ("NULL", "now() - interval '1 hour'")],
+    ids=["owner-without-expiry", "expiry-without-owner"],
+)
+def test_a_row_with_half_a_lease_is_not_reported_as_a_dead_worker(
+    db: psycopg.Connection, database_url: str, owner: str, expiry: str
+) -> None:
+    """A lease is an owner and an expiry (a claim sets both, every release clears both): a row
+    copied back with its ``lease_owner`` but no expiry, or the other way round, held none, so
+    no attempt of it died. It was dead-lettered as "worker died during the last attempt"."""
+    db.execute(
+        "INSERT INTO pending_triage (payload, attempts, lease_owner, lease_expires_at)"
+        f" VALUES (%s::jsonb, 5, {owner}, {expiry})",
+        (PAYLOAD,),
+    )
+    handler = _drain(database_url, max_attempts=3)
+    assert handler.calls == 0
+    error, attempts, _, _ = _dead_letter(db)
+    assert error.startswith(f"{ATTEMPTS_USED_UP}: 5 of SOKRATOS_MAX_ATTEMPTS=3"), error
+    assert attempts == 5
 
 
 def test_items_backing_off_when_the_limit_is_lowered_say_so(

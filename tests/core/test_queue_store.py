@@ -10,6 +10,7 @@ import pytest
 from sokratos_worker.model import Effects, NewMemory, Outcome, Queue
 from sokratos_worker.store import failures
 from sokratos_worker.store import queue as store
+from sokratos_worker.store.migrations import load_migrations
 from sokratos_worker.store.status import queue_stats
 from tests.support.db import count, enqueue_many
 
@@ -391,3 +392,113 @@ def test_an_unrelated_distillation_with_the_same_text_gets_its_own_archive(
         archive = _archive(item.id, ["same"])
         assert store.dead_letter(db, item, owner="w", error="boom", memories=archive).settled
     assert count(db, "SELECT count(*) FROM memories WHERE summary = 'same'") == 2
+
+
+def test_a_producer_key_ending_in_retry_n_does_not_borrow_another_items_archive(
+    db: psycopg.Connection,
+) -> None:
+    """Keys are the producer's: its own ``chat-42#retry-1`` is no ``failed retry`` replay of
+    ``chat-42``. Only links the worker made (replay_of, failed_operations.retried_as) lead to
+    an earlier archive; a key's shape reused the first one's, and the second conversation was
+    never saved."""
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'chat-42')")
+    db.execute(
+        "SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'chat-42#retry-1')"
+    )
+    first, second = store.claim(db, Queue.DISTILLATION, owner="w", limit=2, lease_s=60)
+    for item in (first, second):
+        archive = _archive(item.id, ["same"])
+        assert store.dead_letter(db, item, owner="w", error="boom", memories=archive).settled
+    assert count(db, "SELECT count(*) FROM failed_operations WHERE retried_as IS NOT NULL") == 0
+    rows = db.execute(
+        "SELECT item_id, idempotency_key, memory_ids FROM work_outcomes ORDER BY item_id"
+    ).fetchall()
+    assert count(db, "SELECT count(*) FROM memories WHERE summary = 'same'") == 2, (
+        f"the second conversation's archive is the first one's memory: {rows}"
+    )
+
+
+def test_failed_retry_links_the_replay_and_its_dead_letter_keeps_the_link(
+    db: psycopg.Connection,
+) -> None:
+    """``failed retry`` sets the replay's ``replay_of`` in its own transaction; the replay's
+    dead letter copies it into work_outcomes, where it outlives the failure row. Items a
+    producer enqueues, and outcomes of successes, carry none."""
+    (original,) = db.execute(
+        "SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}')"
+    ).fetchone()
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    failure_id = store.dead_letter(db, item, owner="w", error="boom").failure_id
+    assert failure_id is not None
+    replay = failures.retry_failure(db, failure_id).item_id
+    assert db.execute(
+        "SELECT replay_of FROM pending_distillation WHERE id = %s", (replay,)
+    ).fetchone() == (original,)
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    assert store.dead_letter(db, item, owner="w", error="boom again").settled
+    rows = db.execute("SELECT item_id, replay_of FROM work_outcomes ORDER BY item_id").fetchall()
+    assert rows == [(original, None), (replay, original)]
+
+
+def test_a_replay_under_a_retry_key_the_producer_already_used_is_still_enqueued(
+    db: psycopg.Connection,
+) -> None:
+    """``chat-42#retry-1`` is a key the producer used itself: the replay of ``chat-42`` took
+    it, the enqueue answered with the producer's item and enqueued nothing. The replay counts
+    on to a free key, and only the replay is linked."""
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'chat-42')")
+    (first,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    failure_id = store.dead_letter(db, first, owner="w", error="boom").failure_id
+    assert failure_id is not None
+    (producers,) = db.execute(
+        "SELECT sokratos_enqueue_distillation('{\"archive_text\": \"b\"}', 'chat-42#retry-1')"
+    ).fetchone()
+    replay = failures.retry_failure(db, failure_id).item_id
+    assert replay is not None and replay != producers
+    rows = db.execute(
+        "SELECT id, idempotency_key, replay_of FROM pending_distillation ORDER BY id"
+    ).fetchall()
+    assert rows == [(producers, "chat-42#retry-1", None), (replay, "chat-42#retry-2", first.id)]
+
+
+def test_a_replay_enqueued_before_the_link_existed_follows_the_failure_row(
+    db: psycopg.Connection,
+) -> None:
+    """A replay ``failed retry`` enqueued before migration 0044 has no ``replay_of``: while
+    its failure row is kept, failed_operations.retried_as still leads to the first archive."""
+    db.execute("SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}', 'conv-9')")
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    result = store.dead_letter(db, item, owner="w", error="boom", memories=_archive(item.id, ["x"]))
+    assert result.failure_id is not None
+    replay = failures.retry_failure(db, result.failure_id).item_id
+    db.execute("UPDATE pending_distillation SET replay_of = NULL WHERE id = %s", (replay,))
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    again = store.dead_letter(db, item, owner="w", error="boom", memories=_archive(item.id, ["x"]))
+    assert again.memory_ids == result.memory_ids
+    assert count(db, "SELECT count(*) FROM memories WHERE summary = 'x'") == 1
+
+
+def test_the_migration_writes_the_links_failed_operations_holds(db: psycopg.Connection) -> None:
+    """Replays made before migration 0044 get their ``replay_of`` from retried_as when it is
+    applied (queued ones and dead-lettered ones), so a later purge loses nothing."""
+    (original,) = db.execute(
+        "SELECT sokratos_enqueue_distillation('{\"archive_text\": \"a\"}')"
+    ).fetchone()
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    failure = store.dead_letter(db, item, owner="w", error="boom").failure_id
+    assert failure is not None
+    replay = failures.retry_failure(db, failure).item_id
+    (item,) = store.claim(db, Queue.DISTILLATION, owner="w", limit=1, lease_s=60)
+    second = store.dead_letter(db, item, owner="w", error="boom").failure_id
+    assert second is not None
+    queued = failures.retry_failure(db, second).item_id
+    # As before 0044: no replay_of anywhere.
+    db.execute("UPDATE pending_distillation SET replay_of = NULL")
+    db.execute("UPDATE work_outcomes SET replay_of = NULL")
+    (migration,) = [m for m in load_migrations() if m.name == "0044_replay_links"]
+    db.execute(migration.sql.encode())  # idempotent: as if applied now
+    assert db.execute("SELECT id, replay_of FROM pending_distillation").fetchall() == [
+        (queued, replay)
+    ]
+    rows = db.execute("SELECT item_id, replay_of FROM work_outcomes ORDER BY item_id").fetchall()
+    assert rows == [(original, None), (replay, original)]

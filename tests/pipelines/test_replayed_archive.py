@@ -109,8 +109,8 @@ def test_a_replay_keeps_one_raw_archive_also_when_its_failure_row_was_purged(
     db: psycopg.Connection, database_url: str, purged: bool
 ) -> None:
     """The replay link in failed_operations is pruned (``failed purge``, the TTL, Sokratos's
-    own maintenance); the replay's ``#retry-N`` key still leads back to the first item's
-    outcome, kept for good, so the raw archive is not saved a second time."""
+    own maintenance); the replay's ``replay_of``, set by ``failed retry``, still leads back to
+    the first item's outcome, kept for good, so the raw archive is not saved a second time."""
     enqueue_many(db, 1, behaviour="fail", queue="pending_distillation", prefix="conv")
     _drain_scripted(database_url)
     (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone()
@@ -131,3 +131,37 @@ def test_a_replay_keeps_one_raw_archive_also_when_its_failure_row_was_purged(
         "SELECT id, origin FROM memories WHERE source = 'conversation_archive' ORDER BY id"
     ).fetchall()
     assert len(archives) == 1, f"the conversation's raw archive was saved {len(archives)} times: {archives}"
+
+
+def test_a_keyless_replay_keeps_one_raw_archive_when_its_failure_row_was_purged(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A keyless item (``enqueue`` without ``--key``, Sokratos's direct INSERTs) is replayed
+    under ``failed_operations:<F>#retry-1``, a key no outcome bears: once the failure row was
+    purged, nothing led back to the first archive and it was saved twice. ``replay_of`` does
+    not depend on keys."""
+    payload = json.dumps({"archive_text": "user: I moved to Lisbon", "behaviour": "fail"})
+    db.execute("SELECT sokratos_enqueue_distillation(%s::jsonb)", (payload,))  # no key
+    _drain_scripted(database_url)
+    (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone()
+    assert count(db, "SELECT count(*) FROM memories") == 1  # the raw archive, once
+    db.execute(
+        "UPDATE failed_operations SET created_at = now() - interval '40 days' WHERE id = %s",
+        (failure_id,),
+    )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        replay = failures.retry_failure(conn, failure_id)
+        assert replay.item_id is not None, replay.message
+        assert failures.purge_failures(conn, older_than_days=30) == 1  # the retention runs
+    _drain_scripted(database_url)  # the replay fails again: dead-lettered with its raw archive
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    archives = db.execute(
+        "SELECT m.id, m.origin FROM memories m WHERE source = 'conversation_archive' ORDER BY id"
+    ).fetchall()
+    keys = db.execute(
+        "SELECT item_id, idempotency_key, outcome FROM work_outcomes ORDER BY item_id"
+    ).fetchall()
+    assert len(archives) == 1, (
+        f"the conversation's raw archive was saved {len(archives)} times: {archives};"
+        f" outcomes {keys}"
+    )
