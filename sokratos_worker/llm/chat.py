@@ -28,6 +28,7 @@ from sokratos_worker.llm.breaker import Admission, CircuitBreaker
 from sokratos_worker.llm.gbnf import schema_to_gbnf
 from sokratos_worker.llm.http import (
     ClientPerThread,
+    ProxyAuthenticationRequired,
     Verdict,
     classify,
     describe_connection_error,
@@ -48,7 +49,7 @@ from sokratos_worker.llm.types import (
     NoBackendReachable,
     T,
 )
-from sokratos_worker.logs import mask_secrets, url_password
+from sokratos_worker.logs import mask_secrets, maskable, url_password
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,15 @@ TRUNCATED_PROMPT = (
 # The health probe's whole conversation: a server that cannot answer this is down for us, even
 # when its HTTP side (``/models``, ``/health``) still answers.
 PROBE_MESSAGE = "sokratos-worker health probe: reply with OK"
+# The reason of a request the environment's proxy refused (407): its credentials to fix.
+PROXY_REFUSED = "proxy_auth_required"
+
+
+class _Probe(BaseModel):
+    """The minimal request type: a backend that refuses even this in its structured-output
+    form refuses requests in general (configuration), not one request type."""
+
+    ok: bool
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,7 @@ class _Backend:
         self.chat_url = httpx.URL(f"{config.url}/chat/completions")
         key = config.api_key.get_secret_value() if config.api_key else None
         # What a server may echo back (LiteLLM: "Received=<key>") and no reason may repeat.
-        self.secrets = tuple(s for s in (key, url_password(config.url)) if s)
+        self.secrets = tuple(maskable([key], [url_password(config.url)]))
         self.clients = ClientPerThread(
             functools.partial(
                 make_client,
@@ -227,8 +237,11 @@ class FallbackChatClient:
         self._sleep = sleep
         self._random = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         self._backends = [_Backend(b, self.policy, clock) for b in backends]
-        # The request form every backend refused, probed in that form; None when none was.
-        self._refused_form: type[BaseModel] | None = None
+        # Set when an item was given back and a backend had refused even the minimal request
+        # in its structured-output form (a mode or parameter it does not take, a key): probe()
+        # then asks in that form, as a plain probe would pass and resume claiming only for the
+        # item to be given back again. Cleared by any answer (every request carries the form).
+        self._form_refused = False
 
     @property
     def backend_names(self) -> list[str]:
@@ -304,7 +317,7 @@ class FallbackChatClient:
                 tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
                 continue
             backend.breaker.record_success()
-            self._refused_form = None
+            self._form_refused = False
             tried.append(self._attempt(backend, "answered", "", started))
             return ChatResult(
                 value=value,
@@ -339,7 +352,7 @@ class FallbackChatClient:
         """
         healthy = False
         for backend in self._backends:
-            if self._probe_one(backend, self._refused_form):
+            if self._probe_one(backend, _Probe if self._form_refused else None):
                 backend.breaker.allow_probe_now()
                 healthy = True
         return healthy
@@ -446,8 +459,15 @@ class FallbackChatClient:
                 backend.chat_url, json=body, timeout=backend.config.timeout
             )
         except httpx.TimeoutException as exc:
-            self._log_failed(backend, attempt, started, purpose, reason="timeout", status=None)
-            raise _Transient("timeout") from exc
+            reason = "timeout"
+            if isinstance(exc, httpx.ConnectTimeout):  # which host: the server or a proxy
+                reason += f": {describe_connection_error(exc)}"
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=None)
+            raise _Transient(reason) from exc
+        except ProxyAuthenticationRequired as exc:  # every request through it: configuration
+            reason = f"{PROXY_REFUSED}: {exc}"
+            self._log_failed(backend, attempt, started, purpose, reason=reason, status=407)
+            raise _Permanent(Verdict.REFUSED, reason, 407) from exc
         except httpx.HTTPError as exc:
             reason = f"connection_error: {describe_connection_error(exc)}"
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=None)
@@ -527,32 +547,40 @@ class FallbackChatClient:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
         Refused, rejected or unreachable everywhere is the configuration's or an outage only
-        when a probe right after, of each backend the request reached, in the request's form,
-        agrees: a refusal or a crash that only this request gets (a WAF rule, a 404 "no
-        endpoints" for a long prompt, a 400 for this input) must use the item's attempt, or
-        the item would be given back and claimed again for ever.
+        when a probe right after, of each backend the request reached, agrees: in the
+        request's form where it failed (a crash that only this request type gets), or, where
+        it was refused, the minimal request in the backend's structured-output form. A refusal
+        or a crash that only this request or this request type gets (a WAF rule, a 404 "no
+        endpoints" for a long prompt, a 400 for this input or for a schema the server's
+        grammar converter cannot take) uses the item's attempt, or the item would be given
+        back and claimed again for ever; probe() asks the same minimal request before claiming
+        resumes, so a refusal that gave an item back is not lifted by a plain probe.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
         if all(k in {"unreachable", "skipped", "busy", "refused", "rejected"} for k in kinds):
             # A skipped backend never saw the request: its health says nothing about it.
-            reached = [
-                self._backend(a.backend)
+            served = any(
+                self._request_would_be_served(
+                    self._backend(a.backend),
+                    _Probe if k in {"refused", "rejected"} else response_model,
+                )
                 for a, k in zip(tried, kinds, strict=True)
                 if k not in {"skipped", "busy"}
-            ]
-            if not any(self._request_would_be_served(b, response_model) for b in reached):
-                failure = _not_the_items_fault(tried, kinds, summary)
-                if isinstance(failure, LLMBackendsMisconfigured):
-                    # Until it is served, a plain probe's success must not resume claiming.
-                    self._refused_form = response_model
-                return failure
+            )
+            if not served:
+                if any(k in {"refused", "rejected"} for k in kinds):
+                    # Until that form is served, a plain probe's success must not resume
+                    # claiming (a backend down, another refusing it, is not a loop's end
+                    # either): probe() asks in it.
+                    self._form_refused = True
+                return _not_the_items_fault(tried, kinds, summary)
             # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
 
     def _request_would_be_served(self, backend: _Backend, response_model: type[BaseModel]) -> bool:
-        """The one-token probe in the request's structured-output form: a refusal of the form
-        itself (OpenRouter's 404 for unsupported parameters) is then every item's, not one's."""
+        """The one-token probe in ``response_model``'s structured-output form: a refusal of the
+        form itself (OpenRouter's 404 for unsupported parameters) is then every item's."""
         if not self._probe_one(backend, response_model):
             return False
         backend.breaker.allow_probe_now()
@@ -629,10 +657,19 @@ def _not_the_items_fault(
             tried=tried,
         )
     if all(k in {"refused", "rejected"} for k in kinds):
+        proxied = [a.reason.startswith(PROXY_REFUSED) for a in tried if a.result == "failed"]
+        if all(proxied):
+            return LLMBackendsMisconfigured(
+                f"the environment's proxy refused every LLM request with 407 ({summary}): fix"
+                f" the proxy credentials{RUN_CHECK}",
+                tried=tried,
+            )
         check = "api_key and model" if all(k == "refused" for k in kinds) else "url and model"
+        if any(proxied):
+            check += " (and the proxy credentials)"
         return LLMBackendsMisconfigured(
             f"every LLM backend refused the request ({summary}): check each backend's"
-            f" {check}{RUN_CHECK}; a request in the same form was refused too",
+            f" {check}{RUN_CHECK}; a minimal request in the same form was refused too",
             tried=tried,
         )
     limited = all(a.reason.startswith("http_429") for a in tried)

@@ -29,6 +29,7 @@ from tenacity import (
 
 from sokratos_worker.llm.http import (
     ClientPerThread,
+    ProxyAuthenticationRequired,
     excerpt,
     make_client,
     retry_after_seconds,
@@ -180,6 +181,9 @@ class HttpEmbedder:
         started = time.perf_counter()
         try:
             response = self._clients.get().post(self._embeddings_url, json=body)
+        except ProxyAuthenticationRequired as exc:  # every request through it: configuration
+            log.warning("embedding_failed", reason="proxy_auth_required", count=len(texts))
+            raise EmbeddingsMisconfigured(f"embedding server not reached: {exc}") from exc
         except httpx.HTTPError as exc:
             log.warning("embedding_failed", reason=type(exc).__name__, count=len(texts))
             raise EmbeddingsUnavailable(f"embedding server unreachable: {exc!r}") from exc

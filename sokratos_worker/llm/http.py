@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import os
 import re
 import ssl
 import threading
@@ -16,7 +17,7 @@ import httpx
 import structlog
 
 from sokratos_worker.config import without_credentials
-from sokratos_worker.llm.transport import StdlibTransport
+from sokratos_worker.llm.transport import ProxyAuthenticationRequired, StdlibTransport
 
 log = structlog.get_logger(__name__)
 
@@ -140,22 +141,31 @@ def _transport(verify: ssl.SSLContext | bool) -> httpx.BaseTransport:
     """StdlibTransport, routed through the environment's proxies when any is set."""
     direct = StdlibTransport(verify=verify)
     proxies = urllib.request.getproxies()  # reads the whole environment: once per client
-    routes = {
-        scheme: _proxy_transport(url, verify)
-        for scheme in ("http", "https")
-        if (url := proxies.get(scheme) or proxies.get("all"))
-    }
+    routes = {}
+    for scheme in ("http", "https"):
+        source = scheme if proxies.get(scheme) else "all"
+        if url := proxies.get(source):
+            routes[scheme] = _proxy_transport(url, verify, proxy_variable(source, url))
     if not routes:
         return direct
     return EnvironmentProxies(direct, routes, proxies.get("no", ""))
 
 
-def _proxy_transport(url: str, verify: ssl.SSLContext | bool) -> httpx.BaseTransport:
+def proxy_variable(scheme: str, url: str) -> str:
+    """The environment variable urllib took ``scheme``'s proxy ``url`` from: ``https_proxy``
+    or ``HTTPS_PROXY`` (the lowercase one wins when both are set, as in urllib)."""
+    for name in (f"{scheme}_proxy", f"{scheme.upper()}_PROXY"):
+        if os.environ.get(name) == url:
+            return name
+    return f"{scheme.upper()}_PROXY"
+
+
+def _proxy_transport(url: str, verify: ssl.SSLContext | bool, variable: str) -> httpx.BaseTransport:
     """StdlibTransport for an http:// proxy; httpx's own for what it cannot speak (socks,
     a TLS connection to the proxy itself), which bounds each read but not the whole reply."""
     proxy = httpx.URL(url if "://" in url else f"http://{url}")
     if proxy.scheme == "http":
-        return StdlibTransport(verify=verify, proxy=proxy)
+        return StdlibTransport(verify=verify, proxy=proxy, proxy_variable=variable)
     return httpx.HTTPTransport(verify=verify, proxy=httpx.Proxy(proxy))
 
 
@@ -270,12 +280,14 @@ __all__ = [
     "ClientPerThread",
     "CookielessClient",
     "EnvironmentProxies",
+    "ProxyAuthenticationRequired",
     "Verdict",
     "classify",
     "describe_connection_error",
     "environment_proxies",
     "excerpt",
     "make_client",
+    "proxy_variable",
     "retry_after_seconds",
     "tls_verification",
     "without_credentials",

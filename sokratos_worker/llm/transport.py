@@ -27,6 +27,7 @@ import ssl
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import httpx
@@ -69,6 +70,12 @@ class ResponseTooLarge(httpx.RemoteProtocolError):
     """The server sent more than ``MAX_RESPONSE_BYTES`` (on the wire or once decoded)."""
 
 
+class ProxyAuthenticationRequired(httpx.ProxyError):
+    """The environment's proxy answered 407 (to ``CONNECT`` or to a forwarded request): its
+    credentials, in the variable the message names, are missing or wrong. Configuration,
+    whichever backend the request was for."""
+
+
 # zlib's window bits for each Content-Encoding decoded here: gzip's header, or zlib's or raw
 # deflate for "deflate" (servers send both).
 _WBITS = {
@@ -80,8 +87,6 @@ _WBITS = {
 
 def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
     """``body`` decompressed, never past ``limit`` bytes: a 40 KB gzip body can decode to GBs."""
-    if encoding not in _WBITS:
-        raise httpx.DecodingError(f"unsupported Content-Encoding {encoding!r}")
     try:
         try:
             decoder = zlib.decompressobj(_WBITS[encoding])
@@ -96,6 +101,20 @@ def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
     if len(data) > limit:
         raise ResponseTooLarge(f"the response is over {limit} bytes once decoded")
     return data
+
+
+def _undone(body: bytes, header: str, limit: int) -> tuple[bytes, bool]:
+    """``body`` with a Content-Encoding list undone, last applied first, as httpx does; a value
+    that is not a compression decoded here (``identity``, and ones servers mislabel a plain
+    body with: ``utf-8``, ``none``) is passed through unchanged. True when anything was
+    decoded."""
+    decoded = False
+    for token in reversed(header.split(",")):
+        encoding = token.strip().lower()
+        if encoding in _WBITS:
+            body = _decoded(body, encoding, limit)
+            decoded = True
+    return body, decoded
 
 
 class StdlibTransport(httpx.BaseTransport):
@@ -113,10 +132,16 @@ class StdlibTransport(httpx.BaseTransport):
         max_idle: int = 2,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
         proxy: httpx.URL | None = None,
+        proxy_variable: str = "the proxy variables",
     ) -> None:
         self._max_response_bytes = max_response_bytes
         self._proxy = proxy  # an http:// proxy every request goes through, or None
         self._proxy_headers = _proxy_authorization(proxy)
+        # How errors name the proxy: its address (never its credentials) and where it is set.
+        self._proxy_named = (
+            f"the proxy {_shown(proxy)} (from {proxy_variable})" if proxy is not None else ""
+        )
+        self._proxy_variable = proxy_variable
         self._max_idle = max_idle  # kept per host; more in use at once are closed after use
         self._ssl: ssl.SSLContext | None = None
         self._verify = verify
@@ -133,6 +158,9 @@ class StdlibTransport(httpx.BaseTransport):
         except BaseException:
             conn.close()
             raise
+        if response.status == 407 and self._proxy is not None and key[0] == "http":
+            conn.close()  # (through a tunnel, a 407 would be the server's own: left to it)
+            raise self._proxy_refused(f"{request.method} {key[1]}:{key[2]}")
         if response.will_close or not response.body_sent:
             conn.close()
         else:
@@ -150,14 +178,19 @@ class StdlibTransport(httpx.BaseTransport):
 
     def _decode(self, response: _Received) -> tuple[list[tuple[str, str]], bytes]:
         """Headers and body with any Content-Encoding undone here, within the size cap (httpx
-        would decode it with no limit)."""
-        names = {k.lower(): v for k, v in response.headers}
-        encoding = names.get("content-encoding", "identity").strip().lower()
-        if encoding in ("", "identity"):
+        would decode it with no limit, so it never sees the header)."""
+        header = None
+        for name, value in response.headers:
+            if name.lower() == "content-encoding":
+                header = value if header is None else f"{header},{value}"
+        if header is None:
             return response.headers, response.content
-        content = _decoded(response.content, encoding, self._max_response_bytes)
-        kept = [(k, v) for k, v in response.headers if k.lower() not in _ENCODING_HEADERS]
-        return [*kept, ("Content-Length", str(len(content)))], content
+        content, decoded = _undone(response.content, header, self._max_response_bytes)
+        dropped = _ENCODING_HEADERS if decoded else _ENCODING_HEADER
+        kept = [(k, v) for k, v in response.headers if k.lower() not in dropped]
+        if decoded:
+            kept.append(("Content-Length", str(len(content))))
+        return kept, content
 
     def close(self) -> None:
         with self._lock:
@@ -197,14 +230,21 @@ class StdlibTransport(httpx.BaseTransport):
     ) -> http.client.HTTPConnection:
         scheme, host, port = key
         conn = self._new_connection(scheme, host, port, timeout)
+        # Through a proxy, a socket error is the proxy's (a tunnel names its own stages).
+        where = f"{host}:{port}"
+        if self._proxy is not None:
+            where = f"{self._proxy_named} for {where}"
         try:
             conn.connect()
         except TimeoutError as exc:
             conn.close()
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
+            raise httpx.ConnectTimeout(f"connecting to {where} timed out") from exc
         except OSError as exc:  # refused, unreachable, a certificate refused (ssl.SSLError)
             conn.close()
-            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+            raise httpx.ConnectError(f"cannot connect to {where}: {exc}") from exc
+        except BaseException:  # a tunnel's own httpx errors
+            conn.close()
+            raise
         assert conn.sock is not None  # noqa: S101 - connect() succeeded
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
@@ -219,10 +259,26 @@ class StdlibTransport(httpx.BaseTransport):
             return http.client.HTTPConnection(*address, timeout=timeout)
         if self._ssl is None:
             self._ssl = _ssl_context(self._verify)
-        conn = http.client.HTTPSConnection(*address, timeout=timeout, context=self._ssl)
-        if proxy is not None:
-            conn.set_tunnel(host, port, headers=self._proxy_headers)  # TLS is to the server
-        return conn
+        if proxy is None:
+            return http.client.HTTPSConnection(*address, timeout=timeout, context=self._ssl)
+        return _TunnelConnection(
+            host,
+            port,
+            timeout=timeout,
+            context=self._ssl,
+            proxy=address,
+            proxy_headers=self._proxy_headers,
+            proxy_named=self._proxy_named,
+            refused=self._proxy_refused,
+        )
+
+    def _proxy_refused(self, what: str) -> ProxyAuthenticationRequired:
+        sent = "were refused" if self._proxy_headers else "are missing (none in the URL)"
+        return ProxyAuthenticationRequired(
+            f"{self._proxy_named} answered 407 Proxy Authentication Required to {what}: its"
+            f" credentials {sent}; fix the proxy credentials (user:password@) in"
+            f" {self._proxy_variable}"
+        )
 
     # -- one exchange ------------------------------------------------------------------
 
@@ -311,6 +367,92 @@ class StdlibTransport(httpx.BaseTransport):
             raise httpx.WriteError(f"sending the request failed: {exc}") from exc
 
 
+class _TunnelConnection(http.client.HTTPSConnection):
+    """https through an http:// proxy: ``CONNECT`` spoken on this connection's own socket, then
+    TLS to the server through it. Proxy connection, ``CONNECT`` answer and TLS handshake share
+    the connect timeout as one deadline: http.client's ``set_tunnel`` reads the proxy's answer
+    with only a per-read timeout, so a proxy dripping it a byte at a time held the call."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: float | None,
+        context: ssl.SSLContext,
+        proxy: tuple[str, int],
+        proxy_headers: dict[str, str],
+        proxy_named: str,
+        refused: Callable[[str], ProxyAuthenticationRequired],
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._proxy_address = proxy
+        self._proxy_headers = proxy_headers
+        self._proxy_named = proxy_named
+        self._refused = refused
+
+    def connect(self) -> None:
+        """Proxy, tunnel, TLS: errors of the last two raised as httpx's, naming the proxy."""
+        timeout = self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock = socket.create_connection(self._proxy_address, timeout)  # OSError: the proxy's
+        try:
+            self._tunnel_through(sock, deadline)
+            where = f"{self.host}:{self.port} through {self._proxy_named}"
+            try:
+                sock.settimeout(_left(deadline))
+                self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
+            except TimeoutError as exc:
+                raise httpx.ConnectTimeout(f"connecting to {where} timed out") from exc
+            except OSError as exc:  # a certificate refused (ssl.SSLError), a reset
+                raise httpx.ConnectError(f"cannot connect to {where}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+
+    def _tunnel_through(self, sock: socket.socket, deadline: float | None) -> None:
+        named = self._proxy_named
+        host = self.host.encode("idna").decode("ascii")
+        target = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
+        lines += [f"{k}: {v}" for k, v in self._proxy_headers.items()]
+        try:
+            sock.settimeout(_left(deadline))
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            left = _left(deadline)
+            response = (
+                http.client.HTTPResponse(sock, method="CONNECT")
+                if left is None
+                else _DeadlineResponse(sock, method="CONNECT", timeout=left)
+            )
+            try:
+                response.begin()
+            finally:
+                response.close()  # (the socket stays open: the tunnel)
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(f"{named} did not answer CONNECT {target} in time") from exc
+        except (http.client.HTTPException, OSError) as exc:
+            raise httpx.ProxyError(
+                f"{named} failed CONNECT {target}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if response.status == 407:
+            raise self._refused(f"CONNECT {target}")
+        if not 200 <= response.status < 300:
+            raise httpx.ProxyError(
+                f"{named} answered {response.status} {response.reason} to CONNECT {target}"
+            )
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (None: no deadline); a deadline passed raises TimeoutError."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the connect deadline has passed")
+    return left
+
+
 class _Received:
     """A response read to its end, so its connection can be reused at once."""
 
@@ -383,6 +525,7 @@ def _response_class(timeout: float | None) -> type[http.client.HTTPResponse]:
 
 
 _ENCODING_HEADERS = frozenset({"content-encoding", "content-length"})
+_ENCODING_HEADER = frozenset({"content-encoding"})
 
 
 def _proxy_authorization(proxy: httpx.URL | None) -> dict[str, str]:
@@ -391,6 +534,12 @@ def _proxy_authorization(proxy: httpx.URL | None) -> dict[str, str]:
         return {}
     credentials = f"{proxy.username}:{proxy.password}".encode()
     return {"Proxy-Authorization": "Basic " + base64.b64encode(credentials).decode("ascii")}
+
+
+def _shown(proxy: httpx.URL) -> str:
+    """The proxy's URL as it may be shown: ``user:password@`` left out."""
+    host = f"[{proxy.host}]" if ":" in proxy.host else proxy.host
+    return f"{proxy.scheme}://{host}:{proxy.port or 80}"
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
