@@ -34,6 +34,7 @@ from sokratos_worker.email.imap import (
     FetchedMessage,
     ImapAborted,
     ImapError,
+    ImapRefused,
     ImapSession,
     MailboxState,
     MessageRef,
@@ -100,7 +101,9 @@ class AccountReport:
     duplicates: int = 0
     failed: int = 0
     uidvalidity_reset: bool = False
-    uids_reused: bool = False  # UIDNEXT was at or below the checkpoint: the mailbox was re-read
+    # The server hands out UIDs the checkpoint already passed (UIDNEXT at or below it, or
+    # another message at the last UID read): the mailbox was re-read.
+    uids_reused: bool = False
     skipped_reason: str | None = None
     error: str | None = None
 
@@ -300,6 +303,83 @@ _UIDS_REUSED_HINT = (
 )
 
 
+def _uids_reused_warning(
+    account: EmailAccountConfig, state: MailboxState, last_uid: int, what_happened: str
+) -> None:
+    log.warning(
+        "email_uids_reused",
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=state.uidvalidity,
+        last_uid=last_uid,
+        uidnext=state.uidnext,
+        what_happened=what_happened,
+        what_to_do=_UIDS_REUSED_HINT,
+    )
+
+
+def _key_at(session: ImapSession, account: EmailAccountConfig, uid: int) -> str | None:
+    """The processed_emails key of the message now at ``uid`` (its header block, and its body
+    only when the key hashes it); None when it is gone, refused or cannot be keyed."""
+    try:
+        for item in session.fetch_each([uid], headers_only=True):
+            if not isinstance(item, FetchedMessage):
+                return None
+            raw = item.raw
+            if _needs_body(account.name, raw):
+                full = session.fetch([uid])
+                if not full:
+                    return None
+                raw = full[0].raw
+            return message_key(account.name, parse_email(raw))
+    except ImapRefused:
+        return None
+    return None
+
+
+def _reused_at(
+    conn: store.Connection,
+    session: ImapSession,
+    account: EmailAccountConfig,
+    state: MailboxState,
+    *,
+    last_uid: int,
+    at_or_below: int | None,
+    above: list[MessageRef],
+) -> bool:
+    """True when the UIDs already read hold other messages now (a mailbox restored from a
+    backup that got more new mail than it went back by, or a server without UIDNEXT).
+
+    The message at the highest UID at or below the checkpoint is compared with what
+    processed_emails recorded at that UID: new mail after a restore takes exactly those
+    UIDs. ``at_or_below`` comes from the listing (``last_uid:*`` shows UID ``last_uid``, or
+    the highest message when it is below); only when UID ``last_uid`` is gone and mail is
+    above it does a UID SEARCH find the UID to compare.
+    """
+    uid = at_or_below
+    if uid is None and above:
+        uid = session.highest_uid_up_to(last_uid)
+    if uid is None:
+        return False  # no message at or below the checkpoint: no UID was handed out again
+    key = _key_at(session, account, uid)
+    if key is None:
+        return False  # gone meanwhile, refused or unreadable: this check cannot tell
+    known = store.known_at_uid(
+        conn, account.name, account.mailbox, state.uidvalidity, uid=uid, key=key
+    )
+    if known is not False:
+        return False
+    _uids_reused_warning(
+        account,
+        state,
+        last_uid,
+        f"UID {uid}, at or below the last UID already read, now holds a message never"
+        " recorded, under the same UIDVALIDITY: the server hands out UIDs again (a mailbox"
+        " restored from a backup?)",
+    )
+    return True
+
+
 def _start_uid(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -322,16 +402,12 @@ def _start_uid(
     if state.uidnext is not None and state.uidnext <= checkpoint.last_uid:
         # RFC 3501 forbids it, but a mailbox restored from a backup keeps its UIDVALIDITY and
         # gives new mail UIDs at or below the checkpoint, which reading above it never fetches.
-        log.warning(
-            "email_uids_reused",
-            account=account.name,
-            mailbox=account.mailbox,
-            uidvalidity=state.uidvalidity,
-            last_uid=checkpoint.last_uid,
-            uidnext=state.uidnext,
-            what_happened="the server's next UID is not above the last UID already read, under"
-            " the same UIDVALIDITY: it hands out UIDs again (a mailbox restored from a backup?)",
-            what_to_do=_UIDS_REUSED_HINT,
+        _uids_reused_warning(
+            account,
+            state,
+            checkpoint.last_uid,
+            "the server's next UID is not above the last UID already read, under the same"
+            " UIDVALIDITY: it hands out UIDs again (a mailbox restored from a backup?)",
         )
         store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
         return 0, "uids_reused"
@@ -350,19 +426,23 @@ def _lookback_cutoff(
 
     Only a new account's first check has a cutoff: after a UIDVALIDITY change or reused UIDs,
     processed_emails alone tells seen from unseen, whatever a message's date. The cutoff is
-    fixed by the first attempt and reused by every later one until the first check completes.
+    the configured lookback before the first attempt's start (stored by that attempt), so a
+    resumed first check keeps its window however late it resumes, and a lookback changed
+    meanwhile applies.
     """
     if checkpoint is not None and checkpoint.first_check_done:
         return None
-    if checkpoint is not None and checkpoint.first_check_cutoff is not None:
-        return checkpoint.first_check_cutoff
-    started = now
-    if checkpoint is not None:
-        # A first attempt made before cutoffs were stored began about when it recorded a message.
-        recorded = store.first_recorded_at(conn, account.name, account.mailbox)
-        started = min(now, recorded) if recorded is not None else now
-    cutoff = started - timedelta(seconds=lookback_s)
-    return store.begin_first_check(conn, account.name, account.mailbox, cutoff)
+    if checkpoint is not None and checkpoint.first_check_started_at is not None:
+        started = checkpoint.first_check_started_at
+    else:
+        started = now
+        if checkpoint is not None:
+            # A first attempt made before starts were stored began about when it recorded a
+            # message.
+            recorded = store.first_recorded_at(conn, account.name, account.mailbox)
+            started = min(now, recorded) if recorded is not None else now
+        started = store.begin_first_check(conn, account.name, account.mailbox, started)
+    return started - timedelta(seconds=lookback_s)
 
 
 def check_account(
@@ -385,7 +465,23 @@ def check_account(
         state = session.examine()
         last_uid, reset = _start_uid(conn, account, checkpoint, state)
         cutoff = _lookback_cutoff(conn, account, checkpoint, lookback_s=lookback_s, now=now)
-        refs = session.refs_above(last_uid)
+        refs, at_or_below = session.refs_from(last_uid)
+        if (
+            reset is None
+            and last_uid > 0
+            and _reused_at(
+                conn,
+                session,
+                account,
+                state,
+                last_uid=last_uid,
+                at_or_below=at_or_below,
+                above=refs,
+            )
+        ):
+            store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
+            last_uid, reset = 0, "uids_reused"
+            refs, _ = session.refs_from(0)
         by_uid = {ref.uid: ref for ref in refs}
         refused_uid = checkpoint.refused_uid if checkpoint else None
         for message, old in _messages(session, refs, cutoff):

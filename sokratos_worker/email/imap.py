@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import imaplib
 import re
+import select
 import socket
 import ssl
 import threading
@@ -418,21 +420,71 @@ def _peek(sock: socket.socket, wait_s: float) -> bool:
     return True
 
 
-def _answers_tls(address: Any, family: int, wait_s: float) -> bool:
-    """True when a second connection to ``address`` gets a TLS answer to a handshake."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # only whether TLS comes back matters, not whose
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as raw:
-            raw.settimeout(wait_s)
-            raw.connect(address)
-            with context.wrap_socket(raw):
-                return True
-    except ssl.SSLError as exc:
-        return "ALERT" in (exc.reason or "")  # a TLS server refusing this client speaks TLS
-    except OSError:
-        return False
+class _TlsProbe:
+    """Asks a second connection to ``address`` whether the port answers a TLS handshake,
+    without blocking: the caller waits on :meth:`wants` together with other sockets and calls
+    :meth:`step` when one of them is ready. ``answer`` is None until it is known."""
+
+    def __init__(self, address: Any, family: int) -> None:
+        self.answer: bool | None = None
+        self._tls: ssl.SSLSocket | None = None
+        self._raw = socket.socket(family, socket.SOCK_STREAM)
+        self._raw.setblocking(False)
+        self._connected = False
+        self._want_write = True
+        try:
+            code = self._raw.connect_ex(address)
+        except OSError:
+            self._finish(False)
+            return
+        if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+            self._finish(False)
+
+    def wants(self) -> tuple[list[socket.socket], list[socket.socket]]:
+        """The sockets to wait on: ``(readable, writable)``; empty once the answer is known."""
+        if self.answer is not None:
+            return [], []
+        sock = self._tls or self._raw  # wrapping takes the raw socket's descriptor over
+        return ([], [sock]) if self._want_write else ([sock], [])
+
+    def step(self) -> None:
+        """Go on with connecting or the handshake as far as it goes without blocking."""
+        if self.answer is not None:
+            return
+        try:
+            if not self._connected:
+                error = self._raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    self._finish(False)
+                    return
+                self._connected = True
+                context = ssl.create_default_context()
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE  # only whether TLS comes back matters
+                self._tls = context.wrap_socket(self._raw, do_handshake_on_connect=False)
+            assert self._tls is not None  # noqa: S101 - set on connecting
+            self._tls.do_handshake()
+            self._finish(True)
+        except ssl.SSLWantReadError:
+            self._want_write = False
+        except ssl.SSLWantWriteError:
+            self._want_write = True
+        except ssl.SSLError as exc:
+            # A TLS server refusing this client still speaks TLS.
+            self._finish("ALERT" in (exc.reason or ""))
+        except OSError:
+            self._finish(False)
+
+    def _finish(self, answer: bool) -> None:
+        self.answer = answer
+        self.close()
+
+    def close(self) -> None:
+        """Drop the probe's connection (its answer, if known, stays)."""
+        for sock in (self._tls, self._raw):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
 
 
 class ImapSession:
@@ -574,7 +626,12 @@ class ImapSession:
     def _open_greeted_socket(self) -> socket.socket:
         """A TCP connection on which the server's greeting has begun to arrive."""
         sock = self._open_socket()
-        self._await_greeting(sock)
+        try:
+            self._await_greeting(sock)
+        except BaseException:
+            # Raised before imaplib holds the socket, so its cleanup cannot close it.
+            sock.close()
+            raise
         sock.settimeout(self.timeout)
         return sock
 
@@ -582,22 +639,40 @@ class ImapSession:
         """Wait up to the read timeout for the greeting; raise :class:`NoGreeting` without it.
 
         A server silent past GREETING_PATIENCE_S is asked over a second connection whether it
-        speaks TLS: an implicit-TLS port fails the check then, not a read timeout later.
+        speaks TLS, while the first one is still waited on: a greeting that comes within the
+        read timeout wins (a slow server, or a port shared by IMAP and IMAPS that answers TLS
+        to a TLS client and greets plain-IMAP clients late), and the probe is dropped at once.
+        Its answer only says, when no greeting came, that the port expects TLS.
         """
         started = time.monotonic()
         patience = min(GREETING_PATIENCE_S, self.timeout / 2)
         if _peek(sock, patience):
             return
-        if self._watch.cut_reason is None and _answers_tls(
-            sock.getpeername(), sock.family, patience
-        ):
+        probe = None if self._watch.cut_reason else _TlsProbe(sock.getpeername(), sock.family)
+        try:
+            while (left := self.timeout - (time.monotonic() - started)) > 0:
+                readable, writable = probe.wants() if probe else ([], [])
+                try:
+                    ready, ready_w, _ = select.select([sock, *readable], writable, [], left)
+                except (OSError, ValueError):
+                    if probe is None or sock.fileno() < 0:
+                        return  # the socket was closed under us: the read that follows says so
+                    probe.close()  # the probe's socket broke: wait for the greeting alone
+                    probe = None
+                    continue
+                if sock in ready:
+                    return
+                if probe is not None and (ready or ready_w):
+                    probe.step()
+        finally:
+            if probe is not None:
+                probe.close()
+        if probe is not None and probe.answer:
             raise NoGreeting(
-                f"no IMAP greeting within {patience:g} s, and port {self.account.imap_port}"
-                " answers a TLS handshake: it expects TLS at once (implicit TLS, usually port"
-                ' 993); set the account\'s security to "tls"'
+                f"no IMAP greeting within {self.timeout:g} s, and port"
+                f" {self.account.imap_port} answers a TLS handshake: it expects TLS at once"
+                ' (implicit TLS, usually port 993); set the account\'s security to "tls"'
             )
-        if _peek(sock, self.timeout - (time.monotonic() - started)):
-            return
         raise NoGreeting(
             f"timed out: no IMAP greeting within {self.timeout:g} s; if port"
             f" {self.account.imap_port} expects TLS at once (usually 993), set the account's"
@@ -706,29 +781,55 @@ class ImapSession:
         )
         return self._state
 
-    def refs_above(self, last_uid: int) -> list[MessageRef]:
-        """UIDs and sizes of every message with a UID above ``last_uid``, in UID order."""
+    def refs_from(self, last_uid: int) -> tuple[list[MessageRef], int | None]:
+        """Every message with a UID above ``last_uid`` (in UID order), and the highest UID at
+        or below it that the same answer showed (None when it showed none).
+
+        One ``UID FETCH last_uid:*``: it returns UID ``last_uid`` when it is still there, and
+        the mailbox's highest message even when its UID is below ``last_uid`` (RFC 3501 "n:*"),
+        so the check can tell whether the UIDs it already read hold other messages now.
+        """
         try:
             typ, data = self.conn.uid(
-                "FETCH", f"{last_uid + 1}:*", "(UID RFC822.SIZE INTERNALDATE)"
+                "FETCH", f"{max(last_uid, 1)}:*", "(UID RFC822.SIZE INTERNALDATE)"
             )
             self._check(typ, list(data), "UID FETCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
         refs: dict[int, MessageRef] = {}
+        at_or_below: int | None = None
         for line in data:
             text = line[0] if isinstance(line, tuple) else line
             if not isinstance(text, bytes):
                 continue
             uid, size, date = _UID.search(text), _SIZE.search(text), _INTERNALDATE.search(text)
-            # "N:*" matches the highest message even when its UID is below N (RFC 3501).
-            if uid and int(uid.group(1)) > last_uid:
-                refs[int(uid.group(1))] = MessageRef(
-                    uid=int(uid.group(1)),
-                    size=int(size.group(1)) if size else 0,
-                    internal_date=parse_internaldate(date.group(1)) if date else None,
-                )
-        return [refs[uid] for uid in sorted(refs)]
+            if uid is None:
+                continue
+            number = int(uid.group(1))
+            if number <= last_uid:
+                at_or_below = max(number, at_or_below or 0)
+                continue
+            refs[number] = MessageRef(
+                uid=number,
+                size=int(size.group(1)) if size else 0,
+                internal_date=parse_internaldate(date.group(1)) if date else None,
+            )
+        return [refs[uid] for uid in sorted(refs)], at_or_below
+
+    def highest_uid_up_to(self, last_uid: int) -> int | None:
+        """The highest UID at or below ``last_uid`` in the mailbox (UID SEARCH), or None."""
+        if last_uid < 1:
+            return None
+        try:
+            typ, data = self.conn.uid("SEARCH", "UID", f"1:{last_uid}")
+            self._check(typ, list(data), "UID SEARCH")
+        except (imaplib.IMAP4.error, OSError, EOFError) as exc:
+            raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
+        found = [
+            int(n) for line in data if isinstance(line, bytes) for n in line.split() if n.isdigit()
+        ]
+        below = [n for n in found if n <= last_uid]  # "1:n" also matches the highest above n
+        return max(below) if below else None
 
     def fetch(self, uids: list[int], *, headers_only: bool = False) -> list[FetchedMessage]:
         """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.

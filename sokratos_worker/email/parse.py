@@ -62,8 +62,13 @@ _STRUCTURE_PARAMETERS = frozenset({"boundary", "charset"})
 STRUCTURE_SEARCH_LIMIT = 64 * 1024
 # An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
 _ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
-# Parts that carry a whole message: listed as attachments, never read for the body.
+# Parts that carry a whole message: listed as attachments; read for the body only when the
+# outer message has no text of its own (a mail that is just a forwarded message).
 _ATTACHED_MESSAGE_TYPES = frozenset({"message/rfc822", "message/global"})
+# How many attached messages deep a mail that is only a forward of a forward is followed.
+FORWARD_DEPTH_LIMIT = 4
+# The headers the processed_emails key is made of (message_key).
+_KEY_HEADERS = ("Message-ID", "Date", "From", "Subject")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class ParsedEmail:
     bcc: str = ""  # present on mail the user sent (a Sent folder)
     notes: tuple[str, ...] = ()
     raw_body: bytes = field(default=b"", repr=False)
+    # The raw values of _KEY_HEADERS, for message_key's legacy decoding.
+    key_headers: tuple[tuple[str, ...], ...] = field(default=(), repr=False, compare=False)
 
 
 def truncate_bytes(text: str, limit: int) -> str:
@@ -165,7 +172,10 @@ def _parsed_header(name: str, value: str) -> Any:
 
 
 _POLICY = _BoundedPolicy()
-_WIRE = _POLICY.clone(linesep="\r\n")
+# Writes an attached message out to measure it: CRLF line ends as on the wire, and headers as
+# they came (refold_source="none"): refolding re-parses each long header, unbounded (a
+# forwarded message with a 1 MB To header took 14 s).
+_WIRE = _POLICY.clone(linesep="\r\n", refold_source="none")
 
 
 def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
@@ -219,14 +229,16 @@ class _WordRun:
     def __init__(self, notes: list[str]) -> None:
         self.notes = notes
         self.out: list[str] = []
-        self._data = b""
+        # The run's words, joined once at flush: appending to one bytes object copies the
+        # whole run for each word, quadratic (a 9 MB Subject of encoded words took 20 s).
+        self._data: list[bytes] = []
         self._charset: str | None = None
 
     def add(self, data: bytes, charset: str | None) -> None:
         """Append one word's bytes, decoding the run before it when its charset differs."""
         if self._data and charset != self._charset:
             self.flush()
-        self._data += data
+        self._data.append(data)
         self._charset = charset
 
     def text(self, text: str) -> None:
@@ -237,8 +249,8 @@ class _WordRun:
     def flush(self) -> None:
         """Decode the pending run."""
         if self._data:
-            self.out.append(_decode_bytes(self._data, self._charset, self.notes))
-        self._data, self._charset = b"", None
+            self.out.append(_decode_bytes(b"".join(self._data), self._charset, self.notes))
+        self._data, self._charset = [], None
 
 
 def _decode_header(value: str, notes: list[str]) -> str:
@@ -263,6 +275,52 @@ def _decode_header(value: str, notes: list[str]) -> str:
             run.text(chunk)
     run.flush()
     return "".join(run.out).strip()
+
+
+def _decode_word(word: str, notes: list[str]) -> str:
+    """One RFC 2047 encoded word decoded alone; a malformed one keeps its raw form."""
+    try:
+        pieces = email.header.decode_header(word)
+    except Exception:  # bad base64 and the like: keep the word as it came
+        return word
+    return "".join(
+        _decode_bytes(data, charset, notes) if isinstance(data, bytes) else data
+        for data, charset in pieces
+    )
+
+
+def _legacy_decode_header(value: str) -> str:
+    """A header value decoded as the worker did before adjacent encoded words were joined.
+
+    For processed_emails keys only (:func:`message_key`): a mail without Message-ID is keyed
+    by the hash of its decoded Date, From and Subject, and a character split across two
+    encoded words decodes differently word by word ("caf\ufffd\ufffd") than joined ("café").
+    Keys made with the better decoder would differ from those already recorded, and a
+    re-read of the mailbox (reused UIDs, a UIDVALIDITY change) would triage such mail again.
+    So keys keep this decoding, whatever the text shown to triage becomes.
+    """
+    notes: list[str] = []  # what is wrong with the header is noted by _decode_header
+    unfolded = re.sub(r"\r?\n[ \t]+", " ", _unescape(value, notes)).strip()
+    chunks = _ENCODED_WORD.split(unfolded)
+    out: list[str] = []
+    for index, chunk in enumerate(chunks):
+        if index % 2:
+            out.append(_decode_word(chunk, notes))
+        elif not (chunk.isspace() and 0 < index < len(chunks) - 1):
+            out.append(chunk)
+    return "".join(out).strip()
+
+
+def _legacy_header(values: tuple[str, ...]) -> str:
+    """:func:`_header` with the legacy decoding, cleaned as the legacy parser cleaned it."""
+    decoded = (_legacy_decode_header(value) for value in values)
+    return _clean(", ".join(v for v in decoded if v), [])
+
+
+def _raw_values(msg: Message, name: str) -> tuple[str, ...]:
+    """The raw values of one header, as :func:`_header` reads them."""
+    wanted = name.lower()
+    return tuple(str(value) for key, value in msg.raw_items() if key.lower() == wanted)
 
 
 def _header(msg: Message, name: str, notes: list[str]) -> str:
@@ -339,7 +397,8 @@ def _attached_message_name(part: Message, notes: list[str]) -> str:
 
 
 def _attached_message_size(part: Message, notes: list[str]) -> int:
-    """The attached message's size in bytes (as the email package writes it out again)."""
+    """The attached message's size in bytes (as the email package writes it out again, its
+    headers as they came: linear time)."""
     if not part.is_multipart():  # not parsed as a message (a transfer encoding on it)
         return len(_payload_bytes(part, notes))
     inner = part.get_payload(0)
@@ -369,14 +428,30 @@ def _defect_notes(msg: Message) -> list[str]:
     return [f"malformed MIME: {', '.join(names)}"] if names else []
 
 
-def _walk(msg: Message, notes: list[str]) -> tuple[str, str, list[Attachment]]:
+@dataclass
+class _Walked:
+    """What :func:`_walk` found in one message (an attached message is not entered)."""
+
+    plain: str = ""
+    html: str = ""
+    attachments: list[Attachment] = field(default_factory=list)
+    forwarded: Message | None = None  # the first attached message part
+
+    def text(self) -> str:
+        """The message's own text: text/plain, else text made from text/html."""
+        return self.plain.strip() or (html_to_text(self.html) if self.html else "")
+
+
+def _walk(msg: Message, notes: list[str]) -> _Walked:
     """The first text/plain and text/html bodies and the attachments, depth first."""
+    walked = _Walked()
     plain = html = ""
-    attachments: list[Attachment] = []
+    attachments = walked.attachments
     for part in _parts(msg):
         if part is not msg and _is_attached_message(part):
             size = _attached_message_size(part, notes)
             attachments.append(Attachment(_attached_message_name(part, notes), size))
+            walked.forwarded = walked.forwarded or part
             continue
         if part.is_multipart():
             continue
@@ -396,7 +471,37 @@ def _walk(msg: Message, notes: list[str]) -> tuple[str, str, list[Attachment]]:
             plain = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
         elif content_type == "text/html" and not html:
             html = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
-    return plain, html, attachments
+    walked.plain, walked.html = plain, html
+    return walked
+
+
+def _inner_message(part: Message) -> Message | None:
+    """The message an attached-message part carries (parsed again when it was encoded)."""
+    if part.is_multipart():
+        inner = part.get_payload(0)
+        return inner if isinstance(inner, Message) else None
+    data = _payload_bytes(part, [])  # a transfer encoding on it: the email package left it
+    return email.message_from_bytes(data, policy=_POLICY) if data else None
+
+
+def _forwarded_text(part: Message, notes: list[str]) -> str:
+    """The text of a mail that is only a forwarded message: the attached message's own text,
+    after a line naming it; a forward of a forward is followed FORWARD_DEPTH_LIMIT deep."""
+    labels: list[str] = []
+    current: Message | None = part
+    for _ in range(FORWARD_DEPTH_LIMIT):
+        if current is None:
+            break
+        inner = _inner_message(current)
+        if inner is None:
+            break
+        name = _header(inner, "Subject", notes) or _attached_message_name(current, notes)
+        labels.append(f"[forwarded message: {truncate_bytes(name, HEADER_LIMIT_BYTES)}]")
+        walked = _walk(inner, notes)
+        if text := walked.text():
+            return "\n".join(labels) + "\n" + text
+        current = walked.forwarded
+    return ""
 
 
 def _raw_body(raw: bytes) -> bytes:
@@ -444,16 +549,24 @@ def parse_email(raw: bytes) -> ParsedEmail:
         )
     notes.extend(_defect_notes(msg))
     try:
-        plain, html, attachments = _walk(msg, notes)
+        walked = _walk(msg, notes)
     except Exception as exc:  # deeply broken structure: fall back to raw text
         notes.append(f"malformed MIME ({type(exc).__name__}): body shown as raw text")
-        plain, html, attachments = _raw_body(raw).decode("utf-8", errors="replace"), "", []
+        walked = _Walked(plain=_raw_body(raw).decode("utf-8", errors="replace"))
+    plain, html, attachments = walked.plain, walked.html, walked.attachments
     body = plain.strip()
     if not body and html:
         body = html_to_text(html)
         notes.append("HTML-only message: text made from text/html")
         if len(html) > HTML_LIMIT_CHARS:
             notes.append(f"HTML part cut to its first {HTML_LIMIT_CHARS} characters")
+    if not body and walked.forwarded is not None:
+        # Only a forwarded message ("forward as attachment" with no comment): its text is the
+        # mail's whole content. It stays listed as an attachment too.
+        try:
+            body = _forwarded_text(walked.forwarded, notes)
+        except Exception as exc:  # a broken attached message leaves the body empty
+            notes.append(f"attached message unreadable ({type(exc).__name__}): no body")
     message_id = _header(msg, "Message-ID", notes).strip() or None
     date_raw = _header(msg, "Date", notes)
     date = _parse_date(date_raw)
@@ -473,20 +586,32 @@ def parse_email(raw: bytes) -> ParsedEmail:
         # Notes quote content types and charsets from the message: they must be storable too.
         notes=tuple(dict.fromkeys(clean_text(n) for n in notes)),
         raw_body=_raw_body(raw),
+        key_headers=tuple(_raw_values(msg, name) for name in _KEY_HEADERS),
     )
+
+
+def _key_values(parsed: ParsedEmail) -> tuple[str | None, str, str, str]:
+    """Message-ID, Date, From and Subject as the key hashes them: decoded as before adjacent
+    encoded words were joined (:func:`_legacy_decode_header` says why)."""
+    if len(parsed.key_headers) != len(_KEY_HEADERS):  # an unparsable message
+        return parsed.message_id, parsed.date_raw, parsed.from_, parsed.subject
+    message_id, date_raw, from_, subject = (_legacy_header(v) for v in parsed.key_headers)
+    return message_id.strip() or None, date_raw, from_, subject
 
 
 def keyed_by_hash(account: str, parsed: ParsedEmail) -> bool:
     """True when the key hashes the message (no Message-ID, or a key over KEY_LIMIT)."""
-    return not parsed.message_id or len(f"{account}:{parsed.message_id}") > KEY_LIMIT
+    message_id = _key_values(parsed)[0]
+    return not message_id or len(f"{account}:{message_id}") > KEY_LIMIT
 
 
 def message_key(account: str, parsed: ParsedEmail) -> str:
     """The processed_emails key: ``<account>:<Message-ID>``, else ``<account>:sha256:<hex>``."""
-    if not keyed_by_hash(account, parsed):
-        return f"{account}:{parsed.message_id}"
+    message_id, date_raw, from_, subject = _key_values(parsed)
+    if message_id and len(f"{account}:{message_id}") <= KEY_LIMIT:
+        return f"{account}:{message_id}"
     digest = hashlib.sha256()
-    for part in (parsed.date_raw, parsed.from_, parsed.subject):
+    for part in (date_raw, from_, subject):
         digest.update(part.encode("utf-8", errors="replace") + b"\x00")
     digest.update(parsed.raw_body)
     return f"{account}:sha256:{digest.hexdigest()}"

@@ -15,6 +15,7 @@ from typing import Any, TypeAlias
 import psycopg
 
 from sokratos_worker.store.connection import connect, translated
+from sokratos_worker.store.failures import EMAIL_OP_TYPE
 
 Connection: TypeAlias = psycopg.Connection[Any]
 
@@ -30,6 +31,7 @@ __all__ = [
     "finish_check",
     "first_recorded_at",
     "forget_refusal",
+    "known_at_uid",
     "load_checkpoint",
     "note_refusal",
     "prune_processed_emails",
@@ -51,7 +53,7 @@ class Checkpoint:
     last_error_at: datetime | None
     first_check_done: bool = False  # kept through UIDVALIDITY resets, unlike checked_at
     refused_uid: int | None = None  # the UID the server refused on the last checks, if any
-    first_check_cutoff: datetime | None = None  # the lookback cutoff of the first check
+    first_check_started_at: datetime | None = None  # when the first check's first attempt began
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint 
     with translated():
         row = conn.execute(
             "SELECT uidvalidity, last_uid, checked_at, last_error, last_error_at,"
-            " first_check_done, refused_uid, first_check_cutoff"
+            " first_check_done, refused_uid, first_check_started_at"
             " FROM email_checkpoints WHERE account = %s AND mailbox = %s",
             (account, mailbox),
         ).fetchone()
@@ -91,22 +93,23 @@ def reset_checkpoint(conn: Connection, account: str, mailbox: str, uidvalidity: 
         )
 
 
-def begin_first_check(conn: Connection, account: str, mailbox: str, cutoff: datetime) -> datetime:
-    """The first check's lookback cutoff: the one stored by an earlier attempt, else ``cutoff``.
+def begin_first_check(conn: Connection, account: str, mailbox: str, started: datetime) -> datetime:
+    """When the first check began: the time stored by an earlier attempt, else ``started``.
 
     Committed at once (autocommit), before any message is recorded, so an attempt killed
-    part-way leaves the cutoff for the next attempt to reuse.
+    part-way leaves the start for the next attempt to measure the lookback from.
     """
     with translated():
         row = conn.execute(
-            "INSERT INTO email_checkpoints (account, mailbox, first_check_cutoff)"
+            "INSERT INTO email_checkpoints (account, mailbox, first_check_started_at)"
             " VALUES (%s, %s, %s)"
-            " ON CONFLICT (account, mailbox) DO UPDATE SET first_check_cutoff ="
-            " COALESCE(email_checkpoints.first_check_cutoff, EXCLUDED.first_check_cutoff)"
-            " RETURNING first_check_cutoff",
-            (account, mailbox, cutoff),
+            " ON CONFLICT (account, mailbox) DO UPDATE SET first_check_started_at ="
+            " COALESCE(email_checkpoints.first_check_started_at,"
+            " EXCLUDED.first_check_started_at)"
+            " RETURNING first_check_started_at",
+            (account, mailbox, started),
         ).fetchone()
-    return row[0] if row and row[0] is not None else cutoff
+    return row[0] if row and row[0] is not None else started
 
 
 def first_recorded_at(conn: Connection, account: str, mailbox: str) -> datetime | None:
@@ -117,6 +120,46 @@ def first_recorded_at(conn: Connection, account: str, mailbox: str) -> datetime 
             (account, mailbox),
         ).fetchone()
     return row[0] if row else None
+
+
+def known_at_uid(
+    conn: Connection, account: str, mailbox: str, uidvalidity: int, *, uid: int, key: str
+) -> bool | None:
+    """Whether the message with ``key`` now at ``uid`` is the one recorded there.
+
+    True when a processed_emails row of this epoch at ``uid`` has ``key``; False when rows
+    there have other keys only, or (none there) when ``key`` is unknown to processed_emails
+    and to the triage idempotency keys; None when it cannot be told: nothing recorded at
+    ``uid`` but a failed_operations row (a message passed unrecorded).
+    """
+    with translated():
+        keys = {
+            row[0]
+            for row in conn.execute(
+                "SELECT message_id FROM processed_emails"
+                " WHERE account = %s AND mailbox = %s AND uidvalidity = %s AND uid = %s",
+                (account, mailbox, uidvalidity, uid),
+            )
+        }
+        if keys:
+            return key in keys
+        # Nothing at this UID: a duplicate Message-ID moved its row to a later UID, the row
+        # was pruned (its item's idempotency key stays), or the message was passed unrecorded.
+        known = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM processed_emails WHERE message_id = %s)"
+            " OR EXISTS (SELECT 1 FROM sokratos_idempotency_keys"
+            "   WHERE queue = 'pending_triage' AND key = %s)",
+            (key, f"email:{key}"),
+        ).fetchone()
+        if known and known[0]:
+            return True
+        passed = conn.execute(
+            "SELECT 1 FROM failed_operations WHERE op_type = %s"
+            " AND context_data->>'account' = %s AND context_data->>'mailbox' = %s"
+            " AND context_data->>'uidvalidity' = %s AND context_data->>'uid' = %s LIMIT 1",
+            (EMAIL_OP_TYPE, account, mailbox, str(uidvalidity), str(uid)),
+        ).fetchone()
+    return None if passed else False
 
 
 def _insert_processed(conn: Connection, record: MessageRecord) -> bool:

@@ -1,6 +1,7 @@
 """A message carried inside another (message/rfc822: "forward as attachment", a bounce's
 original) is listed as an attachment, by its file name or else its Subject, with its size;
-the body is the outer message's own text, never the attached message's.
+the body is the outer message's own text, not the attached message's (unless the outer
+message has no text at all: tests/email/test_forward_only_mail.py).
 
 Found by review (r2): an HTML-only mail with an attached invoice.eml was triaged with the
 invoice's text, and the PDF inside invoice.eml was listed as the outer mail's attachment.
@@ -78,7 +79,7 @@ def test_a_bounce_shows_its_report_and_lists_the_returned_message() -> None:
     assert [a.name for a in parsed.attachments] == ["Your invoice"]
 
 
-def test_a_message_that_is_only_an_attached_message_has_no_body_from_it() -> None:
+def test_a_message_with_no_text_of_its_own_shows_the_attached_messages_text() -> None:
     parsed = parse_email(forwarded(b"Content-Type: text/plain\r\n\r\n", ATTACHED))
-    assert parsed.body == ""
+    assert parsed.body == "[forwarded message: Your invoice]\nInvoice 42: 100 EUR"
     assert [a.name for a in parsed.attachments] == ["invoice.eml"]

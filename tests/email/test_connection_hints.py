@@ -99,16 +99,23 @@ def test_tls_against_a_plain_imap_port_says_to_use_starttls(
 
 
 @pytest.mark.parametrize("security", ["none", "starttls"])
-def test_no_tls_against_an_implicit_tls_port_says_so_within_seconds(
-    dovecot: Dovecot, account: AccountFactory, database_url: str, security: str
+def test_no_tls_against_an_implicit_tls_port_says_so_after_the_read_timeout(
+    dovecot: Dovecot,
+    account: AccountFactory,
+    database_url: str,
+    security: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The TLS probe's answer names the cause; the greeting is still waited for until the read
+    timeout (a port shared by IMAP and IMAPS answers TLS and greets plain clients late)."""
+    monkeypatch.setattr("sokratos_worker.email.check.IMAP_TIMEOUT_S", 4.0)
     started = time.monotonic()
     error = _error(database_url, account(port=dovecot.imaps_port, security=security))
     elapsed = time.monotonic() - started
-    assert "no IMAP greeting" in error, error
+    assert "no IMAP greeting within 4 s" in error, error
     assert "expects TLS at once (implicit TLS, usually port 993)" in error
     assert 'set the account\'s security to "tls"' in error
-    assert elapsed < 10, f"took {elapsed:.1f} s: the 30 s read timeout was waited out"
+    assert 3.9 < elapsed < 8, f"took {elapsed:.1f} s"
 
 
 def test_a_silent_server_that_speaks_no_tls_waits_its_read_timeout_and_says_so(

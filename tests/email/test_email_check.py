@@ -839,7 +839,7 @@ def test_a_message_expunged_during_the_check_is_skipped_and_logged(
     failed check."""
     for subject in ("one", "two", "three"):
         dovecot.append(mailbox, mails.plain(subject=subject))
-    listing = ImapSession.refs_above
+    listing = ImapSession.refs_from
 
     def list_then_another_client_expunges(self: ImapSession, last_uid: int) -> Any:
         refs = listing(self, last_uid)
@@ -850,7 +850,7 @@ def test_a_message_expunged_during_the_check_is_skipped_and_logged(
             client.expunge()
         return refs
 
-    monkeypatch.setattr(ImapSession, "refs_above", list_then_another_client_expunges)
+    monkeypatch.setattr(ImapSession, "refs_from", list_then_another_client_expunges)
     with capture_logs() as logs:
         [report] = check_due_accounts(make_settings(account()), database_url, now=NOW)
     assert report.ok, report.error
