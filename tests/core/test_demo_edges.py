@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,13 +67,19 @@ def _stop_at(proc: subprocess.Popen[str], event: str, signum: signal.Signals) ->
     return out, "".join(seen) + err
 
 
-def _servers_under(folder: Path) -> list[int]:
-    """PostgreSQL processes whose command line names a directory under ``folder``."""
-    return [
-        p.pid
-        for p in psutil.process_iter(attrs=["cmdline"])
-        if any(str(folder) in part for part in p.info["cmdline"] or ())
-    ]
+def _servers_under(folder: Path, *, wait_s: float = 15.0) -> list[str]:
+    """Command lines of processes naming a directory under ``folder``, once none is left or
+    ``wait_s`` passed: a stopped server's last processes exit a moment after it answers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [
+            " ".join(p.info["cmdline"] or ())
+            for p in psutil.process_iter(attrs=["cmdline"])
+            if any(str(folder) in part for part in p.info["cmdline"] or ())
+        ]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(
