@@ -465,13 +465,8 @@ def _stop_signals_held(held: list[signal.Signals]) -> Iterator[None]:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         held.append(signal.Signals(signum))
 
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, hold) for signum in stops}
-    try:
+    with _handling((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), hold):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -483,9 +478,8 @@ def _run(args: argparse.Namespace, settings: Settings, factory: HandlerFactory |
     # Until the worker installs its own handlers, SIGTERM and SIGHUP end the start the way
     # Ctrl-C does: a wait for the database or the migrators' lock stops, the embedded
     # PostgreSQL is stopped, no traceback (SIGTERM's default exit left the server running).
-    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOPS_WHILE_STARTING}
     try:
-        with database_url(settings) as url:
+        with stops_while_starting(), database_url(settings) as url:
             migrate = settings.migrate_on_start and not args.no_migrate
             return run_worker(settings, url, factory, once=args.once, migrate=migrate)
     except KeyboardInterrupt:
@@ -494,9 +488,6 @@ def _run(args: argparse.Namespace, settings: Settings, factory: HandlerFactory |
             hint="a stop signal came before the worker was ready: nothing was claimed",
         )
         return EXIT_OK
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 _STOPS_WHILE_STARTING = (signal.SIGTERM, signal.SIGHUP)
@@ -510,12 +501,21 @@ def _interrupt(signum: int, _frame: object) -> None:
 def stops_while_starting() -> Iterator[None]:
     """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, as during ``run``'s
     start: the demo's start ends the same way whichever stop signal comes."""
-    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOPS_WHILE_STARTING}
+    with _handling(_STOPS_WHILE_STARTING, _interrupt):
+        yield
+
+
+@contextmanager
+def _handling(
+    signums: Sequence[signal.Signals], handler: Callable[[int, object], None]
+) -> Iterator[None]:
+    """Inside, ``handler`` handles ``signums``; the handlers before it are put back after."""
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, before in previous.items():
+            signal.signal(signum, before)
 
 
 def _migrate(_: argparse.Namespace, settings: Settings) -> int:
