@@ -31,6 +31,7 @@ from sokratos_worker.email.failed import (
     record_refused_message,
 )
 from sokratos_worker.email.imap import (
+    HEADER_BYTES_LIMIT,
     FetchedMessage,
     ImapAborted,
     ImapError,
@@ -241,13 +242,14 @@ def _record(
     state: MailboxState,
     message: FetchedMessage,
     *,
+    listed: MessageRef,
     old: bool,
     counts: _Counts,
 ) -> None:
     try:
         key, payload = build_payload(account, state.uidvalidity, message)
     except Exception as exc:  # parsing should never raise, but one message must not block all
-        record_failed_message(conn, account, state.uidvalidity, message, exc)
+        record_failed_message(conn, account, state.uidvalidity, message, exc, listed=listed)
         counts.fetched += 1
         counts.failed += 1
         return
@@ -258,6 +260,8 @@ def _record(
         uid=message.uid,
         key=key,
         payload=None if old else payload,
+        server_size=listed.size,
+        internal_date=listed.internal_date,
     )
     try:
         new, item_id = store.record_message(conn, record)
@@ -265,7 +269,7 @@ def _record(
         raise
     except Exception as exc:
         if refused_for_its_content(exc):
-            record_failed_message(conn, account, state.uidvalidity, message, exc)
+            record_failed_message(conn, account, state.uidvalidity, message, exc, listed=listed)
             counts.fetched += 1
             counts.failed += 1
             return
@@ -318,23 +322,70 @@ def _uids_reused_warning(
     )
 
 
+def _undecided(account: EmailAccountConfig, uid: int, why: str) -> bool:
+    """The restore check cannot tell: not a restore (logged at debug only; it recurs)."""
+    log.debug("email_restore_check_undecided", account=account.name, uid=uid, why=why)
+    return False
+
+
 def _key_at(session: ImapSession, account: EmailAccountConfig, uid: int) -> str | None:
-    """The processed_emails key of the message now at ``uid`` (its header block, and its body
-    only when the key hashes it); None when it is gone, refused or cannot be keyed."""
+    """The processed_emails key of the message now at ``uid`` from at most HEADER_BYTES_LIMIT
+    bytes of its header block; None when it cannot be told that cheaply: the message is gone
+    or refused, its header block is longer, it cannot be parsed, or its key hashes its body
+    (no Message-ID), which is never fetched for this."""
     try:
-        for item in session.fetch_each([uid], headers_only=True):
-            if not isinstance(item, FetchedMessage):
-                return None
-            raw = item.raw
-            if _needs_body(account.name, raw):
-                full = session.fetch([uid])
-                if not full:
-                    return None
-                raw = full[0].raw
-            return message_key(account.name, parse_email(raw))
+        raw = session.header_block(uid, HEADER_BYTES_LIMIT)
     except ImapRefused:
         return None
-    return None
+    if raw is None or len(raw) >= HEADER_BYTES_LIMIT:
+        return None
+    try:
+        parsed = parse_email(raw)
+        if keyed_by_hash(account.name, parsed):
+            return None
+        return message_key(account.name, parsed)
+    except Exception:  # a message the parser fails on was dead-lettered: it cannot be compared
+        return None
+
+
+def _listed_at(session: ImapSession, uid: int) -> MessageRef | None:
+    """UID ``uid``'s size and arrival date, or None when it is gone or refused."""
+    try:
+        return session.listed(uid)
+    except ImapRefused:
+        return None
+
+
+def _same_message(
+    conn: store.Connection,
+    session: ImapSession,
+    account: EmailAccountConfig,
+    state: MailboxState,
+    listed: MessageRef,
+) -> bool | None:
+    """Whether the message at ``listed.uid`` is the one processed_emails recorded there (None:
+    cannot tell).
+
+    Its size and arrival date, from the check's listing, are compared with those recorded
+    with the row: nothing more is fetched. Only for rows recorded before sql/0045 (or none
+    at that UID, pruned) is its key compared, from a bounded header block; a key that
+    matches stores the size and date, so the next check compares those.
+    """
+    uid = listed.uid
+    rows = store.recorded_at_uid(conn, account.name, account.mailbox, state.uidvalidity, uid)
+    if any(row.matches(listed.size, listed.internal_date) for row in rows):
+        return True
+    if rows and all(row.server_size is not None for row in rows):
+        return False
+    key = _key_at(session, account, uid)
+    if key is None:
+        return None
+    known = store.known_at_uid(
+        conn, account.name, account.mailbox, state.uidvalidity, uid=uid, key=key
+    )
+    if known and any(row.key == key for row in rows):
+        store.note_fingerprint(conn, key, uid, listed.size, listed.internal_date)
+    return known
 
 
 def _reused_at(
@@ -344,7 +395,7 @@ def _reused_at(
     state: MailboxState,
     *,
     last_uid: int,
-    at_or_below: int | None,
+    at_or_below: MessageRef | None,
     above: list[MessageRef],
 ) -> bool:
     """True when the UIDs already read hold other messages now (a mailbox restored from a
@@ -353,27 +404,36 @@ def _reused_at(
     The message at the highest UID at or below the checkpoint is compared with what
     processed_emails recorded at that UID: new mail after a restore takes exactly those
     UIDs. ``at_or_below`` comes from the listing (``last_uid:*`` shows UID ``last_uid``, or
-    the highest message when it is below); only when UID ``last_uid`` is gone and mail is
-    above it does a UID SEARCH find the UID to compare.
+    the highest message when it is below), with its size and arrival date; only when UID
+    ``last_uid`` is gone and mail is above it does a UID SEARCH find the UID to compare (and
+    one small UID FETCH its size and date). Whatever cannot be told (a message gone, refused
+    or unparsable) is not a restore: the check goes on.
     """
-    uid = at_or_below
-    if uid is None and above:
+    listed = at_or_below
+    if listed is None and above:
         uid = session.highest_uid_up_to(last_uid)
-    if uid is None:
+        if uid is not None:
+            listed = _listed_at(session, uid)
+            if listed is None:
+                return _undecided(account, uid, "the message is gone or refused")
+    if listed is None:
         return False  # no message at or below the checkpoint: no UID was handed out again
-    key = _key_at(session, account, uid)
-    if key is None:
-        return False  # gone meanwhile, refused or unreadable: this check cannot tell
-    known = store.known_at_uid(
-        conn, account.name, account.mailbox, state.uidvalidity, uid=uid, key=key
-    )
-    if known is not False:
+    same = _same_message(conn, session, account, state, listed)
+    if same is None:
+        return _undecided(
+            account,
+            listed.uid,
+            "recorded without its size and date, and its key cannot be computed from a"
+            " bounded header block (no Message-ID, gone, refused or unparsable), or the"
+            " message was passed before sql/0045",
+        )
+    if same:
         return False
     _uids_reused_warning(
         account,
         state,
         last_uid,
-        f"UID {uid}, at or below the last UID already read, now holds a message never"
+        f"UID {listed.uid}, at or below the last UID already read, now holds a message never"
         " recorded, under the same UIDVALIDITY: the server hands out UIDs again (a mailbox"
         " restored from a backup?)",
     )
@@ -493,7 +553,9 @@ def check_account(
                 # Returned this time, so its refusals are no longer consecutive, whatever
                 # becomes of its record.
                 store.forget_refusal(conn, account.name, account.mailbox, message.uid)
-            _record(conn, account, state, message, old=old, counts=counts)
+            _record(
+                conn, account, state, message, listed=by_uid[message.uid], old=old, counts=counts
+            )
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,

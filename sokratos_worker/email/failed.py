@@ -9,6 +9,7 @@ The message itself stays on the server, untouched.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -85,6 +86,7 @@ def record_refused_message(
         ref.uid,
         error=error,
         hint=refused_what_to_do(account, uidvalidity, ref.uid),
+        listed=(ref.size, ref.internal_date),
         details={
             "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
             "size": ref.size,
@@ -112,8 +114,13 @@ def record_failed_message(
     uidvalidity: int,
     message: FetchedMessage,
     exc: Exception,
+    *,
+    listed: MessageRef | None = None,
 ) -> int:
-    """Record ``message`` in failed_operations and move the checkpoint past it; the row's id."""
+    """Record ``message`` in failed_operations and move the checkpoint past it; the row's id.
+
+    ``listed`` is the message as the check's listing showed it (its size and arrival date,
+    kept on the 'passed' row for the restore check)."""
     error = (
         f"email account {account.name!r}: UID {message.uid} (UIDVALIDITY {uidvalidity})"
         f" could not be handled: {type(exc).__name__}: {exc}"
@@ -125,6 +132,11 @@ def record_failed_message(
         message.uid,
         error=error,
         hint=what_to_do(account, uidvalidity, message.uid),
+        listed=(
+            (listed.size, listed.internal_date)
+            if listed is not None
+            else (message.server_size or None, message.internal_date)
+        ),
         details={
             "internal_date": message.internal_date.isoformat() if message.internal_date else None,
             "size": message.size,
@@ -141,10 +153,12 @@ def _record_and_pass(
     *,
     error: str,
     hint: str,
+    listed: tuple[int | None, datetime | None],
     details: dict[str, Any],
 ) -> int:
-    """The failed_operations row and the checkpoint's move past ``uid``, in one transaction
-    (any refusal count ends with it); logs ``email_message_failed``; the row's id."""
+    """The failed_operations row, a 'passed' processed_emails row (which retention keeps,
+    unlike the failure) and the checkpoint's move past ``uid``, in one transaction (any
+    refusal count ends with it); logs ``email_message_failed``; the row's id."""
     error = clean_text(error)
     context: dict[str, Any] = {
         "account": account.name,
@@ -155,11 +169,24 @@ def _record_and_pass(
         "what_to_do": hint,
     }
     record = no_record(account, uidvalidity, uid)
+    size, internal_date = listed
+    passed = store.MessageRecord(
+        account=account.name,
+        mailbox=account.mailbox,
+        uidvalidity=uidvalidity,
+        uid=uid,
+        key=store.passed_key(account.name, account.mailbox, uidvalidity, uid),
+        payload=None,
+        server_size=size,
+        internal_date=internal_date,
+    )
     with translated(), conn.transaction():
         failure_id = record_failure(
             conn, op_type=OP_TYPE, label=f"{account.name} UID {uid}", error=error, context=context
         )
-        # No processed mark, so a later fetch (see what_to_do) is not taken for a duplicate.
+        # No processed mark under the message's key, so a later fetch (see what_to_do) is not
+        # taken for a duplicate; the 'passed' row says only that this UID was passed.
+        store.record_passed(conn, passed)
         store.advance_checkpoint(conn, record)
         store.clear_refusal(conn, record)
     log.error(

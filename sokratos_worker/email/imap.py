@@ -46,6 +46,14 @@ BATCH_BYTES = 20 * 1024 * 1024
 # A message is read up to this many bytes (a partial FETCH): triage uses 2000 bytes of its
 # text, and a 54 MB message read and parsed whole cost the worker about 240 MB of memory.
 MESSAGE_BYTES_LIMIT = 16 * 1024 * 1024
+# A header block read only to compute a message's key (the restore check's fallback for mail
+# recorded without its size and arrival date) is read up to this many bytes.
+HEADER_BYTES_LIMIT = 64 * 1024
+# Without ESEARCH, the highest UID at or below a checkpoint is searched for in this many UIDs
+# below it first, then in windows WINDOW_GROWTH times as wide: an answer lists at most the UIDs
+# of one window, not every UID of the mailbox.
+SEARCH_WINDOW = 1000
+SEARCH_WINDOW_GROWTH = 16
 
 # A plain-IMAP server greets at once; one silent this long is asked whether it speaks TLS
 # (an implicit-TLS port never greets a client that does not start TLS first).
@@ -64,6 +72,7 @@ _NOT_TLS = frozenset(
 _UID = re.compile(rb"\bUID (\d+)")
 _SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
 _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
+_ESEARCH_MAX = re.compile(rb"\bMAX (\d+)", re.IGNORECASE)
 # RFC 5530 response codes that describe the server's state, not one message's.
 _TEMPORARY = re.compile(r"\[(UNAVAILABLE|INUSE|LIMIT|OVERQUOTA)\b", re.IGNORECASE)
 
@@ -299,6 +308,22 @@ def _fetched(data: list[Any]) -> dict[int, FetchedMessage]:
     return found
 
 
+def _listed(data: list[Any]) -> Iterator[MessageRef]:
+    """The messages of a ``UID FETCH (UID RFC822.SIZE INTERNALDATE)`` answer."""
+    for line in data:
+        text = line[0] if isinstance(line, tuple) else line
+        if not isinstance(text, bytes):
+            continue
+        uid, size, date = _UID.search(text), _SIZE.search(text), _INTERNALDATE.search(text)
+        if uid is None:
+            continue
+        yield MessageRef(
+            uid=int(uid.group(1)),
+            size=int(size.group(1)) if size else 0,
+            internal_date=parse_internaldate(date.group(1)) if date else None,
+        )
+
+
 def _answer(data: list[Any]) -> str:
     """A server's reply text (bytes joined and decoded)."""
     return b" ".join(d for d in data if isinstance(d, bytes)).decode("utf-8", "replace").strip()
@@ -510,6 +535,7 @@ class ImapSession:
         self._watch = SessionWatch(self.deadline)
         self._conn: imaplib.IMAP4 | None = None
         self._state: MailboxState | None = None
+        self._logged_in_capabilities: frozenset[str] | None = None
 
     def __enter__(self) -> ImapSession:
         self._sessions.add(self._watch)
@@ -781,9 +807,10 @@ class ImapSession:
         )
         return self._state
 
-    def refs_from(self, last_uid: int) -> tuple[list[MessageRef], int | None]:
-        """Every message with a UID above ``last_uid`` (in UID order), and the highest UID at
-        or below it that the same answer showed (None when it showed none).
+    def refs_from(self, last_uid: int) -> tuple[list[MessageRef], MessageRef | None]:
+        """Every message with a UID above ``last_uid`` (in UID order), and the message with the
+        highest UID at or below it that the same answer showed (None when it showed none),
+        with its RFC822.SIZE and INTERNALDATE.
 
         One ``UID FETCH last_uid:*``: it returns UID ``last_uid`` when it is still there, and
         the mailbox's highest message even when its UID is below ``last_uid`` (RFC 3501 "n:*"),
@@ -797,39 +824,84 @@ class ImapSession:
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
         refs: dict[int, MessageRef] = {}
-        at_or_below: int | None = None
-        for line in data:
-            text = line[0] if isinstance(line, tuple) else line
-            if not isinstance(text, bytes):
-                continue
-            uid, size, date = _UID.search(text), _SIZE.search(text), _INTERNALDATE.search(text)
-            if uid is None:
-                continue
-            number = int(uid.group(1))
-            if number <= last_uid:
-                at_or_below = max(number, at_or_below or 0)
-                continue
-            refs[number] = MessageRef(
-                uid=number,
-                size=int(size.group(1)) if size else 0,
-                internal_date=parse_internaldate(date.group(1)) if date else None,
-            )
+        at_or_below: MessageRef | None = None
+        for ref in _listed(list(data)):
+            if ref.uid > last_uid:
+                refs[ref.uid] = ref
+            elif at_or_below is None or ref.uid > at_or_below.uid:
+                at_or_below = ref
         return [refs[uid] for uid in sorted(refs)], at_or_below
 
+    def listed(self, uid: int) -> MessageRef | None:
+        """UID ``uid``'s RFC822.SIZE and INTERNALDATE (one small UID FETCH), or None when it
+        is not in the mailbox; raises :class:`ImapRefused` when the server refuses it."""
+        data = self._uid_fetch([uid], "UID RFC822.SIZE INTERNALDATE")
+        return next((ref for ref in _listed(data) if ref.uid == uid), None)
+
+    def header_block(self, uid: int, limit: int = HEADER_BYTES_LIMIT) -> bytes | None:
+        """The first ``limit`` bytes of UID ``uid``'s header block (``BODY.PEEK[HEADER]<0.N>``),
+        or None when it is not in the mailbox; raises :class:`ImapRefused` when refused."""
+        data = self._uid_fetch([uid], f"INTERNALDATE BODY.PEEK[HEADER]<0.{limit}>")
+        found = _fetched(data).get(uid)
+        return found.raw if found is not None else None
+
+    def _capabilities(self) -> frozenset[str]:
+        """The server's capabilities after login (asked once: the greeting's list, which
+        imaplib keeps, is often shorter than the logged-in one)."""
+        if self._logged_in_capabilities is None:
+            try:
+                typ, data = self.conn.capability()
+                self._check(typ, list(data), "CAPABILITY")
+            except (imaplib.IMAP4.error, OSError, EOFError) as exc:
+                raise self._failure(f"CAPABILITY on {self._where()} failed", exc) from None
+            words = b" ".join(d for d in data if isinstance(d, bytes)).upper().split()
+            self._logged_in_capabilities = frozenset(w.decode("ascii", "replace") for w in words)
+        return self._logged_in_capabilities
+
     def highest_uid_up_to(self, last_uid: int) -> int | None:
-        """The highest UID at or below ``last_uid`` in the mailbox (UID SEARCH), or None."""
+        """The highest UID at or below ``last_uid`` in the mailbox, or None.
+
+        With ESEARCH (RFC 4731), one ``UID SEARCH RETURN (MAX)``: a single number comes back.
+        Without it, UID SEARCH in windows below ``last_uid``, widening until one holds a
+        message: an answer lists the UIDs of one window, never every UID of the mailbox.
+        """
         if last_uid < 1:
             return None
+        if "ESEARCH" in self._capabilities():
+            return self._search_max(last_uid)
+        top, width = last_uid, SEARCH_WINDOW
+        while top >= 1:
+            bottom = max(1, top - width + 1)
+            found = [n for n in self._search_uids(f"{bottom}:{top}") if bottom <= n <= top]
+            if found:
+                return max(found)
+            top, width = bottom - 1, width * SEARCH_WINDOW_GROWTH
+        return None
+
+    def _search_max(self, last_uid: int) -> int | None:
+        """``UID SEARCH RETURN (MAX) UID 1:last_uid``: the answer is one ESEARCH line."""
         try:
-            typ, data = self.conn.uid("SEARCH", "UID", f"1:{last_uid}")
+            self.conn.untagged_responses.pop("ESEARCH", None)
+            typ, data = self.conn.uid("SEARCH", "RETURN", "(MAX)", "UID", f"1:{last_uid}")
+            self._check(typ, list(data), "UID SEARCH RETURN (MAX)")
+            answer = self.conn.untagged_responses.pop("ESEARCH", [])
+        except (imaplib.IMAP4.error, OSError, EOFError) as exc:
+            raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
+        for line in answer:
+            found = _ESEARCH_MAX.search(line) if isinstance(line, bytes) else None
+            if found and int(found.group(1)) <= last_uid:
+                return int(found.group(1))
+        return None  # no MAX: no message in the range
+
+    def _search_uids(self, uid_set: str) -> list[int]:
+        try:
+            typ, data = self.conn.uid("SEARCH", "UID", uid_set)
             self._check(typ, list(data), "UID SEARCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
-        found = [
+        return [
             int(n) for line in data if isinstance(line, bytes) for n in line.split() if n.isdigit()
         ]
-        below = [n for n in found if n <= last_uid]  # "1:n" also matches the highest above n
-        return max(below) if below else None
 
     def fetch(self, uids: list[int], *, headers_only: bool = False) -> list[FetchedMessage]:
         """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.
@@ -840,23 +912,24 @@ class ImapSession:
         """
         if not uids:
             return []
-        found = _fetched(self._uid_fetch(uids, headers_only=headers_only))
-        missing = [uid for uid in uids if uid not in found]
-        if missing:
-            self._skip_vanished(missing)
-        return [found[uid] for uid in uids if uid in found]
-
-    def _uid_fetch(self, uids: list[int], *, headers_only: bool) -> list[Any]:
-        """The raw answer to one UID FETCH; raises ImapRefused for a NO or a server's BYE."""
         # A partial FETCH returns a smaller message whole (RFC 3501 6.4.5).
         section = (
             "BODY.PEEK[HEADER]"
             if headers_only
             else f"RFC822.SIZE BODY.PEEK[]<0.{MESSAGE_BYTES_LIMIT}>"
         )
+        found = _fetched(self._uid_fetch(uids, f"UID INTERNALDATE {section}"))
+        missing = [uid for uid in uids if uid not in found]
+        if missing:
+            self._skip_vanished(missing)
+        return [found[uid] for uid in uids if uid in found]
+
+    def _uid_fetch(self, uids: list[int], items: str) -> list[Any]:
+        """The raw answer to one UID FETCH of ``items``; raises ImapRefused for a NO or a
+        server's BYE."""
         where = f"UID FETCH {_uid_set(uids)} on {self._where()}"
         try:
-            typ, data = self.conn.uid("FETCH", _uid_set(uids), f"(UID INTERNALDATE {section})")
+            typ, data = self.conn.uid("FETCH", _uid_set(uids), f"({items})")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             bye = self._bye()
             if bye is None:

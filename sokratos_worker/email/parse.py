@@ -387,27 +387,82 @@ def _is_attached_message(part: Message) -> bool:
     return part.get_content_type() in _ATTACHED_MESSAGE_TYPES
 
 
-def _attached_message_name(part: Message, notes: list[str]) -> str:
-    """Its file name, else the Subject of the message it carries."""
+def _attached_message_name(part: Message, inner: Message | None, notes: list[str]) -> str:
+    """Its file name, else the Subject of the message it carries (``inner``)."""
     name = _filename(part, notes)
-    inner = part.get_payload(0) if part.is_multipart() and not name else None
-    if isinstance(inner, Message):
+    if not name and inner is not None:
         name = _header(inner, "Subject", notes)
     return name or f"(unnamed {part.get_content_type()})"
 
 
-def _attached_message_size(part: Message, notes: list[str]) -> int:
-    """The attached message's size in bytes (as the email package writes it out again, its
-    headers as they came: linear time)."""
-    if not part.is_multipart():  # not parsed as a message (a transfer encoding on it)
-        return len(_payload_bytes(part, notes))
+# Transfer encodings that leave the content as it is: an attached message under any other
+# (base64, quoted-printable: RFC 2046 forbids them, but clients and gateways send them) is
+# encoded text that must be decoded before it is parsed as a message.
+_IDENTITY_ENCODINGS = frozenset({"", "7bit", "8bit", "binary"})
+
+
+def _transfer_encoding(part: Message) -> str:
+    try:
+        return str(part.get("Content-Transfer-Encoding", "")).strip().lower()
+    except Exception:  # a malformed header value counts as none
+        return ""
+
+
+def _encoded_content(part: Message, notes: list[str]) -> bytes | None:
+    """The decoded content of an attached-message part under a transfer encoding (None when
+    it has none). The email package parses such a part's encoded text as the inner message
+    (no headers, the encoded text as its body) or, for quoted-printable, parses what looks
+    like headers: it is written out again as it came and decoded."""
+    encoding = _transfer_encoding(part)
+    if encoding in _IDENTITY_ENCODINGS:
+        return None
+    payload = part.get_payload()
+    if isinstance(payload, list):
+        inner = payload[0] if payload else None
+        if not isinstance(inner, Message):
+            return b""
+        body = inner.get_payload()
+        if not inner.keys() and isinstance(body, str):
+            text = body
+        else:
+            text = inner.as_bytes(policy=_WIRE).decode("ascii", errors="replace")
+    elif isinstance(payload, str):
+        text = payload
+    else:
+        return b""
+    holder = Message()
+    holder["Content-Transfer-Encoding"] = encoding
+    holder.set_payload(text)
+    return _payload_bytes(holder, notes)
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """What an attached-message part carries: the message (None when empty) and its size."""
+
+    message: Message | None
+    size: int
+
+
+def _carried(part: Message, notes: list[str]) -> _Carried:
+    """The message an attached-message part carries, decoded and parsed again when it was
+    encoded, and its size in bytes (as the email package writes it out again, its headers
+    as they came: linear time)."""
+    data = _encoded_content(part, notes)
+    if data is None and not part.is_multipart():
+        data = _payload_bytes(part, notes)  # left unparsed by the email package
+    if data is not None:
+        decoded = email.message_from_bytes(data, policy=_POLICY) if data else None
+        return _Carried(decoded, len(data))
     inner = part.get_payload(0)
+    if not isinstance(inner, Message):
+        return _Carried(None, 0)
     try:
         # Written with the CRLF line ends of the wire, to come close to its size there.
-        return len(inner.as_bytes(policy=_WIRE)) if isinstance(inner, Message) else 0
+        return _Carried(inner, len(inner.as_bytes(policy=_WIRE)))
     except Exception as exc:  # a message too broken to write out is still listed
         notes.append(f"attached message of unknown size: {type(exc).__name__}")
-        return 0
+        return _Carried(inner, 0)
 
 
 def _parts(msg: Message) -> Iterator[Message]:
@@ -424,7 +479,20 @@ def _parts(msg: Message) -> Iterator[Message]:
 
 
 def _defect_notes(msg: Message) -> list[str]:
-    names = sorted({type(d).__name__ for part in msg.walk() for d in getattr(part, "defects", [])})
+    """The MIME defects of every part, as ``msg.walk()`` finds them, but not inside an
+    attached message under a transfer encoding: the email package parsed its encoded text as
+    a message, whose defects (no header block) say nothing about the mail."""
+    found: set[str] = set()
+    stack = [msg]
+    while stack:
+        part = stack.pop()
+        found.update(type(d).__name__ for d in getattr(part, "defects", []))
+        if _is_attached_message(part) and _transfer_encoding(part) not in _IDENTITY_ENCODINGS:
+            continue
+        children = part.get_payload() if part.is_multipart() else None
+        if isinstance(children, list):
+            stack.extend(c for c in children if isinstance(c, Message))
+    names = sorted(found)
     return [f"malformed MIME: {', '.join(names)}"] if names else []
 
 
@@ -435,7 +503,8 @@ class _Walked:
     plain: str = ""
     html: str = ""
     attachments: list[Attachment] = field(default_factory=list)
-    forwarded: Message | None = None  # the first attached message part
+    forwarded: Message | None = None  # the message the first attached-message part carries
+    forwarded_name: str = ""  # that part's attachment name
 
     def text(self) -> str:
         """The message's own text: text/plain, else text made from text/html."""
@@ -449,9 +518,11 @@ def _walk(msg: Message, notes: list[str]) -> _Walked:
     attachments = walked.attachments
     for part in _parts(msg):
         if part is not msg and _is_attached_message(part):
-            size = _attached_message_size(part, notes)
-            attachments.append(Attachment(_attached_message_name(part, notes), size))
-            walked.forwarded = walked.forwarded or part
+            carried = _carried(part, notes)
+            name = _attached_message_name(part, carried.message, notes)
+            attachments.append(Attachment(name, carried.size))
+            if not walked.forwarded_name:  # (never empty once set)
+                walked.forwarded, walked.forwarded_name = carried.message, name
             continue
         if part.is_multipart():
             continue
@@ -475,32 +546,20 @@ def _walk(msg: Message, notes: list[str]) -> _Walked:
     return walked
 
 
-def _inner_message(part: Message) -> Message | None:
-    """The message an attached-message part carries (parsed again when it was encoded)."""
-    if part.is_multipart():
-        inner = part.get_payload(0)
-        return inner if isinstance(inner, Message) else None
-    data = _payload_bytes(part, [])  # a transfer encoding on it: the email package left it
-    return email.message_from_bytes(data, policy=_POLICY) if data else None
-
-
-def _forwarded_text(part: Message, notes: list[str]) -> str:
+def _forwarded_text(walked: _Walked, notes: list[str]) -> str:
     """The text of a mail that is only a forwarded message: the attached message's own text,
     after a line naming it; a forward of a forward is followed FORWARD_DEPTH_LIMIT deep."""
     labels: list[str] = []
-    current: Message | None = part
+    current = walked
     for _ in range(FORWARD_DEPTH_LIMIT):
-        if current is None:
-            break
-        inner = _inner_message(current)
+        inner = current.forwarded
         if inner is None:
             break
-        name = _header(inner, "Subject", notes) or _attached_message_name(current, notes)
+        name = _header(inner, "Subject", notes) or current.forwarded_name
         labels.append(f"[forwarded message: {truncate_bytes(name, HEADER_LIMIT_BYTES)}]")
-        walked = _walk(inner, notes)
-        if text := walked.text():
+        current = _walk(inner, notes)
+        if text := current.text():
             return "\n".join(labels) + "\n" + text
-        current = walked.forwarded
     return ""
 
 
@@ -564,7 +623,7 @@ def parse_email(raw: bytes) -> ParsedEmail:
         # Only a forwarded message ("forward as attachment" with no comment): its text is the
         # mail's whole content. It stays listed as an attachment too.
         try:
-            body = _forwarded_text(walked.forwarded, notes)
+            body = _forwarded_text(walked, notes)
         except Exception as exc:  # a broken attached message leaves the body empty
             notes.append(f"attached message unreadable ({type(exc).__name__}): no body")
     message_id = _header(msg, "Message-ID", notes).strip() or None

@@ -7,6 +7,7 @@ three or none (``durability.md`` "Email").
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,6 +24,7 @@ __all__ = [
     "Checkpoint",
     "Connection",
     "MessageRecord",
+    "Recorded",
     "account_rows",
     "advisory_lock",
     "begin_first_check",
@@ -33,10 +35,14 @@ __all__ = [
     "forget_refusal",
     "known_at_uid",
     "load_checkpoint",
+    "note_fingerprint",
     "note_refusal",
+    "passed_key",
     "prune_processed_emails",
     "record_error",
     "record_message",
+    "record_passed",
+    "recorded_at_uid",
     "release_lock",
     "reset_checkpoint",
 ]
@@ -66,6 +72,28 @@ class MessageRecord:
     uid: int
     key: str
     payload: dict[str, Any] | None
+    # The message's RFC822.SIZE and INTERNALDATE in the listing (sql/0045), when known.
+    server_size: int | None = None
+    internal_date: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A processed_emails row at one UID: its key, the size and arrival date the listing
+    showed when it was recorded (None before sql/0045), and whether it marks a message the
+    worker passed without recording it (dead-lettered)."""
+
+    key: str
+    server_size: int | None
+    internal_date: datetime | None
+    passed: bool
+
+    def matches(self, size: int, internal_date: datetime | None) -> bool:
+        """True when the listing's size and arrival date are the ones recorded."""
+        if self.server_size is None or self.server_size != size:
+            return False
+        dates = (self.internal_date, internal_date)
+        return None in dates or dates[0] == dates[1]
 
 
 def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint | None:
@@ -122,6 +150,61 @@ def first_recorded_at(conn: Connection, account: str, mailbox: str) -> datetime 
     return row[0] if row else None
 
 
+def passed_key(account: str, mailbox: str, uidvalidity: int, uid: int) -> str:
+    """The processed_emails key of a message passed unrecorded at ``uid``: no Message-ID can
+    take this shape, and it fits the column (varchar(255)) like a hash key."""
+    where = f"{mailbox}\x00{uidvalidity}\x00{uid}".encode("utf-8", errors="replace")
+    return f"{account}:passed:{hashlib.sha256(where).hexdigest()}"
+
+
+def record_passed(conn: Connection, record: MessageRecord) -> None:
+    """Mark ``record.uid`` as passed without a record (status 'passed', no item), inside the
+    caller's transaction: unlike its failed_operations row, retention never deletes it."""
+    conn.execute(
+        "INSERT INTO processed_emails"
+        " (message_id, account, mailbox, uidvalidity, uid, server_size, internal_date, status)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, 'passed')"
+        " ON CONFLICT (message_id) DO UPDATE SET server_size = EXCLUDED.server_size,"
+        " internal_date = EXCLUDED.internal_date",
+        (
+            passed_key(record.account, record.mailbox, record.uidvalidity, record.uid),
+            record.account,
+            record.mailbox,
+            record.uidvalidity,
+            record.uid,
+            record.server_size,
+            record.internal_date,
+        ),
+    )
+
+
+def recorded_at_uid(
+    conn: Connection, account: str, mailbox: str, uidvalidity: int, uid: int
+) -> list[Recorded]:
+    """The processed_emails rows of this epoch at ``uid`` (usually one)."""
+    with translated():
+        rows = conn.execute(
+            "SELECT message_id, server_size, internal_date, status IS NOT DISTINCT FROM 'passed'"
+            " FROM processed_emails"
+            " WHERE account = %s AND mailbox = %s AND uidvalidity = %s AND uid = %s",
+            (account, mailbox, uidvalidity, uid),
+        ).fetchall()
+    return [Recorded(*row) for row in rows]
+
+
+def note_fingerprint(
+    conn: Connection, key: str, uid: int, size: int, internal_date: datetime | None
+) -> None:
+    """Store the size and arrival date of the message with ``key`` at ``uid``, recorded
+    before sql/0045 and found there by its key: later checks compare those."""
+    with translated():
+        conn.execute(
+            "UPDATE processed_emails SET server_size = %s, internal_date = %s"
+            " WHERE message_id = %s AND uid = %s AND server_size IS NULL",
+            (size, internal_date, key, uid),
+        )
+
+
 def known_at_uid(
     conn: Connection, account: str, mailbox: str, uidvalidity: int, *, uid: int, key: str
 ) -> bool | None:
@@ -129,20 +212,18 @@ def known_at_uid(
 
     True when a processed_emails row of this epoch at ``uid`` has ``key``; False when rows
     there have other keys only, or (none there) when ``key`` is unknown to processed_emails
-    and to the triage idempotency keys; None when it cannot be told: nothing recorded at
-    ``uid`` but a failed_operations row (a message passed unrecorded).
+    and to the triage idempotency keys; None when it cannot be told: a message passed
+    unrecorded at ``uid`` (a 'passed' row, or for one passed before sql/0045 its
+    failed_operations row), whose key was never computed.
     """
+    rows = recorded_at_uid(conn, account, mailbox, uidvalidity, uid)
+    if any(row.key == key for row in rows):
+        return True
+    if any(row.passed for row in rows):
+        return None
+    if rows:
+        return False
     with translated():
-        keys = {
-            row[0]
-            for row in conn.execute(
-                "SELECT message_id FROM processed_emails"
-                " WHERE account = %s AND mailbox = %s AND uidvalidity = %s AND uid = %s",
-                (account, mailbox, uidvalidity, uid),
-            )
-        }
-        if keys:
-            return key in keys
         # Nothing at this UID: a duplicate Message-ID moved its row to a later UID, the row
         # was pruned (its item's idempotency key stays), or the message was passed unrecorded.
         known = conn.execute(
@@ -165,13 +246,23 @@ def known_at_uid(
 def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
     """True when the key is new; a known key only learns its current UID (for pruning)."""
     row = conn.execute(
-        "INSERT INTO processed_emails (message_id, account, mailbox, uidvalidity, uid)"
-        " VALUES (%s, %s, %s, %s, %s)"
+        "INSERT INTO processed_emails"
+        " (message_id, account, mailbox, uidvalidity, uid, server_size, internal_date)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)"
         " ON CONFLICT (message_id) DO UPDATE"
-        " SET mailbox = EXCLUDED.mailbox, uidvalidity = EXCLUDED.uidvalidity, uid = EXCLUDED.uid"
+        " SET mailbox = EXCLUDED.mailbox, uidvalidity = EXCLUDED.uidvalidity, uid = EXCLUDED.uid,"
+        " server_size = EXCLUDED.server_size, internal_date = EXCLUDED.internal_date"
         " WHERE processed_emails.account IS NOT DISTINCT FROM EXCLUDED.account"
         " RETURNING (xmax = 0) AS inserted",
-        (record.key, record.account, record.mailbox, record.uidvalidity, record.uid),
+        (
+            record.key,
+            record.account,
+            record.mailbox,
+            record.uidvalidity,
+            record.uid,
+            record.server_size,
+            record.internal_date,
+        ),
     ).fetchone()
     return bool(row and row[0])
 
@@ -346,7 +437,9 @@ def prune_processed_emails(conn: Connection, ttl_days: int) -> int:
     be fetched again. A worker row of mail seen without triage (``item_id`` NULL: older than
     the lookback on an account's first check) is never pruned: after a UIDVALIDITY change it
     alone keeps that mail from being triaged, and only a first check makes such rows, so
-    they are bounded. A triaged row may go: its item's idempotency key
+    they are bounded. Nor is a 'passed' row (no item either): it alone tells the restore
+    check that the worker passed that UID once failed_operations forgot it; there is one per
+    dead-lettered message. A triaged row may go: its item's idempotency key
     (sokratos_idempotency_keys) keeps a second item out. Rows without an account
     (Sokratos's own) go by age alone, as in Sokratos.
     """

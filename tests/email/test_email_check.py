@@ -51,6 +51,14 @@ def processed(db: psycopg.Connection) -> list[tuple[str, int | None, int | None]
     ).fetchall()
 
 
+def passed_uids(db: psycopg.Connection) -> list[int]:
+    """The UIDs of the 'passed' rows: messages dead-lettered and passed (sql/0045)."""
+    rows = db.execute(
+        "SELECT uid FROM processed_emails WHERE status = 'passed' AND item_id IS NULL ORDER BY uid"
+    )
+    return [row[0] for row in rows]
+
+
 def checkpoint(db: psycopg.Connection, name: str = "home") -> tuple[Any, ...] | None:
     return db.execute(
         "SELECT uidvalidity, last_uid, checked_at, last_error FROM email_checkpoints"
@@ -395,7 +403,9 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     assert report.ok, report.error
     assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
-    assert [p[1] for p in processed(db)] == [1, 3]  # no processed mark for the failed one
+    # No processed mark under its key for the failed one: a 'passed' row at its UID only.
+    assert [p[1] for p in processed(db) if ":passed:" not in p[0]] == [1, 3]
+    assert passed_uids(db) == [2]
     assert checkpoint(db)[1] == 3  # type: ignore[index]
     assert checkpoint(db)[3] is None  # type: ignore[index]
 
@@ -457,7 +467,8 @@ def test_a_message_the_database_refuses_for_its_content_is_recorded_and_passed(
     assert report.ok, report.error
     assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
-    assert [p[1] for p in processed(db)] == [1, 3]
+    assert [p[1] for p in processed(db) if ":passed:" not in p[0]] == [1, 3]
+    assert passed_uids(db) == [2]
     assert checkpoint(db)[1] == 3  # type: ignore[index]
     [(label, error)] = db.execute("SELECT label, error_message FROM failed_operations").fetchall()
     assert label == "home UID 2"
