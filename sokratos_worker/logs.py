@@ -97,8 +97,12 @@ MIN_SECRET_CHARS = 8
 MIN_PASSWORD_CHARS = 4
 # How deep a logged dict or list is walked; what lies deeper is masked as its text.
 MAX_DEPTH = 8
-# Written by the code, never from outside ("event" is not: a library's line is its message).
+# Written by the code, never from outside: their values are never masked ("event" is not one:
+# a library's line is its message).
 _FIXED_KEYS = frozenset({"level", "timestamp", "logger"})
+# Keys every line carries (contract.md): never renamed, whatever secret they contain (a
+# password "event" must not take the field from every line); "event"'s value is masked.
+_KEPT_KEYS = frozenset({"event", *_FIXED_KEYS})
 _PLAIN = (int, float, bool, type(None))
 
 
@@ -116,10 +120,31 @@ def maskable(
 def mask_secrets(text: str, secrets: Sequence[str]) -> str:
     """``text`` with each of ``secrets`` replaced (choose them with :func:`maskable`; none
     shorter than ``MIN_PASSWORD_CHARS`` is ever masked)."""
+    found = [s for s in secrets if len(s) >= MIN_PASSWORD_CHARS and s in text]
+    return _replaced(text, found) if found else text
+
+
+def _replaced(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every occurrence of ``secrets`` replaced, overlapping ones as one: the
+    spans of all of them merged first, so no part of one survives another's replacement."""
+    spans: list[tuple[int, int]] = []
     for secret in secrets:
-        if len(secret) >= MIN_PASSWORD_CHARS and secret in text:
-            text = text.replace(secret, REDACTED)
-    return text
+        start = text.find(secret)
+        while start >= 0:
+            spans.append((start, start + len(secret)))
+            start = text.find(secret, start + 1)
+    spans.sort()
+    parts: list[str] = []
+    done = 0  # the end of what is written (or masked) so far
+    begin, end = spans[0]
+    for start, stop in spans[1:]:
+        if start < end:  # overlapping: one span
+            end = max(end, stop)
+            continue
+        parts += (text[done:begin], REDACTED)
+        done, (begin, end) = end, (start, stop)
+    parts += (text[done:begin], REDACTED, text[end:])
+    return "".join(parts)
 
 
 def url_password(url: str | None) -> str | None:
@@ -206,8 +231,20 @@ class SecretRedactor:
             return self._walk(event)
         for secret in secrets:
             if secret in joined:
+                if self._in_kept_key_only(event, texts):
+                    return event
                 return self._walk(event)
         return event
+
+    def _in_kept_key_only(self, event: MutableMapping[str, Any], texts: list[str]) -> bool:
+        """True when the secrets found are only in the names of the keys never renamed (a
+        password ``event``): then no walk (it would find nothing to mask on every line)."""
+        kept = [key for key in event if key in _KEPT_KEYS]
+        if not kept:
+            return False
+        joined = "\n".join(t for t in texts[len(event) :])  # the values
+        keys = "\n".join(key for key in event if key not in _KEPT_KEYS)
+        return not any(secret in joined or secret in keys for secret in self._secrets)
 
     def _walk(self, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         renamed: list[tuple[str, str]] = []
@@ -217,6 +254,8 @@ class SecretRedactor:
             masked = self._masked(value, 0)
             if masked is not value:
                 event[key] = masked  # (a value replaced, no key added: iterating stays valid)
+            if key in _KEPT_KEYS:
+                continue  # "event": its value masked, the key every line carries kept
             if isinstance(key, str) and (new := self._text(key)) is not key:
                 renamed.append((key, new))
         for key, new in renamed:
@@ -228,11 +267,8 @@ class SecretRedactor:
 
     def _text(self, text: str) -> str:
         """``text`` masked, or ``text`` itself (the same object) when nothing was found."""
-        masked = text
-        for secret in self._secrets:
-            if secret in masked:
-                masked = masked.replace(secret, REDACTED)
-        return masked if masked != text else text
+        found = [secret for secret in self._secrets if secret in text]
+        return _replaced(text, found) if found else text
 
     def _masked(self, value: Any, depth: int) -> Any:
         """``value`` masked, or ``value`` itself when no secret is in it."""
@@ -249,7 +285,7 @@ class SecretRedactor:
                 pairs = zip(items, value.items(), strict=True)
                 if all(k is a and v is b for (k, v), (a, b) in pairs):
                     return value
-                return dict(items)
+                return _unique_keys(items, value)
             if isinstance(value, (list, tuple, set, frozenset)):
                 masked = [self._masked(v, depth + 1) for v in value]
                 if all(m is v for m, v in zip(masked, value, strict=True)):
@@ -260,6 +296,25 @@ class SecretRedactor:
         text = str(value)
         masked_text = self._text(text)
         return value if masked_text is text else masked_text
+
+
+def _unique_keys(items: list[tuple[Any, Any]], original: dict[Any, Any]) -> dict[Any, Any]:
+    """The masked pairs as a dict, a renamed key that meets another key suffixed with ``_`` (as
+    at the top level): two keys masked to the same text must not drop a value."""
+    taken = {k for (k, _), old in zip(items, original, strict=True) if k is old}
+    result: dict[Any, Any] = {}
+    for (key, inner), old in zip(items, original, strict=True):
+        name = key
+        if key is not old:
+            try:
+                hash(key)
+            except TypeError:  # a frozenset key masked into a list
+                name = str(key)
+            while name in taken:
+                name = f"{name}_"
+            taken.add(name)
+        result[name] = inner
+    return result
 
 
 def _collect(value: Any, depth: int, texts: list[str]) -> None:

@@ -10,6 +10,7 @@ retry on the same backend feeds the validation error back. See docs/backends.md.
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import random
 import threading
@@ -47,6 +48,7 @@ from sokratos_worker.llm.types import (
     LLMBackendsBusy,
     LLMBackendsMisconfigured,
     NoBackendReachable,
+    RequestRefused,
     T,
 )
 from sokratos_worker.logs import mask_secrets, maskable, url_password
@@ -104,6 +106,22 @@ class _Permanent(Exception):
         self.verdict = verdict
         self.reason = reason
         self.status = status
+
+
+class _Probed(enum.Enum):
+    """What a one-token probe got."""
+
+    SERVED = "served"
+    REFUSED = "refused"  # a permanent answer (3xx, 4xx): the server is up
+    DOWN = "down"  # no answer, a transient one, or not a chat completion
+
+
+@dataclass(frozen=True)
+class _ProbeForm:
+    """The form probe() asks in after an item was given back with a backend refusing it."""
+
+    model: type[BaseModel]
+    when_all_answer: bool  # claiming also resumes once every backend answers it (refused too)
 
 
 class _Busy(Exception):
@@ -237,11 +255,14 @@ class FallbackChatClient:
         self._sleep = sleep
         self._random = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         self._backends = [_Backend(b, self.policy, clock) for b in backends]
-        # Set when an item was given back and a backend had refused even the minimal request
-        # in its structured-output form (a mode or parameter it does not take, a key): probe()
-        # then asks in that form, as a plain probe would pass and resume claiming only for the
-        # item to be given back again. Cleared by any answer (every request carries the form).
-        self._form_refused = False
+        # Set when an item was given back and a backend it reached had refused it: the form
+        # probe() then asks in, as a plain probe would pass and resume claiming only for the
+        # item to be given back again. The minimal request's (every backend refused even that:
+        # a mode or parameter none takes, a key), or the refused request's own (a backend was
+        # down or skipped: claiming resumes when a backend serves that form, or once every
+        # backend answers it, served or refused, as the item's next call then decides). Cleared
+        # by any answer.
+        self._probe_form: _ProbeForm | None = None
 
     @property
     def backend_names(self) -> list[str]:
@@ -317,7 +338,7 @@ class FallbackChatClient:
                 tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
                 continue
             backend.breaker.record_success()
-            self._form_refused = False
+            self._probe_form = None
             tried.append(self._attempt(backend, "answered", "", started))
             return ChatResult(
                 value=value,
@@ -350,12 +371,21 @@ class FallbackChatClient:
         crashed, a GPU out of memory) still lists its models, and would make every item look
         like the one that broke it.
         """
+        form = self._probe_form
         healthy = False
+        answered = True  # every backend answered (served or refused) the form asked
         for backend in self._backends:
-            if self._probe_one(backend, _Probe if self._form_refused else None):
-                backend.breaker.allow_probe_now()
+            result = self._probe_answer(backend, form.model if form is not None else None)
+            if result is not _Probed.DOWN:
+                backend.breaker.allow_probe_now()  # it answers: the next call may reach it
+            if result is _Probed.SERVED:
                 healthy = True
-        return healthy
+            elif result is _Probed.DOWN:
+                answered = False
+        # A backend was down when the item was given back, another refused its form: once every
+        # backend answers, the item's next call is decided (served, or refused everywhere and
+        # judged by the minimal request), so claiming resumes and cannot loop for ever.
+        return healthy or (form is not None and form.when_all_answer and answered)
 
     def states(self) -> list[BackendState]:
         """Every backend's circuit, with what ``status`` shows about it."""
@@ -546,37 +576,60 @@ class FallbackChatClient:
     ) -> Exception:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
-        Refused, rejected or unreachable everywhere is the configuration's or an outage only
-        when a probe right after, of each backend the request reached, agrees: in the
-        request's form where it failed (a crash that only this request type gets), or, where
-        it was refused, the minimal request in the backend's structured-output form. A refusal
-        or a crash that only this request or this request type gets (a WAF rule, a 404 "no
-        endpoints" for a long prompt, a 400 for this input or for a schema the server's
-        grammar converter cannot take) uses the item's attempt, or the item would be given
-        back and claimed again for ever; probe() asks the same minimal request before claiming
-        resumes, so a refusal that gave an item back is not lifted by a plain probe.
+        Refused or rejected by EVERY backend: the minimal request in each backend's
+        structured-output form decides. Refused too, it is the configuration's (given back;
+        probe() asks that minimal request, so a plain probe does not lift it); served, this
+        request or its type is refused (a WAF rule, a 404 "no endpoints" for a long prompt, a
+        400 for this input or for a schema the server's grammar converter cannot take):
+        :class:`RequestRefused`, the item's attempt, or the item would be given back and
+        claimed again for ever.
+
+        Unreachable, skipped or busy somewhere (with refusals or not): an outage only when a
+        probe right after, in the request's own form, of each backend the request reached
+        agrees, since the backend that was down may serve it. probe() then asks in that form
+        and resumes claiming once it is served or every backend answers it, so the item's next
+        call is decided by the backends themselves (no loop while one is down, none after).
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
-        if all(k in {"unreachable", "skipped", "busy", "refused", "rejected"} for k in kinds):
-            # A skipped backend never saw the request: its health says nothing about it.
-            served = any(
-                self._request_would_be_served(
-                    self._backend(a.backend),
-                    _Probe if k in {"refused", "rejected"} else response_model,
+        refusals = {"refused", "rejected"}
+        if kinds and all(k in refusals for k in kinds):
+            # Every backend refused this request: the minimal request in the same form decides
+            # between the configuration (refused too) and this request or its type.
+            if any(self._request_would_be_served(b, _Probe) for b in self._reached(tried, kinds)):
+                return RequestRefused(
+                    f"every LLM backend refused this request ({summary}), while serving a"
+                    " minimal request in the same form: the request or its schema is refused,"
+                    " not the configuration",
+                    tried=tried,
                 )
-                for a, k in zip(tried, kinds, strict=True)
-                if k not in {"skipped", "busy"}
+            self._probe_form = _ProbeForm(_Probe, when_all_answer=False)
+            return _not_the_items_fault(tried, kinds, summary)
+        if all(k in {"unreachable", "skipped", "busy", *refusals} for k in kinds):
+            # Some backend never answered (down, circuit open, busy): it may serve this request
+            # when it is back, so a backend that refused (or failed) is asked in the request's
+            # own form, not the minimal one.
+            served = any(
+                self._request_would_be_served(b, response_model)
+                for b in self._reached(tried, kinds)
             )
             if not served:
-                if any(k in {"refused", "rejected"} for k in kinds):
-                    # Until that form is served, a plain probe's success must not resume
-                    # claiming (a backend down, another refusing it, is not a loop's end
-                    # either): probe() asks in it.
-                    self._form_refused = True
+                if any(k in refusals for k in kinds):
+                    # Until that form is served (or every backend answers it), a plain probe's
+                    # success must not resume claiming: probe() asks in it.
+                    self._probe_form = _ProbeForm(response_model, when_all_answer=True)
                 return _not_the_items_fault(tried, kinds, summary)
             # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
+
+    def _reached(self, tried: tuple[BackendAttempt, ...], kinds: list[str]) -> list[_Backend]:
+        """The backends the request reached: a skipped or busy one never saw it, so its health
+        says nothing about it."""
+        return [
+            self._backend(a.backend)
+            for a, k in zip(tried, kinds, strict=True)
+            if k not in {"skipped", "busy"}
+        ]
 
     def _request_would_be_served(self, backend: _Backend, response_model: type[BaseModel]) -> bool:
         """The one-token probe in ``response_model``'s structured-output form: a refusal of the
@@ -587,6 +640,13 @@ class FallbackChatClient:
         return True
 
     def _probe_one(self, backend: _Backend, response_model: type[BaseModel] | None = None) -> bool:
+        return self._probe_answer(backend, response_model) is _Probed.SERVED
+
+    def _probe_answer(
+        self, backend: _Backend, response_model: type[BaseModel] | None = None
+    ) -> _Probed:
+        """The one-token probe (in ``response_model``'s structured-output form): served,
+        refused (a permanent answer: the server is up) or down."""
         messages = [{"role": "user", "content": PROBE_MESSAGE}]
         body: dict[str, Any] = (
             request_body(backend.config, response_model, messages, 1)
@@ -603,10 +663,16 @@ class FallbackChatClient:
             response = backend.clients.get().post(
                 backend.chat_url, json=body, timeout=backend.probe_timeout
             )
+        except ProxyAuthenticationRequired:
+            return _Probed.REFUSED
         except httpx.HTTPError:
-            return False
-        # A proxy's login page answers 200 too: only a chat completion counts as up.
-        return 200 <= response.status_code < 300 and _completion(response)[1] is None
+            return _Probed.DOWN
+        status = response.status_code
+        verdict = classify(status, excerpt(response) if status >= 300 else "")
+        if verdict is Verdict.OK:
+            # A proxy's login page answers 200 too: only a chat completion counts as up.
+            return _Probed.SERVED if _completion(response)[1] is None else _Probed.DOWN
+        return _Probed.DOWN if verdict is Verdict.TRANSIENT else _Probed.REFUSED
 
     def _backend(self, name: str) -> _Backend:
         for backend in self._backends:

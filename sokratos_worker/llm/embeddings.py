@@ -27,6 +27,7 @@ from tenacity import (
     wait_random,
 )
 
+from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.http import (
     ClientPerThread,
     ProxyAuthenticationRequired,
@@ -42,6 +43,7 @@ from sokratos_worker.llm.types import (
     EmbeddingsMisconfigured,
     EmbeddingsUnavailable,
 )
+from sokratos_worker.logs import mask_secrets, maskable, url_password
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,16 @@ class _Throttled(EmbeddingsUnavailable):
     def __init__(self, message: str, retry_after: float | None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class _Refused(EmbeddingFailed):
+    """A redirect (3xx) or a 4xx that is neither configuration (401/403/404) nor transient:
+    this input's problem, or every request's when the tiny probe gets the same answer."""
+
+    def __init__(self, message: str, status: int, hint: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.hint = hint  # what to set or check when every request gets it
 
 
 class HttpEmbedder:
@@ -88,6 +100,7 @@ class HttpEmbedder:
         self.dim = dim
         self.suffix = suffix
         self.batch_size = batch_size
+        self._secrets = tuple(maskable([api_key], [url_password(url)]))
         self._clients = ClientPerThread(
             functools.partial(
                 make_client,
@@ -106,6 +119,17 @@ class HttpEmbedder:
         """One L2-normalised vector per text, in order, in batches of ``batch_size``."""
         try:
             return self._embed_all(texts)
+        except _Refused as exc:
+            # A redirect or a 4xx the tiny probe gets too (an http:// URL moved to https://, a
+            # chat model as SOKRATOS_EMBEDDING_MODEL) is every item's: the configuration's.
+            probed = self._probe_failure()
+            if isinstance(probed, _Refused) and probed.status == exc.status:
+                raise EmbeddingsMisconfigured(
+                    f"{exc}; a tiny probe got the same answer: {exc.hint}"
+                ) from exc
+            if isinstance(probed, EmbeddingsUnavailable):
+                raise probed from exc  # the server is down or refuses everything now
+            raise
         except EmbeddingReplyInvalid as exc:
             # Junk for this input only is the item's problem; junk for the probe too (NaN,
             # no vectors, the wrong model's dimensions) is the server's, and every item
@@ -170,11 +194,15 @@ class HttpEmbedder:
         return self._healthy()
 
     def _healthy(self) -> bool:
+        return self._probe_failure() is None
+
+    def _probe_failure(self) -> EmbeddingFailed | EmbeddingsUnavailable | None:
+        """Why a tiny embedding fails now, or None when it is served."""
         try:
             self._embed_all(["sokratos-worker probe"], attempts=1)  # a probe answers now
-        except (EmbeddingFailed, EmbeddingsUnavailable):
-            return False
-        return True
+        except (EmbeddingFailed, EmbeddingsUnavailable) as exc:
+            return exc
+        return None
 
     def _embed_batch(self, texts: Sequence[str]) -> list[list[float]]:
         body = {"model": self.model, "input": [t + self.suffix for t in texts]}
@@ -206,12 +234,37 @@ class HttpEmbedder:
                 f"embedding server returned {response.status_code}: {body_start}; check"
                 " SOKRATOS_EMBEDDING_URL, SOKRATOS_EMBEDDING_MODEL and the API key"
             )
+        if 300 <= response.status_code < 500:
+            log.warning("embedding_failed", status=response.status_code, count=len(texts))
+            raise self._refused(response, body_start)
         if response.status_code != 200:
             log.warning("embedding_failed", status=response.status_code, count=len(texts))
             raise EmbeddingFailed(f"embedding server returned {response.status_code}: {body_start}")
         vectors = self._vectors(response, len(texts))
         log.debug("embedding_finished", count=len(texts), duration_ms=duration_ms)
         return vectors
+
+    def _refused(self, response: httpx.Response, body_start: str) -> _Refused:
+        """A 3xx naming where it points (httpx does not follow redirects), or another 4xx
+        quoting what the server says, with what to fix should every request get it."""
+        status = response.status_code
+        if status < 400:
+            location = response.headers.get("Location")
+            if not location:
+                where = "a redirect without a Location"
+                hint = "check SOKRATOS_EMBEDDING_URL"
+            else:
+                target = without_credentials(str(response.url.join(location)))
+                where = f"redirects to {target}"
+                hint = f"set SOKRATOS_EMBEDDING_URL to {target.removesuffix('/embeddings')}"
+            return _Refused(f"embedding server returned {status}: {where}", status, hint)
+        says = mask_secrets(" ".join(_server_message(response, body_start).split()), self._secrets)
+        return _Refused(
+            f"embedding server returned {status}: {_bounded(says, 200)}",
+            status,
+            "check SOKRATOS_EMBEDDING_URL and that SOKRATOS_EMBEDDING_MODEL is an embedding"
+            " model the server serves",
+        )
 
     def _vectors(self, response: httpx.Response, expected: int) -> list[list[float]]:
         try:
@@ -242,6 +295,16 @@ class HttpEmbedder:
             return l2_normalise([float(x) for x in vector])
         except OverflowError as exc:  # an integer of hundreds of digits
             raise EmbeddingReplyInvalid("embedding server returned a non-finite vector") from exc
+
+
+def _server_message(response: httpx.Response, body_start: str) -> str:
+    """An OpenAI-style error body's message (Ollama's too), else the body's first bytes."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return body_start
+    message = error.get("message") if isinstance(error, dict) else error
+    return message if isinstance(message, str) and message.strip() else body_start
 
 
 def _retry_after(state: RetryCallState) -> float | None:

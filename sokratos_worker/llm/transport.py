@@ -85,25 +85,35 @@ _WBITS = {
 }
 
 
-def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
-    """``body`` decompressed, never past ``limit`` bytes: a 40 KB gzip body can decode to GBs."""
+# How much of an error answer's (status 300 or more) compressed body is decoded: its status
+# is what counts, and only its start is read (an excerpt, the server's message).
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+
+def _decoded(body: bytes, encoding: str, limit: int, *, truncate: bool = False) -> bytes:
+    """``body`` decompressed, never past ``limit`` bytes: a 40 KB gzip body can decode to GBs.
+    ``truncate``: its first ``limit`` bytes (an undecodable body empty) instead of raising, for
+    an error answer's body, which must not turn the answer's status into a transport error."""
+    cap = limit if truncate else limit + 1
     try:
         try:
             decoder = zlib.decompressobj(_WBITS[encoding])
-            data = decoder.decompress(body, limit + 1)
+            data = decoder.decompress(body, cap)
         except zlib.error:
             if encoding != "deflate":
                 raise
             decoder = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, without zlib's header
-            data = decoder.decompress(body, limit + 1)
+            data = decoder.decompress(body, cap)
     except zlib.error as exc:
+        if truncate:
+            return b""
         raise httpx.DecodingError(f"cannot decode the {encoding} body: {exc}") from exc
     if len(data) > limit:
         raise ResponseTooLarge(f"the response is over {limit} bytes once decoded")
     return data
 
 
-def _undone(body: bytes, header: str, limit: int) -> tuple[bytes, bool]:
+def _undone(body: bytes, header: str, limit: int, *, truncate: bool = False) -> tuple[bytes, bool]:
     """``body`` with a Content-Encoding list undone, last applied first, as httpx does; a value
     that is not a compression decoded here (``identity``, and ones servers mislabel a plain
     body with: ``utf-8``, ``none``) is passed through unchanged. True when anything was
@@ -112,7 +122,7 @@ def _undone(body: bytes, header: str, limit: int) -> tuple[bytes, bool]:
     for token in reversed(header.split(",")):
         encoding = token.strip().lower()
         if encoding in _WBITS:
-            body = _decoded(body, encoding, limit)
+            body = _decoded(body, encoding, limit, truncate=truncate)
             decoded = True
     return body, decoded
 
@@ -185,7 +195,11 @@ class StdlibTransport(httpx.BaseTransport):
                 header = value if header is None else f"{header},{value}"
         if header is None:
             return response.headers, response.content
-        content, decoded = _undone(response.content, header, self._max_response_bytes)
+        if response.status >= 300:  # only its start is read: decoded no further, never raising
+            limit = min(self._max_response_bytes, MAX_ERROR_BODY_BYTES)
+            content, decoded = _undone(response.content, header, limit, truncate=True)
+        else:
+            content, decoded = _undone(response.content, header, self._max_response_bytes)
         dropped = _ENCODING_HEADERS if decoded else _ENCODING_HEADER
         kept = [(k, v) for k, v in response.headers if k.lower() not in dropped]
         if decoded:

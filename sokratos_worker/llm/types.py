@@ -64,7 +64,9 @@ class ChatClient(Protocol):
         Raises :class:`ContextTooLong` when every backend said the input is too long,
         :class:`NoBackendReachable` when no backend could be reached at all (and a health
         probe right after failed too; :class:`LLMBackendsBusy` when every backend's slots
-        stayed taken), and :class:`ChatFailed` for anything else.
+        stayed taken), and :class:`ChatFailed` for anything else (:class:`RequestRefused`
+        when every backend refused this request while serving a minimal one: not "no valid
+        reply this time", so a caller must not go on without it).
         """
         ...
 
@@ -109,6 +111,14 @@ class ChatFailed(ItemError):
     ) -> None:
         super().__init__(message, backend=backend)
         self.tried = tried
+
+
+class RequestRefused(ChatFailed):
+    """Every backend refused this request (a 4xx/3xx for its schema, a parameter, this input)
+    while serving the minimal structured request: the backends are up and configured, so the
+    item's attempt is used, and a caller must not take it for "no valid reply" (no verdict this
+    time) and go on without it: it propagates, the item is retried and ends in
+    failed_operations, where the operator sees it."""
 
 
 class ContextTooLong(ChatFailed):

@@ -15,7 +15,7 @@ from datetime import datetime
 import structlog
 
 from sokratos_worker.errors import BackendsUnavailable, ItemError
-from sokratos_worker.llm.types import ChatClient, Embedder, EmbeddingFailed
+from sokratos_worker.llm.types import ChatClient, Embedder, EmbeddingFailed, RequestRefused
 from sokratos_worker.model import Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts
@@ -101,8 +101,10 @@ class MemoryWriter:
         ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation),
         including the facts planned before it from the same item (``batch``: their vectors),
         which are written in the same transaction and so are not in the table yet.
-        Embedding and chat-backend outages propagate (the attempt is given back); a verdict
-        that failed (no valid reply) does not: the memory is saved without supersessions.
+        Embedding and chat-backend outages propagate (the attempt is given back), and so does a
+        contradiction request every backend refuses (:class:`RequestRefused`, the attempt
+        used); a verdict that failed (no valid reply) does not: the memory is saved without
+        supersessions.
         """
         draft, escaped = storable(draft)
         chunks = chunk_text(draft.text)
@@ -193,13 +195,16 @@ class MemoryWriter:
                 max_tokens=CONTRADICTION_MAX_TOKENS,
                 purpose="contradiction",
             )
-        except BackendsUnavailable:
+        except (BackendsUnavailable, RequestRefused):
             # An outage (no backend reachable, circuits open, all refusing) is no verdict: the
-            # attempt is given back and the check runs with the next one. Swallowed, it saved
-            # the memory for good with the contradicted one left live.
+            # attempt is given back and the check runs with the next one. A request every
+            # backend refuses (its schema, a parameter) would never get one: the attempt is
+            # used and the item ends in failed_operations, where the operator sees it.
+            # Swallowed, either saved the memory for good with the contradicted one left live.
             raise
         except ItemError as exc:
-            # A missing verdict only means no supersession; the memory itself is still worth saving.
+            # No valid verdict this time (invalid replies) only means no supersession; the
+            # memory itself is still worth saving.
             log.warning(
                 "contradiction_check_failed",
                 item_id=item.id,

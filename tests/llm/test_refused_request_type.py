@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from sokratos_worker.llm.chat import FallbackChatClient
-from sokratos_worker.llm.types import ChatFailed, LLMBackendsMisconfigured
+from sokratos_worker.llm.types import LLMBackendsMisconfigured, RequestRefused
 from sokratos_worker.testing.scripted_llm import CHAT, PROBE, Reply, Request, ScriptedLLM
 from tests.llm.conftest import Scored, backend
 
@@ -60,7 +60,8 @@ def test_a_schema_refused_everywhere_uses_the_items_attempt(
 
     for _ in range(3):  # every time the item is claimed: its attempt is used, never given back
         failed = _ask(client, Contradiction)
-        assert isinstance(failed, ChatFailed), failed
+        # (a ChatFailed callers must not take for "no valid reply this time")
+        assert isinstance(failed, RequestRefused), failed
         assert "unsupported schema for Contradiction" in str(failed)
         assert client.probe() is True  # claiming never paused for it
         assert not isinstance(_ask(client, Scored), Exception)  # other request types served
