@@ -10,7 +10,9 @@
 -- * status: NULL for a message recorded as usual (triaged, or seen without triage); 'passed'
 --   for a row the worker writes for a message it passed without recording it (dead-lettered
 --   in failed_operations: unparsable, refused by the database or by the server). Its key is
---   `<account>:passed:<sha256 of mailbox, UIDVALIDITY and UID>`, which no Message-ID can be.
+--   `<account>/passed/<sha256 of mailbox, UIDVALIDITY and UID>`, which no message's key can
+--   be, whatever its Message-ID: those all start `<account>:`, and this one has no `:`. A
+--   message's insert never updates a 'passed' row (store/email.py _insert_processed).
 --   Like the rows of mail seen without triage, such rows have no item_id and are never
 --   pruned: the failed_operations row, which retention deletes, was the only record that the
 --   worker had passed that UID.

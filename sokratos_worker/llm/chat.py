@@ -122,6 +122,10 @@ class _ProbeForm:
 
     model: type[BaseModel]
     when_all_answer: bool  # claiming also resumes once every backend answers it (refused too)
+    # Only these backends serving it resumes claiming (empty: any backend): the ones that
+    # refused the minimal request while another served it, as the item would be given back
+    # again for as long as they refuse it.
+    awaited: frozenset[str] = frozenset()
 
 
 class _Busy(Exception):
@@ -257,11 +261,12 @@ class FallbackChatClient:
         self._backends = [_Backend(b, self.policy, clock) for b in backends]
         # Set when an item was given back and a backend it reached had refused it: the form
         # probe() then asks in, as a plain probe would pass and resume claiming only for the
-        # item to be given back again. The minimal request's (every backend refused even that:
-        # a mode or parameter none takes, a key), or the refused request's own (a backend was
-        # down or skipped: claiming resumes when a backend serves that form, or once every
-        # backend answers it, served or refused, as the item's next call then decides). Cleared
-        # by any answer.
+        # item to be given back again. The minimal request's (every backend refused the
+        # request and some refused even that: a mode or parameter it does not take, a key;
+        # claiming resumes when one of those serves it), or the refused request's own (a
+        # backend was down or skipped: claiming resumes when a backend serves that form, or
+        # once every backend answers it, served or refused, as the item's next call then
+        # decides). Cleared by any answer.
         self._probe_form: _ProbeForm | None = None
 
     @property
@@ -379,7 +384,11 @@ class FallbackChatClient:
             if result is not _Probed.DOWN:
                 backend.breaker.allow_probe_now()  # it answers: the next call may reach it
             if result is _Probed.SERVED:
-                healthy = True
+                # With backends awaited (they refused the minimal request another served), only
+                # one of them serving it changes the item's next call: another backend serving
+                # it already did when the item was given back.
+                if form is None or not form.awaited or backend.name in form.awaited:
+                    healthy = True
             elif result is _Probed.DOWN:
                 answered = False
         # A backend was down when the item was given back, another refused its form: once every
@@ -577,12 +586,15 @@ class FallbackChatClient:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
         Refused or rejected by EVERY backend: the minimal request in each backend's
-        structured-output form decides. Refused too, it is the configuration's (given back;
-        probe() asks that minimal request, so a plain probe does not lift it); served, this
-        request or its type is refused (a WAF rule, a 404 "no endpoints" for a long prompt, a
-        400 for this input or for a schema the server's grammar converter cannot take):
-        :class:`RequestRefused`, the item's attempt, or the item would be given back and
-        claimed again for ever.
+        structured-output form decides. Served by every one of them, this request or its type
+        is refused (a WAF rule, a 404 "no endpoints" for a long prompt, a 400 for this input or
+        for a schema the server's grammar converter cannot take): :class:`RequestRefused`, the
+        item's attempt, or the item would be given back and claimed again for ever. Refused
+        (or unanswered) by any one, it is that backend's configuration (an expired key: 401 to
+        everything), which once fixed may serve this request: given back, and probe() asks the
+        minimal request of those backends, so claiming resumes only once one of them serves it
+        (a plain probe, or another backend serving it, does not lift it). The item's next call
+        is then decided by the backends' real answers.
 
         Unreachable, skipped or busy somewhere (with refusals or not): an outage only when a
         probe right after, in the request's own form, of each backend the request reached
@@ -594,17 +606,24 @@ class FallbackChatClient:
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
         refusals = {"refused", "rejected"}
         if kinds and all(k in refusals for k in kinds):
-            # Every backend refused this request: the minimal request in the same form decides
-            # between the configuration (refused too) and this request or its type.
-            if any(self._request_would_be_served(b, _Probe) for b in self._reached(tried, kinds)):
+            # Every backend refused this request: the minimal request in each one's form decides
+            # between the configuration (any one refuses it too) and this request or its type
+            # (every one serves it).
+            answers = {b.name: self._minimal_answer(b) for b in self._reached(tried, kinds)}
+            unserved = sorted(name for name, a in answers.items() if a is not _Probed.SERVED)
+            if not unserved:
                 return RequestRefused(
                     f"every LLM backend refused this request ({summary}), while serving a"
                     " minimal request in the same form: the request or its schema is refused,"
                     " not the configuration",
                     tried=tried,
                 )
-            self._probe_form = _ProbeForm(_Probe, when_all_answer=False)
-            return _not_the_items_fault(tried, kinds, summary)
+            self._probe_form = _ProbeForm(
+                _Probe, when_all_answer=False, awaited=frozenset(unserved)
+            )
+            if len(unserved) == len(answers):
+                return _not_the_items_fault(tried, kinds, summary)
+            return _partly_misconfigured(tried, answers, summary)
         if all(k in {"unreachable", "skipped", "busy", *refusals} for k in kinds):
             # Some backend never answered (down, circuit open, busy): it may serve this request
             # when it is back, so a backend that refused (or failed) is asked in the request's
@@ -638,6 +657,13 @@ class FallbackChatClient:
             return False
         backend.breaker.allow_probe_now()
         return True
+
+    def _minimal_answer(self, backend: _Backend) -> _Probed:
+        """The minimal request in ``backend``'s structured-output form (see :class:`_Probe`)."""
+        result = self._probe_answer(backend, _Probe)
+        if result is not _Probed.DOWN:
+            backend.breaker.allow_probe_now()
+        return result
 
     def _probe_one(self, backend: _Backend, response_model: type[BaseModel] | None = None) -> bool:
         return self._probe_answer(backend, response_model) is _Probed.SERVED
@@ -741,6 +767,26 @@ def _not_the_items_fault(
     limited = all(a.reason.startswith("http_429") for a in tried)
     what = "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
     return NoBackendReachable(f"{what} ({summary})", tried=tried)
+
+
+def _partly_misconfigured(
+    tried: tuple[BackendAttempt, ...], answers: dict[str, _Probed], summary: str
+) -> LLMBackendsMisconfigured:
+    """Every backend refused the request, some served the minimal one and the others refused
+    it too (or did not answer it): those others' configuration (the attempt given back)."""
+    unserved = [name for name, a in answers.items() if a is not _Probed.SERVED]
+    served = ", ".join(name for name, a in answers.items() if a is _Probed.SERVED)
+    proxied = {a.backend for a in tried if a.reason.startswith(PROXY_REFUSED)}
+    what = " and ".join(
+        f"the proxy credentials for {name}" if name in proxied else f"{name}'s api_key and model"
+        for name in unserved
+    )
+    return LLMBackendsMisconfigured(
+        f"every LLM backend refused this request ({summary}), and {', '.join(unserved)} did"
+        f" not serve even a minimal request in the same form ({served} served it): check"
+        f" {what}{RUN_CHECK}",
+        tried=tried,
+    )
 
 
 def _busy_reason(backend: _Backend) -> str:

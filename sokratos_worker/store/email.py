@@ -24,6 +24,7 @@ __all__ = [
     "Checkpoint",
     "Connection",
     "MessageRecord",
+    "PassedKeyTaken",
     "Recorded",
     "account_rows",
     "advisory_lock",
@@ -46,6 +47,10 @@ __all__ = [
     "release_lock",
     "reset_checkpoint",
 ]
+
+
+class PassedKeyTaken(RuntimeError):
+    """A message's key is held by a 'passed' row (which :func:`passed_key` rules out)."""
 
 
 @dataclass(frozen=True)
@@ -151,10 +156,13 @@ def first_recorded_at(conn: Connection, account: str, mailbox: str) -> datetime 
 
 
 def passed_key(account: str, mailbox: str, uidvalidity: int, uid: int) -> str:
-    """The processed_emails key of a message passed unrecorded at ``uid``: no Message-ID can
-    take this shape, and it fits the column (varchar(255)) like a hash key."""
+    """The processed_emails key of a message passed unrecorded at ``uid``, ``<account>/passed/
+    <sha256 of mailbox, UIDVALIDITY and UID>``: it fits the column (varchar(255)) like a hash
+    key, and :func:`~sokratos_worker.email.parse.message_key` can never make it, as every key
+    of a message starts ``<account>:`` (an account name has no ``:`` nor ``/``, the config
+    refuses them) and this one has no ``:`` at all, whatever a Message-ID header says."""
     where = f"{mailbox}\x00{uidvalidity}\x00{uid}".encode("utf-8", errors="replace")
-    return f"{account}:passed:{hashlib.sha256(where).hexdigest()}"
+    return f"{account}/passed/{hashlib.sha256(where).hexdigest()}"
 
 
 def record_passed(conn: Connection, record: MessageRecord) -> None:
@@ -244,7 +252,12 @@ def known_at_uid(
 
 
 def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
-    """True when the key is new; a known key only learns its current UID (for pruning)."""
+    """True when the key is new; a known key only learns its current UID (for pruning).
+
+    A 'passed' row is never taken for the message's record, nor moved to its UID: its key
+    cannot be a message's (:func:`passed_key`), and should a row hold one anyway, the
+    message is not recorded (the check stops before it) rather than taken for one seen.
+    """
     row = conn.execute(
         "INSERT INTO processed_emails"
         " (message_id, account, mailbox, uidvalidity, uid, server_size, internal_date)"
@@ -253,6 +266,7 @@ def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
         " SET mailbox = EXCLUDED.mailbox, uidvalidity = EXCLUDED.uidvalidity, uid = EXCLUDED.uid,"
         " server_size = EXCLUDED.server_size, internal_date = EXCLUDED.internal_date"
         " WHERE processed_emails.account IS NOT DISTINCT FROM EXCLUDED.account"
+        " AND processed_emails.status IS DISTINCT FROM 'passed'"
         " RETURNING (xmax = 0) AS inserted",
         (
             record.key,
@@ -264,6 +278,16 @@ def _insert_processed(conn: Connection, record: MessageRecord) -> bool:
             record.internal_date,
         ),
     ).fetchone()
+    if row is None:
+        marker = conn.execute(
+            "SELECT 1 FROM processed_emails WHERE message_id = %s AND status = 'passed'",
+            (record.key,),
+        ).fetchone()
+        if marker is not None:
+            raise PassedKeyTaken(
+                f"the key {record.key!r} of the message at UID {record.uid} is a 'passed'"
+                " marker's: not recorded, so that it is not taken for a message already seen"
+            )
     return bool(row and row[0])
 
 

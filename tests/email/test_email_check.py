@@ -404,7 +404,7 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
     # No processed mark under its key for the failed one: a 'passed' row at its UID only.
-    assert [p[1] for p in processed(db) if ":passed:" not in p[0]] == [1, 3]
+    assert [p[1] for p in processed(db) if "/passed/" not in p[0]] == [1, 3]
     assert passed_uids(db) == [2]
     assert checkpoint(db)[1] == 3  # type: ignore[index]
     assert checkpoint(db)[3] is None  # type: ignore[index]
@@ -467,7 +467,7 @@ def test_a_message_the_database_refuses_for_its_content_is_recorded_and_passed(
     assert report.ok, report.error
     assert (report.fetched, report.enqueued, report.failed) == (3, 2, 1)
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after"]
-    assert [p[1] for p in processed(db) if ":passed:" not in p[0]] == [1, 3]
+    assert [p[1] for p in processed(db) if "/passed/" not in p[0]] == [1, 3]
     assert passed_uids(db) == [2]
     assert checkpoint(db)[1] == 3  # type: ignore[index]
     [(label, error)] = db.execute("SELECT label, error_message FROM failed_operations").fetchall()
