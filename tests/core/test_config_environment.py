@@ -648,3 +648,49 @@ def test_libpq_variables_are_not_checked_when_the_url_is_not_used() -> None:
     with pytest.raises(ConfigError, match="PGSSLMODE"):
         load_settings(env)
     assert load_settings(env, libpq_environment=False).database_url is not None
+
+
+# -- two spellings of one variable -----------------------------------------------------------
+
+
+def test_two_spellings_with_different_values_exit_78_naming_both(
+    tmp_path: Path, database_url: str
+) -> None:
+    """The one the environment listed last won silently (pydantic-settings folds the names
+    to lower case): here an unreachable database over the working one."""
+    env = {
+        "HOME": str(tmp_path),
+        "PATH": os.environ["PATH"],
+        "SOKRATOS_DATA_DIR": str(tmp_path / "data"),
+        "SOKRATOS_DATABASE_URL": database_url,
+        "sokratos_database_url": "postgresql://nobody@127.0.0.1:1/elsewhere",  # listed last
+    }
+    done = cli("status", "--json", env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 78, done.stderr[-1500:]
+    assert last.startswith(
+        "sokratos-worker: invalid configuration: SOKRATOS_DATABASE_URL and sokratos_database_url:"
+    ), last
+    assert "elsewhere" not in done.stderr  # a URL may carry a password: never printed
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SOKRATOS_CONCURRENCY": "2", "sokratos_concurrency": "3"},
+        {"SOKRATOS_DATABASE_URL_FILE": "/a", "Sokratos_Database_Url_File": "/b"},
+        {"SOKRATOS_LOG_LEVEL": "info", "sokratos_log_level": "debug"},
+    ],
+)
+def test_conflicting_spellings_are_refused_file_forms_too(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="different values") as refused:
+        load_settings(env)
+    assert set(refused.value.variable.split(" and ")) == set(env)
+
+
+def test_the_same_value_twice_or_a_blank_spelling_is_no_conflict() -> None:
+    same = load_settings({"SOKRATOS_CONCURRENCY": "2", "sokratos_concurrency": "2"})
+    assert same.concurrency == 2
+    # A blank spelling listed last no longer hides the given one (it means unset).
+    blank = load_settings({"sokratos_concurrency": "7", "SOKRATOS_CONCURRENCY": "  "})
+    assert blank.concurrency == 7

@@ -94,3 +94,34 @@ def test_an_unreachable_embedded_database_is_not_blamed_on_the_url(tmp_path: Pat
         f" {tmp_path / 'data' / 'postgres'} (no database URL is set) and that SOKRATOS_DATA_DIR"
         " is writable."
     )
+
+
+def test_a_dangling_symlink_is_named_as_configuration(tmp_path: Path) -> None:
+    """A disk not mounted: the probe called the link usable (it looked at the nearest existing
+    parent), and `run` then exited 1 for ever with "[Errno 17] File exists"."""
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "unmounted-disk" / "sokratos")
+    env = cli_env(tmp_path, SOKRATOS_DATA_DIR=str(link), SOKRATOS_STARTUP_TIMEOUT="2s")
+    done = run_cli(["run", "--once"], env, timeout=90)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 78, (done.returncode, done.stderr[-1200:])
+    assert last.startswith(
+        f"sokratos-worker: invalid configuration: SOKRATOS_DATA_DIR: '{link}' is a symlink to"
+        f" '{tmp_path / 'unmounted-disk' / 'sokratos'}', which does not exist (not mounted?)"
+    ), last
+
+
+def test_a_dangling_symlink_above_the_directory_is_named(tmp_path: Path) -> None:
+    mount = tmp_path / "mnt"
+    mount.symlink_to(tmp_path / "absent")
+    problem = _refusal(mount / "sokratos" / "data")
+    assert f"lies under '{mount}', a symlink to '{tmp_path / 'absent'}'" in problem.message
+    assert "not mounted?" in problem.message
+
+
+def test_a_symlink_to_a_directory_that_exists_is_fine(tmp_path: Path) -> None:
+    target = tmp_path / "disk"
+    target.mkdir()
+    link = tmp_path / "data"
+    link.symlink_to(target)
+    assert load_settings({"SOKRATOS_DATA_DIR": str(link)}).data_dir == link
