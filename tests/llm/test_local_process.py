@@ -201,10 +201,14 @@ def test_a_ctrl_c_while_the_model_loads_stops_the_server(cleanup: list[int]) -> 
     interrupted start must stop it (it used to be left running until the worker exited)."""
     worker = _start_worker(DRIVER_INTERRUPTED_WHILE_LOADING)
     cleanup.append(worker.pid)
-    assert wait_until(lambda: len(_children(worker.pid)) == 1, timeout=30)
-    (pid,) = _children(worker.pid)
+    # The server is the child that has exec'd its module (another child may come and go
+    # meanwhile: counting children raced it).
+    def servers() -> list[int]:
+        return [p for p in _children(worker.pid) if _running(p, StandIn.server_module)]
+
+    assert wait_until(lambda: len(servers()) == 1, timeout=30)
+    (pid,) = servers()
     cleanup.append(pid)
-    assert wait_until(lambda: _running(pid, StandIn.server_module), timeout=30)
     os.kill(worker.pid, signal.SIGINT)
     assert wait_until(lambda: _ended(pid), timeout=30), "the interrupted start left it running"
     assert worker.poll() is None
