@@ -17,7 +17,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -643,36 +642,8 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
         raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise InvalidPayload("--file", "must hold a JSON object")
-    _check_distillation(payload)
+    client.check_distillation(payload)
     return Queue.DISTILLATION, payload
-
-
-def _check_distillation(payload: dict[str, Any]) -> None:
-    """InvalidPayload now for what the worker would dead-letter at its first claim, the field
-    named as the database's own check names it (``payload.messages``)."""
-    try:
-        _distillable(payload)
-    except InvalidPayload as exc:
-        raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
-
-
-def _distillable(payload: dict[str, Any]) -> None:
-    """The worker's own checks (the pipelines import no third-party module: enqueue stays quick)."""
-    from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
-    from sokratos_worker.pipelines.archive import archive_from_payload  # noqa: PLC0415
-    from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415
-    from sokratos_worker.pipelines.text import byte_len  # noqa: PLC0415
-
-    size = byte_len(archive_from_payload(payload, datetime.now(UTC)).text)
-    if size > MAX_ARCHIVE_BYTES:
-        name = "archive_text" if "archive_text" in payload else "messages"
-        raise InvalidPayload(
-            name,
-            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
-            " split the conversation into several items",
-        )
-    fields.optional_int(payload, "pipeline_id")
-    fields.optional_str(payload, "conversation_id")
 
 
 def _enqueue_or_spool(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,35 @@ def enqueue_triage(
     )
 
 
+def check_distillation(payload: dict[str, Any]) -> None:
+    """InvalidPayload now for what the worker would dead-letter at its first claim, the field
+    named as the database's own check names it (``payload.messages``): the CLI and
+    :func:`enqueue_distillation` refuse it instead of queueing a certain failure."""
+    try:
+        _distillable(payload)
+    except InvalidPayload as exc:
+        raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
+
+
+def _distillable(payload: dict[str, Any]) -> None:
+    """The worker's own checks (the pipelines import no third-party module: enqueue stays quick)."""
+    from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
+    from sokratos_worker.pipelines.archive import archive_from_payload  # noqa: PLC0415
+    from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415
+    from sokratos_worker.pipelines.text import byte_len  # noqa: PLC0415
+
+    size = byte_len(archive_from_payload(payload, datetime.now(UTC)).text)
+    if size > MAX_ARCHIVE_BYTES:
+        name = "archive_text" if "archive_text" in payload else "messages"
+        raise InvalidPayload(
+            name,
+            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
+            " split the conversation into several items",
+        )
+    fields.optional_int(payload, "pipeline_id")
+    fields.optional_str(payload, "conversation_id")
+
+
 def enqueue_distillation(
     conninfo: str,
     payload: dict[str, Any],
@@ -174,7 +203,9 @@ def enqueue_distillation(
     spool_dir: Path | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
-    """Enqueue an archived conversation (``messages`` or ``archive_text``) for distillation."""
+    """Enqueue an archived conversation (``messages`` or ``archive_text``) for distillation,
+    checked first as the worker checks it (:func:`check_distillation`)."""
+    check_distillation(payload)
     return enqueue(
         conninfo,
         Queue.DISTILLATION,

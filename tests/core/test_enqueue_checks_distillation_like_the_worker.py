@@ -54,3 +54,19 @@ def test_a_payload_the_worker_rejects_is_not_spooled_either(tmp_path: Path) -> N
     good = '{"messages": [{"role": "user", "content": "hi", "timestamp": "2026-01-02T03:04:05Z"}]}'
     done = run_cli(["enqueue", "distillation", "--file", "-"], env, stdin=good)
     assert done.returncode == 0 and done.stdout.startswith("spooled "), done.stderr
+
+
+def test_the_python_client_refuses_it_too(database_url: str) -> None:
+    """A Python producer gets the same refusal from client.enqueue_distillation, before
+    anything is queued (it used to be queued and dead-lettered at its first claim)."""
+    from sokratos_worker import client
+    from sokratos_worker.errors import InvalidPayload
+
+    bad = {"messages": [{"role": "bot", "content": "hi"}]}
+    with pytest.raises(InvalidPayload, match=r"payload\.messages\[0\]\.role"):
+        client.enqueue_distillation(database_url, bad, key="bot-1")
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    assert client.enqueue_distillation(database_url, good, key="user-1").item_id is not None
+    with psycopg.connect(database_url) as conn:
+        keys = conn.execute("SELECT idempotency_key FROM pending_distillation").fetchall()
+    assert keys == [("user-1",)]
