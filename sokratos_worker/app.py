@@ -22,6 +22,7 @@ from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store import queue as queue_store
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations
+from sokratos_worker.store.sessions import refuse_shared_sessions
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,8 @@ def run_worker(
             hint="a typo? every variable is listed in deploy/sokratos-worker.env.example",
         )
     notifier = Notifier()
+    # Before the migration's advisory lock, which a transaction pooler would leak.
+    refuse_shared_sessions(conninfo)
     if migrate:
         _migrate(conninfo, notifier)
     # What a full drain uses (slots, dispatcher, lease renewer) is opened at start: a pool

@@ -14,6 +14,7 @@ from sokratos_worker.store.connection import (
     connect,
     is_read_only,
 )
+from sokratos_worker.store.sessions import SessionsShared, shared_server_session
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
             )
         )
         lines.append(connections_line(settings, conn))
+        lines.append(_sessions_line(url))
         if vector is not None:
             problems = schema_problems(settings, conn)
             lines.append(
@@ -121,6 +123,14 @@ def _service_lines(settings: Settings) -> list[CheckLine]:
 
         lines.extend(probe_accounts(settings))
     return lines
+
+
+def _sessions_line(url: str) -> CheckLine:
+    """Whether each connection gets its own server session (no transaction pooler)."""
+    pid = shared_server_session(url)
+    if pid is None:
+        return CheckLine("sessions", True, "one server session per connection")
+    return CheckLine("sessions", False, SessionsShared(pid).message)
 
 
 def connections_line(settings: Settings, conn: Connection) -> CheckLine:

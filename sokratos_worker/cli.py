@@ -583,8 +583,10 @@ def _handling(
 
 def _migrate(_: argparse.Namespace, settings: Settings) -> int:
     from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
+    from sokratos_worker.store.sessions import refuse_shared_sessions  # noqa: PLC0415
 
     with database_url(settings) as url:
+        refuse_shared_sessions(url)  # a transaction pooler would leak the migration lock
         applied = apply_migrations(url)
     print("applied: " + ", ".join(applied) if applied else "up to date")
     return EXIT_OK

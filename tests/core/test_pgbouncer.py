@@ -213,3 +213,75 @@ def test_newer_pgbouncers_naming_a_setting_inside_options_blame_options() -> Non
     assert refused.variable == "SOKRATOS_DATABASE_URL"
     assert "unsupported startup parameter in options: statement_timeout" in refused.message
     assert "remove options= from the URL" in refused.message
+
+
+@pytest.fixture(scope="module")
+def transaction_pool(pg_server: str) -> Iterator[tuple[str, int]]:
+    """PgBouncer in transaction pooling, which the worker cannot run behind."""
+    with pgbouncer(pg_server, "transaction") as address:
+        yield address
+
+
+def _advisory_locks(db: psycopg.Connection) -> int:
+    return count(db, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+
+
+@pytest.mark.parametrize("command", [("run", "--once"), ("migrate",)], ids=["run-once", "migrate"])
+def test_transaction_pooling_exits_78_before_taking_any_session_lock(
+    db: psycopg.Connection,
+    database_url: str,
+    transaction_pool: tuple[str, int],
+    tmp_path: Path,
+    command: tuple[str, ...],
+) -> None:
+    """It ran quietly broken: LISTEN lost, prepared statements failing attempts, and the
+    migration's advisory lock left held on a pooled server connection for later clients."""
+    n = 5
+    enqueue_many(db, n)
+    url = _through(database_url, transaction_pool)
+    proc = cli(*command, env=env_for(url, tmp_path, SOKRATOS_STARTUP_TIMEOUT="30s"))
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "invalid configuration: SOKRATOS_DATABASE_URL: " in line, line
+    assert "connection pooler in transaction or statement mode" in line, line
+    assert "pool_mode = session" in line, line
+    assert "Traceback" not in proc.stderr
+    assert _advisory_locks(db) == 0
+    # Nothing was claimed: the items wait, attempts untouched, for a worker set up right.
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == n
+    assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+
+
+def test_the_daemon_behind_transaction_pooling_exits_78_at_start(
+    db: psycopg.Connection, database_url: str, transaction_pool: tuple[str, int], tmp_path: Path
+) -> None:
+    """Exit 78 is what systemd's RestartPreventExitStatus keeps from restarting every 5 s."""
+    env = daemon_env(_through(database_url, transaction_pool), tmp_path)
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    try:
+        assert proc.wait(60) == 78, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "connection pooler in transaction or statement mode" in log.read_text()
+    assert _advisory_locks(db) == 0
+
+
+def test_check_names_transaction_pooling_and_passes_session_pooling(
+    database_url: str,
+    session_pool: tuple[str, int],
+    transaction_pool: tuple[str, int],
+    tmp_path: Path,
+) -> None:
+    def sessions_line(address: tuple[str, int]) -> str:
+        proc = cli("check", env=env_for(_through(database_url, address), tmp_path))
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return next(x for x in proc.stdout.splitlines() if "sessions" in x)
+
+    session = sessions_line(session_pool)
+    assert session.startswith("ok") and "one server session per connection" in session, session
+    shared = sessions_line(transaction_pool)
+    assert shared.startswith("FAIL"), shared
+    assert "connection pooler in transaction or statement mode" in shared, shared
