@@ -1,0 +1,135 @@
+"""What went wrong with a backend's answer, in words: the reasons and the final errors.
+
+The reason an attempt records for a permanent answer (the status, a redirect's target, the
+server's own error message with secrets masked), the reason for a busy skip, and, for a call
+every backend failed, the error that gives the attempt back: every backend busy, refusing
+(misconfigured: which key, model, url or proxy credentials to check) or unreachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+from sokratos_worker.config import without_credentials
+from sokratos_worker.llm.backend import Backend
+from sokratos_worker.llm.http import Verdict
+from sokratos_worker.llm.one_token_probe import Probed
+from sokratos_worker.llm.types import (
+    BackendAttempt,
+    LLMBackendsBusy,
+    LLMBackendsMisconfigured,
+    NoBackendReachable,
+)
+from sokratos_worker.logs import mask_secrets
+
+# The reason of a request the environment's proxy refused (407): its credentials to fix.
+PROXY_REFUSED = "proxy_auth_required"
+# Where the daemon's misconfiguration message sends the operator (``check`` leaves it out).
+RUN_CHECK = " ('sokratos-worker check')"
+
+
+def not_the_items_fault(
+    tried: tuple[BackendAttempt, ...], kinds: list[str], summary: str
+) -> Exception:
+    """Misconfigured when every backend refused, busy when every one's slots stayed taken, else
+    unreachable (all give the attempt back)."""
+    if all(k == "busy" for k in kinds):
+        return LLMBackendsBusy(
+            f"every LLM backend is busy ({summary}): this worker runs more calls at once than"
+            " the backends have slots; raise max_concurrency in SOKRATOS_LLM_BACKENDS if the"
+            " servers can serve more at once, or lower SOKRATOS_CONCURRENCY",
+            tried=tried,
+        )
+    if all(k in {"refused", "rejected"} for k in kinds):
+        proxied = [a.reason.startswith(PROXY_REFUSED) for a in tried if a.result == "failed"]
+        if all(proxied):
+            return LLMBackendsMisconfigured(
+                f"the environment's proxy refused every LLM request with 407 ({summary}): fix"
+                f" the proxy credentials{RUN_CHECK}",
+                tried=tried,
+            )
+        check = "api_key and model" if all(k == "refused" for k in kinds) else "url and model"
+        if any(proxied):
+            check += " (and the proxy credentials)"
+        return LLMBackendsMisconfigured(
+            f"every LLM backend refused the request ({summary}): check each backend's"
+            f" {check}{RUN_CHECK}; a minimal request in the same form was refused too",
+            tried=tried,
+        )
+    limited = all(a.reason.startswith("http_429") for a in tried)
+    what = "every LLM backend is rate-limiting" if limited else "no LLM backend reachable"
+    return NoBackendReachable(f"{what} ({summary})", tried=tried)
+
+
+def partly_misconfigured(
+    tried: tuple[BackendAttempt, ...], answers: dict[str, Probed], summary: str
+) -> LLMBackendsMisconfigured:
+    """Every backend refused the request, some served the minimal one and the others refused
+    it too (or did not answer it): those others' configuration (the attempt given back)."""
+    unserved = [name for name, a in answers.items() if a is not Probed.SERVED]
+    served = ", ".join(name for name, a in answers.items() if a is Probed.SERVED)
+    proxied = {a.backend for a in tried if a.reason.startswith(PROXY_REFUSED)}
+    what = " and ".join(
+        f"the proxy credentials for {name}" if name in proxied else f"{name}'s api_key and model"
+        for name in unserved
+    )
+    return LLMBackendsMisconfigured(
+        f"every LLM backend refused this request ({summary}), and {', '.join(unserved)} did"
+        f" not serve even a minimal request in the same form ({served} served it): check"
+        f" {what}{RUN_CHECK}",
+        tried=tried,
+    )
+
+
+def busy_reason(backend: Backend) -> str:
+    """Why a backend was skipped as busy: its slots and how long the call waited for one."""
+    count = backend.config.max_concurrency
+    slots = "its one slot" if count == 1 else f"all {count} slots"
+    return f"busy: {slots} stayed in use for {backend.config.timeout:g} s"
+
+
+def refusal(backend: Backend, response: httpx.Response, verdict: Verdict) -> str:
+    """The reason for a permanent answer: the status, and what the server says about it."""
+    status = response.status_code
+    if 300 <= status < 400:
+        return f"http_{status}: {_redirect(response)}"
+    reason = f"http_{status}" + (f" {verdict.value}" if verdict is Verdict.CONTEXT else "")
+    if 400 <= status < 500:  # a wrong key, model or parameter: the server says which
+        reason += _server_says(response, backend.secrets)
+    return reason
+
+
+def _redirect(response: httpx.Response) -> str:
+    """Where a redirect points, and the backend URL that would not be redirected."""
+    location = response.headers.get("Location")
+    if not location:
+        return "a redirect without a Location: check the backend's url"
+    target = without_credentials(str(response.url.join(location)))
+    base = target.removesuffix("/chat/completions")
+    return f"redirects to {target}: set the backend's url to {base}"
+
+
+def _server_says(response: httpx.Response, secrets: Sequence[str] = ()) -> str:
+    """``: <the error message>`` of an OpenAI-style error body (bounded, ``secrets`` masked),
+    or nothing."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str) or not message.strip():
+        return ""
+    # Masked before it is cut: a key cut in half would no longer be found.
+    return ": " + mask_secrets(" ".join(message.split()), secrets)[:160]
+
+
+__all__ = [
+    "PROXY_REFUSED",
+    "RUN_CHECK",
+    "busy_reason",
+    "not_the_items_fault",
+    "partly_misconfigured",
+    "refusal",
+]
