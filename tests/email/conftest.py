@@ -11,6 +11,7 @@ import pytest
 from dovecot import PASSWORD, USER, AccountFactory, Dovecot, dovecot_binary
 
 from sokratos_worker.config import EmailAccountConfig
+from sokratos_worker.email.parse import ParsedEmail, parse_email
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,16 @@ def account(dovecot: Dovecot, mailbox: str) -> AccountFactory:
         return EmailAccountConfig(**values)
 
     return make
+
+
+@pytest.fixture
+def poison_breaks_the_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's parser fails on every mail whose subject is "poison", as a parser bug
+    would, so the worker dead-letters and passes it (``monkeypatch.undo()`` fixes it)."""
+
+    def fragile(raw: bytes) -> ParsedEmail:
+        if b"Subject: poison" in raw:
+            raise RuntimeError("parser bug")
+        return parse_email(raw)
+
+    monkeypatch.setattr("sokratos_worker.email.check.parse_email", fragile)

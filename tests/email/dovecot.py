@@ -255,6 +255,23 @@ service anvil {{
                     out[uid] = " ".join(sorted(f for f in flags if f != "\\Recent"))
             return out
 
+    def maildir(self, mailbox: str) -> Path:
+        """The Maildir folder that holds ``mailbox`` on disk."""
+        path = self.root / "mail" / USER / "Maildir" / f".{mailbox}"
+        assert path.is_dir(), path
+        return path
+
+    def backup(self, mailbox: str, to: Path) -> None:
+        """Copy the mailbox's folder to ``to`` with ``cp -a``, as a backup does (owners kept)."""
+        subprocess.run(["cp", "-a", str(self.maildir(mailbox)), str(to)], check=True)
+
+    def restore(self, mailbox: str, backup: Path) -> None:
+        """Put the folder ``backup()`` copied back in place of the mailbox's, as restoring a
+        backup does: UIDVALIDITY stays, the UIDs handed out since are handed out again."""
+        folder = self.maildir(mailbox)
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+        subprocess.run(["cp", "-a", str(backup), str(folder)], check=True)
+
     def tls_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca_file))
 

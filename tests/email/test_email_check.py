@@ -26,6 +26,7 @@ from sokratos_worker.email import (
 )
 from sokratos_worker.email.imap import MESSAGE_BYTES_LIMIT, ImapSession, encode_mailbox
 from sokratos_worker.email.parse import message_key, parse_email
+from tests.support.db import refuse_triage
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
@@ -378,6 +379,7 @@ def test_raw_utf8_headers_do_not_block_the_account(
     assert checked_at is not None
 
 
+@pytest.mark.usefixtures("poison_breaks_the_parser")
 def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     dovecot: Dovecot,
     mailbox: str,
@@ -388,13 +390,6 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A failed_operations row and the checkpoint past it, instead of a blocked account."""
-
-    def fragile(raw: bytes) -> Any:
-        if b"Subject: poison" in raw:
-            raise RuntimeError("parser bug")
-        return parse_email(raw)
-
-    monkeypatch.setattr("sokratos_worker.email.check.parse_email", fragile)
     for subject in ("before", "poison", "after"):
         dovecot.append(mailbox, mails.plain(subject=subject))
     settings = make_settings(account())
@@ -439,28 +434,10 @@ def test_a_message_that_cannot_be_handled_is_recorded_and_passed(
     assert [i["payload"]["subject"] for i in items(db)] == ["before", "after", "poison"]
 
 
-def _refuse_triage(db: Any, *, sqlstate: str, subject: str | None) -> None:
-    """A trigger that makes PostgreSQL refuse triage items (only ``subject``'s, if given)."""
-    when = "true" if subject is None else f"NEW.payload->>'subject' = '{subject}'"
-    db.execute(
-        f"""CREATE FUNCTION refuse_item() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF {when} THEN
-                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{sqlstate}';
-                END IF;
-                RETURN NEW;
-            END $$"""
-    )
-    db.execute(
-        "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
-        " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
-    )
-
-
 def test_a_message_the_database_refuses_for_its_content_is_recorded_and_passed(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
-    _refuse_triage(db, sqlstate="22P05", subject="poison")  # untranslatable character
+    refuse_triage(db, sqlstate="22P05", subject="poison")  # untranslatable character
     for subject in ("before", "poison", "after"):
         dovecot.append(mailbox, mails.plain(subject=subject))
     [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
@@ -478,7 +455,7 @@ def test_a_message_the_database_refuses_for_its_content_is_recorded_and_passed(
 def test_a_refusal_every_message_would_meet_stops_the_check_at_the_first(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
-    _refuse_triage(db, sqlstate="42501", subject=None)  # insufficient privilege
+    refuse_triage(db, sqlstate="42501", subject=None)  # insufficient privilege
     for subject in ("one", "two"):
         dovecot.append(mailbox, mails.plain(subject=subject))
     [report] = check_due_accounts(make_settings(account()), database_url, now=later(0))
@@ -969,7 +946,7 @@ def test_a_refusal_count_restarts_once_the_server_returns_the_message(
         assert db.execute(refusal).fetchone() == (2, 2)
 
         proxy.refused.clear()
-        _refuse_triage(db, sqlstate="42501", subject="two")  # stops the check, passes nothing
+        refuse_triage(db, sqlstate="42501", subject="two")  # stops the check, passes nothing
         [report] = check_due_accounts(settings, database_url, now=later(20))
         assert report.error is not None and "UID 2 " in report.error
         assert "InsufficientPrivilege" in report.error

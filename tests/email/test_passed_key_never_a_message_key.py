@@ -23,26 +23,11 @@ from dovecot import AccountFactory, Dovecot, make_settings
 
 from sokratos_worker.email import check_due_accounts
 from sokratos_worker.store import email as store
+from tests.support.db import refuse_triage
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
 NOW = datetime.now(UTC)
-
-
-def _refuse_triage(db: psycopg.Connection, subject: str) -> None:
-    db.execute(
-        f"""CREATE FUNCTION refuse_item() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF NEW.payload->>'subject' = '{subject}' THEN
-                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = '22P05';
-                END IF;
-                RETURN NEW;
-            END $$"""
-    )
-    db.execute(
-        "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
-        " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
-    )
 
 
 def _passed_rows(db: psycopg.Connection) -> list[tuple[str, int]]:
@@ -61,7 +46,7 @@ def test_a_mail_whose_message_id_looks_like_a_passed_key_is_still_triaged(
     database_url: str,
     db: psycopg.Connection,
 ) -> None:
-    _refuse_triage(db, "poison")
+    refuse_triage(db, subject="poison")
     settings = make_settings(account(), email_initial_lookback=86400)
     dovecot.append(mailbox, mails.plain(subject="poison"))  # UID 1, passed
     [report] = check_due_accounts(settings, database_url, now=NOW)

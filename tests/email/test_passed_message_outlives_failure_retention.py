@@ -21,26 +21,11 @@ from dovecot import AccountFactory, Dovecot, make_settings
 
 from sokratos_worker.email import check_due_accounts
 from sokratos_worker.store.status import prune_failures_ttl
+from tests.support.db import refuse_triage
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
 NOW = datetime.now(UTC)
-
-
-def _refuse_triage(db: psycopg.Connection, subject: str) -> None:
-    db.execute(
-        f"""CREATE FUNCTION refuse_item() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF NEW.payload->>'subject' = '{subject}' THEN
-                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = '22P05';
-                END IF;
-                RETURN NEW;
-            END $$"""
-    )
-    db.execute(
-        "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
-        " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
-    )
 
 
 def test_pruning_old_failures_does_not_make_a_quiet_mailbox_read_again(
@@ -51,7 +36,7 @@ def test_pruning_old_failures_does_not_make_a_quiet_mailbox_read_again(
     database_url: str,
     db: psycopg.Connection,
 ) -> None:
-    _refuse_triage(db, "poison")
+    refuse_triage(db, subject="poison")
     settings = make_settings(account(), email_initial_lookback=86400)
     for subject in ("one", "two", "poison"):
         dovecot.append(mailbox, mails.plain(subject=subject))

@@ -5,13 +5,13 @@ check "cannot tell" (not a restore, not a failure) and goes on.
 
 Found by review (r8): the parser failure escaped ``check_account`` on every later check
 (``email_check_crashed``), and no later mail was ever triaged. The parser failure is simulated
-as tests/email/test_email_check.py does it; Dovecot and PostgreSQL are real.
+by the ``poison_breaks_the_parser`` fixture (tests/email/conftest.py); Dovecot and PostgreSQL
+are real.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import mails
 import psycopg
@@ -19,13 +19,13 @@ import pytest
 from dovecot import AccountFactory, Dovecot, make_settings
 
 from sokratos_worker.email import check_due_accounts
-from sokratos_worker.email.parse import parse_email
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
 NOW = datetime.now(UTC)
 
 
+@pytest.mark.usefixtures("poison_breaks_the_parser")
 def test_new_mail_is_triaged_after_the_newest_read_message_was_dead_lettered(
     *,
     dovecot: Dovecot,
@@ -33,14 +33,7 @@ def test_new_mail_is_triaged_after_the_newest_read_message_was_dead_lettered(
     account: AccountFactory,
     database_url: str,
     db: psycopg.Connection,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def fragile(raw: bytes) -> Any:
-        if b"Subject: poison" in raw:
-            raise RuntimeError("parser bug")
-        return parse_email(raw)
-
-    monkeypatch.setattr("sokratos_worker.email.check.parse_email", fragile)
     settings = make_settings(account(), email_initial_lookback=86400)
     for subject in ("before", "poison"):
         dovecot.append(mailbox, mails.plain(subject=subject))

@@ -16,58 +16,36 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from pydantic import BaseModel
-
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.errors import BackendsUnavailable
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import ChatFailed, NoBackendReachable, RequestRefused
-from sokratos_worker.testing.scripted_llm import PROBE, Reply, Request, ScriptedLLM
-from tests.llm.conftest import backend
+from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+from tests.llm.conftest import (
+    ask_contradiction,
+    backend,
+    primary_and_fallback,
+    refuses_contradiction,
+    scripted,
+    switchable,
+)
 
 
-class Contradiction(BaseModel):
-    contradicts: bool
-    explanation: str
-
-
-def _schema_name(request: Request) -> str | None:
-    body = request.body if isinstance(request.body, dict) else {}
-    rf = body.get("response_format")
-    return rf.get("json_schema", {}).get("name") if isinstance(rf, dict) else None
-
-
-def _refuses_contradiction(request: Request) -> Reply:
-    if _schema_name(request) == "Contradiction":
-        return Reply.error(400, "JSON schema conversion failed", type="invalid_request_error")
-    return Reply.chat({"ok": True})
-
-
-def _dead_url() -> str:
+def _dead_primary() -> BackendConfig:
+    """A primary backend nobody listens at (connection refused)."""
     s = socket.create_server(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    return f"http://127.0.0.1:{port}/v1"
-
-
-def _ask(client: FallbackChatClient) -> object:
-    try:
-        return client.complete(
-            response_model=Contradiction, system="s", user="u", max_tokens=64, purpose="c"
-        )
-    except Exception as exc:
-        return exc
+    return BackendConfig(name="primary", url=f"http://127.0.0.1:{port}/v1", model="m", timeout=2)
 
 
 def test_primary_down_and_fallback_refusing_the_type_gives_the_attempt_back(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    b = servers(chat=_refuses_contradiction)
-    b.on(PROBE, _refuses_contradiction)
-    a = BackendConfig(name="primary", url=_dead_url(), model="m", timeout=2)
-    client = make_client(a, backend(b, "fallback"), attempts=1)
+    b = scripted(servers, refuses_contradiction)
+    client = make_client(_dead_primary(), backend(b, "fallback"), attempts=1)
 
-    failure = _ask(client)
+    failure = ask_contradiction(client)
     assert isinstance(failure, BackendsUnavailable), (
         f"the primary is down; the item was charged an attempt: {type(failure).__name__}: {failure}"
     )
@@ -78,47 +56,26 @@ def test_primary_down_and_fallback_refusing_the_type_gives_the_attempt_back(
 def test_primary_circuit_open_and_fallback_refusing_the_type_gives_the_attempt_back(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    b = servers(chat=_refuses_contradiction)
-    b.on(PROBE, _refuses_contradiction)
-    a = BackendConfig(name="primary", url=_dead_url(), model="m", timeout=2)
-    client = make_client(a, backend(b, "fallback"), attempts=1, breaker_threshold=1)
+    b = scripted(servers, refuses_contradiction)
+    client = make_client(_dead_primary(), backend(b, "fallback"), attempts=1, breaker_threshold=1)
     client.breaker("primary").record_failure("down")  # its circuit is open: skipped
 
-    failure = _ask(client)
+    failure = ask_contradiction(client)
     assert isinstance(failure, BackendsUnavailable), f"{type(failure).__name__}: {failure}"
     assert client.probe() is False
-
-
-def _switchable(state: dict[str, str]) -> Callable[[Request], Reply]:
-    """A backend that is ``down`` (503), ``serves`` every request, or ``refuses`` the type."""
-
-    def answer(request: Request) -> Reply:
-        if state["mode"] == "down":
-            return Reply.error(503, "Loading model")
-        if state["mode"] == "refuses":
-            return _refuses_contradiction(request)
-        if _schema_name(request) == "Contradiction":
-            return Reply.chat({"contradicts": False, "explanation": "no"})
-        return Reply.chat({"ok": True})
-
-    return answer
 
 
 def test_the_primary_back_and_serving_resumes_claiming_and_serves_the_item(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
     state = {"mode": "down"}
-    a = servers(chat=_switchable(state))
-    a.on(PROBE, _switchable(state))
-    b = servers(chat=_refuses_contradiction)
-    b.on(PROBE, _refuses_contradiction)
-    client = make_client(backend(a, "primary"), backend(b, "fallback"), attempts=1)
+    client = primary_and_fallback(servers, make_client, switchable(state), refuses_contradiction)
 
-    assert isinstance(_ask(client), NoBackendReachable)
+    assert isinstance(ask_contradiction(client), NoBackendReachable)
     assert client.probe() is False
     state["mode"] = "serves"
     assert client.probe() is True
-    result = _ask(client)
+    result = ask_contradiction(client)
     assert not isinstance(result, Exception), result
     assert client.probe() is True
 
@@ -129,18 +86,14 @@ def test_the_primary_back_but_refusing_too_ends_the_pause_and_uses_the_attempt(
     """No loop: once every backend answers the form (both refusing it), claiming resumes and
     the item is judged by the minimal request, which both serve: the item's attempt."""
     state = {"mode": "down"}
-    a = servers(chat=_switchable(state))
-    a.on(PROBE, _switchable(state))
-    b = servers(chat=_refuses_contradiction)
-    b.on(PROBE, _refuses_contradiction)
-    client = make_client(backend(a, "primary"), backend(b, "fallback"), attempts=1)
+    client = primary_and_fallback(servers, make_client, switchable(state), refuses_contradiction)
 
-    assert isinstance(_ask(client), NoBackendReachable)
+    assert isinstance(ask_contradiction(client), NoBackendReachable)
     assert client.probe() is False
     state["mode"] = "refuses"
     assert client.probe() is True
     for _ in range(2):
-        failure = _ask(client)
+        failure = ask_contradiction(client)
         assert isinstance(failure, RequestRefused), failure
         assert client.probe() is True  # never paused again for it
 
@@ -156,15 +109,8 @@ def test_a_fallback_refusing_only_this_input_while_the_primary_is_down_is_the_it
             return Reply.error(400, "this input is refused")
         return Reply.chat({"contradicts": False, "explanation": "no"})
 
-    b = servers(chat=refuses_this_input)
-    b.on(PROBE, refuses_this_input)
-    a = BackendConfig(name="primary", url=_dead_url(), model="m", timeout=2)
-    client = make_client(a, backend(b, "fallback"), attempts=1)
-    try:
-        client.complete(
-            response_model=Contradiction, system="s", user="poison", max_tokens=64, purpose="c"
-        )
-    except Exception as exc:
-        failure: Exception = exc
+    b = scripted(servers, refuses_this_input)
+    client = make_client(_dead_primary(), backend(b, "fallback"), attempts=1)
+    failure = ask_contradiction(client, user="poison")
     assert isinstance(failure, ChatFailed), failure
     assert not isinstance(failure, RequestRefused)  # not every backend refused it

@@ -15,74 +15,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pydantic import BaseModel
-
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import LLMBackendsMisconfigured, RequestRefused
-from sokratos_worker.testing.scripted_llm import PROBE, Reply, Request, ScriptedLLM
-from tests.llm.conftest import backend
-
-
-class Contradiction(BaseModel):
-    contradicts: bool
-    explanation: str
-
-
-def _schema_name(request: Request) -> str | None:
-    body = request.body if isinstance(request.body, dict) else {}
-    rf = body.get("response_format")
-    return rf.get("json_schema", {}).get("name") if isinstance(rf, dict) else None
-
-
-def _refuses_contradiction(request: Request) -> Reply:
-    if _schema_name(request) == "Contradiction":
-        return Reply.error(400, "JSON schema conversion failed", type="invalid_request_error")
-    return Reply.chat({"ok": True})
-
-
-def _switchable(state: dict[str, str]) -> Callable[[Request], Reply]:
-    """A backend whose key is ``expired`` (401 to everything), that ``serves`` every request,
-    or that ``refuses`` the Contradiction type."""
-
-    def answer(request: Request) -> Reply:
-        if state["mode"] == "expired":
-            return Reply.error(401, "invalid api key", type="authentication_error")
-        if state["mode"] == "refuses":
-            return _refuses_contradiction(request)
-        if _schema_name(request) == "Contradiction":
-            return Reply.chat({"contradicts": False, "explanation": "no"})
-        return Reply.chat({"ok": True})
-
-    return answer
-
-
-def _ask(client: FallbackChatClient) -> object:
-    try:
-        return client.complete(
-            response_model=Contradiction, system="s", user="u", max_tokens=64, purpose="c"
-        )
-    except Exception as exc:
-        return exc
-
-
-def _setup(
-    servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
-) -> tuple[dict[str, str], FallbackChatClient]:
-    state = {"mode": "expired"}
-    a = servers(chat=_switchable(state))
-    a.on(PROBE, _switchable(state))
-    b = servers(chat=_refuses_contradiction)
-    b.on(PROBE, _refuses_contradiction)
-    return state, make_client(backend(a, "primary"), backend(b, "fallback"), attempts=1)
+from sokratos_worker.testing.scripted_llm import ScriptedLLM
+from tests.llm.conftest import (
+    ask_contradiction,
+    primary_and_fallback,
+    refuses_contradiction,
+    switchable,
+)
 
 
 def test_an_expired_key_gives_the_attempt_back_and_pauses_until_renewed(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    state, client = _setup(servers, make_client)
+    state = {"mode": "expired"}
+    client = primary_and_fallback(servers, make_client, switchable(state), refuses_contradiction)
 
     for _ in range(2):
-        failure = _ask(client)
+        failure = ask_contradiction(client)
         assert not isinstance(failure, RequestRefused), failure
         assert isinstance(failure, LLMBackendsMisconfigured), f"{type(failure).__name__}: {failure}"
         assert "primary" in str(failure) and "api_key" in str(failure)
@@ -92,7 +43,7 @@ def test_an_expired_key_gives_the_attempt_back_and_pauses_until_renewed(
 
     state["mode"] = "serves"  # the key renewed
     assert client.probe() is True
-    result = _ask(client)
+    result = ask_contradiction(client)
     assert not isinstance(result, Exception), result
     assert client.probe() is True
 
@@ -102,14 +53,15 @@ def test_the_key_renewed_but_the_type_refused_everywhere_is_then_the_items_attem
 ) -> None:
     """No loop: once the primary serves the minimal request, claiming resumes, and every
     backend refusing the request while serving the minimal one is the item's attempt."""
-    state, client = _setup(servers, make_client)
+    state = {"mode": "expired"}
+    client = primary_and_fallback(servers, make_client, switchable(state), refuses_contradiction)
 
-    assert isinstance(_ask(client), LLMBackendsMisconfigured)
+    assert isinstance(ask_contradiction(client), LLMBackendsMisconfigured)
     assert client.probe() is False
     state["mode"] = "refuses"
     assert client.probe() is True
     for _ in range(2):
-        failure = _ask(client)
+        failure = ask_contradiction(client)
         assert isinstance(failure, RequestRefused), failure
         assert client.probe() is True  # never paused again for it
 
@@ -120,20 +72,16 @@ def test_every_key_expired_resumes_once_one_is_renewed(
     """Both refuse the minimal request: claiming resumes once either serves it, and the item is
     then decided by what each answers (here: the other still expired, so given back again)."""
     first, second = {"mode": "expired"}, {"mode": "expired"}
-    a = servers(chat=_switchable(first))
-    a.on(PROBE, _switchable(first))
-    b = servers(chat=_switchable(second))
-    b.on(PROBE, _switchable(second))
-    client = make_client(backend(a, "primary"), backend(b, "fallback"), attempts=1)
+    client = primary_and_fallback(servers, make_client, switchable(first), switchable(second))
 
-    assert isinstance(_ask(client), LLMBackendsMisconfigured)
+    assert isinstance(ask_contradiction(client), LLMBackendsMisconfigured)
     assert client.probe() is False
     second["mode"] = "refuses"  # the fallback's key renewed; it refuses the type
     assert client.probe() is True
-    failure = _ask(client)
+    failure = ask_contradiction(client)
     assert isinstance(failure, LLMBackendsMisconfigured), failure  # the primary's key, still
     assert "primary" in str(failure)
     assert client.probe() is False
     first["mode"] = "serves"
     assert client.probe() is True
-    assert not isinstance(_ask(client), Exception)
+    assert not isinstance(ask_contradiction(client), Exception)

@@ -15,25 +15,12 @@ from pydantic import BaseModel
 
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import LLMBackendsMisconfigured, RequestRefused
-from sokratos_worker.testing.scripted_llm import CHAT, PROBE, Reply, Request, ScriptedLLM
-from tests.llm.conftest import Scored, backend
-
-
-class Contradiction(BaseModel):
-    contradicts: bool
-    explanation: str
-
-
-def _schema_name(request: Request) -> str | None:
-    body = request.body if isinstance(request.body, dict) else {}
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict):
-        return response_format.get("json_schema", {}).get("name")
-    return None
+from sokratos_worker.testing.scripted_llm import CHAT, Reply, Request, ScriptedLLM
+from tests.llm.conftest import Contradiction, Scored, backend, schema_name, scripted
 
 
 def _refuses_one_schema(request: Request) -> Reply:
-    if _schema_name(request) == "Contradiction":
+    if schema_name(request) == "Contradiction":
         return Reply.error(
             400,
             "JSON schema conversion failed: unsupported schema for Contradiction",
@@ -54,8 +41,7 @@ def _ask(client: FallbackChatClient, model: type[BaseModel]) -> object:
 def test_a_schema_refused_everywhere_uses_the_items_attempt(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    server = servers(chat=_refuses_one_schema)
-    server.on(PROBE, _refuses_one_schema)
+    server = scripted(servers, _refuses_one_schema)
     client = make_client(backend(server, "only", structured_output="json_schema"), attempts=1)
 
     for _ in range(3):  # every time the item is claimed: its attempt is used, never given back
@@ -74,12 +60,11 @@ def test_a_form_every_request_type_gets_refused_in_stays_configuration(
     that form is refused too, so it is configuration, and the probe asks in that form."""
 
     def no_json_schema(request: Request) -> Reply:
-        if _schema_name(request) is not None:
+        if schema_name(request) is not None:
             return Reply.error(400, "response_format json_schema is not supported")
         return Reply.chat("OK")
 
-    server = servers(chat=no_json_schema)
-    server.on(PROBE, no_json_schema)
+    server = scripted(servers, no_json_schema)
     client = make_client(backend(server, "only", structured_output="json_schema"), attempts=1)
 
     assert isinstance(_ask(client, Contradiction), LLMBackendsMisconfigured)

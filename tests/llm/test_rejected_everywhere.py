@@ -14,7 +14,7 @@ from sokratos_worker.errors import BackendsUnavailable
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import ChatFailed, LLMBackendsMisconfigured
 from sokratos_worker.testing.scripted_llm import CHAT, PROBE, Reply, Request, ScriptedLLM
-from tests.llm.conftest import ask, backend
+from tests.llm.conftest import ask, backend, scripted
 
 UNSUPPORTED_MAX_TOKENS = (
     "Unsupported parameter: 'max_tokens' is not supported with this model. "
@@ -64,10 +64,7 @@ def test_a_refusal_every_request_gets_gives_the_attempt_back(
     responder: Callable[[Request], Reply],
     overrides: dict[str, str],
 ) -> None:
-    a, b = servers(), servers()
-    for server in (a, b):
-        server.on(CHAT, responder)
-        server.on(PROBE, responder)  # a real server answers the probe the same way
+    a, b = scripted(servers, responder), scripted(servers, responder)
     client = make_client(backend(a, "a", **overrides), backend(b, "b", **overrides))
 
     with pytest.raises(BackendsUnavailable) as raised:
@@ -79,9 +76,7 @@ def test_a_refusal_every_request_gets_gives_the_attempt_back(
 def test_the_reason_quotes_the_server_for_a_400(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    server = servers()
-    server.on(CHAT, _openai_reasoning_model)
-    server.on(PROBE, _openai_reasoning_model)
+    server = scripted(servers, _openai_reasoning_model)
     client = make_client(backend(server, "openai"))
 
     with pytest.raises(LLMBackendsMisconfigured) as raised:
@@ -93,9 +88,7 @@ def test_the_reason_quotes_the_server_for_a_400(
 def test_a_redirect_names_the_url_to_configure(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
-    server = servers()
-    server.on(CHAT, _redirect_to_https)
-    server.on(PROBE, _redirect_to_https)
+    server = scripted(servers, _redirect_to_https)
     client = make_client(backend(server, "moved"))
 
     with pytest.raises(LLMBackendsMisconfigured) as raised:
@@ -125,9 +118,7 @@ def test_after_a_refused_form_the_probe_asks_in_that_form(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
     """A plain probe would succeed and resume claiming, only for every item to be refused."""
-    server = servers()
-    server.on(CHAT, _lm_studio)
-    server.on(PROBE, _lm_studio)
+    server = scripted(servers, _lm_studio)
     client = make_client(backend(server, "lmstudio", structured_output="json_object"))
 
     with pytest.raises(LLMBackendsMisconfigured):

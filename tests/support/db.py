@@ -48,3 +48,25 @@ def outcomes(conn: psycopg.Connection, queue: str = "pending_triage") -> dict[in
     """item_id → outcome for every recorded outcome of ``queue``."""
     rows = conn.execute("SELECT item_id, outcome FROM work_outcomes WHERE queue = %s", (queue,))
     return {int(i): str(o) for i, o in rows}
+
+
+def refuse_triage(
+    conn: psycopg.Connection, *, subject: str | None, sqlstate: str = "22P05"
+) -> None:
+    """A trigger that makes PostgreSQL refuse triage items with ``sqlstate`` (only
+    ``subject``'s, if given); the default, untranslatable character, is a refusal for the
+    item's content, so the worker dead-letters and passes that mail."""
+    when = "true" if subject is None else f"NEW.payload->>'subject' = '{subject}'"
+    conn.execute(
+        f"""CREATE FUNCTION refuse_item() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF {when} THEN
+                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{sqlstate}';
+                END IF;
+                RETURN NEW;
+            END $$"""
+    )
+    conn.execute(
+        "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
+        " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
+    )
