@@ -27,7 +27,7 @@ from psycopg import errors as pg_errors
 
 from sokratos_worker import __version__
 from sokratos_worker.config import ConfigError, Settings
-from sokratos_worker.email.imap import OpenSessions
+from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue

@@ -32,17 +32,19 @@ from sokratos_worker.email.failed import (
 )
 from sokratos_worker.email.imap import (
     HEADER_BYTES_LIMIT,
-    FetchedMessage,
     ImapAborted,
     ImapError,
     ImapRefused,
     ImapSession,
+)
+from sokratos_worker.email.imap_answers import (
+    FetchedMessage,
     MailboxState,
     MessageRef,
-    OpenSessions,
     Refused,
     plan_batches,
 )
+from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.email.parse import (
     HEADER_LIMIT_BYTES,
     format_email_summary,

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig
-from sokratos_worker.email.imap import FetchedMessage, MessageRef
+from sokratos_worker.email.imap_answers import FetchedMessage, MessageRef
 from sokratos_worker.store import email as store
 from sokratos_worker.store.connection import translated
 from sokratos_worker.store.failures import EMAIL_OP_TYPE, record_failure

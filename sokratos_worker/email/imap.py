@@ -8,30 +8,96 @@ A session has a deadline besides the per-read timeout: a server that sends a byt
 seconds never trips the timeout of one read, so a :class:`SessionWatch` shuts the socket down
 when the session's time is up (or the worker stops, :class:`OpenSessions`) and the blocked read
 returns at once.
+
+The session's helpers live beside it: :mod:`.imap_sessions` (the watches and open-session
+tracking for shutdown), :mod:`.imap_hints` (what a connection failure means and what to set)
+and :mod:`.imap_answers` (parsing server answers, UID sets and batches). Their public names are
+re-exported here, for callers and tests that import them from this module.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import errno
 import imaplib
-import re
 import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig
+from sokratos_worker.email.imap_answers import (
+    BATCH_BYTES,
+    BATCH_MESSAGES,
+    ESEARCH_MAX,
+    MESSAGE_BYTES_LIMIT,
+    TEMPORARY_CODE,
+    FetchedMessage,
+    MailboxState,
+    MessageRef,
+    Refused,
+    answer_text,
+    encode_mailbox,
+    fetched_messages,
+    format_uid_set,
+    listed_refs,
+    parse_internaldate,
+    plan_batches,
+    quote_mailbox,
+    response_number,
+)
+from sokratos_worker.email.imap_hints import (
+    NoGreeting,
+    TlsProbe,
+    certificate_names,
+    describe,
+    name_mismatch,
+    next_step,
+    peek,
+)
+from sokratos_worker.email.imap_sessions import (
+    CutReason,
+    OpenSessions,
+    SessionWatch,
+    WatchedIMAP4,
+    WatchedIMAP4SSL,
+)
 from sokratos_worker.errors import WorkerError
+
+__all__ = [
+    "BATCH_BYTES",
+    "BATCH_MESSAGES",
+    "DEFAULT_DEADLINE_READ_TIMEOUTS",
+    "DEFAULT_TIMEOUT_S",
+    "GREETING_PATIENCE_S",
+    "HEADER_BYTES_LIMIT",
+    "LOOKUP_POLL_S",
+    "MESSAGE_BYTES_LIMIT",
+    "SEARCH_WINDOW",
+    "SEARCH_WINDOW_GROWTH",
+    "CutReason",
+    "FetchedMessage",
+    "ImapAborted",
+    "ImapError",
+    "ImapRefused",
+    "ImapSession",
+    "MailboxState",
+    "MessageRef",
+    "NoGreeting",
+    "OpenSessions",
+    "Refused",
+    "SessionWatch",
+    "encode_mailbox",
+    "parse_internaldate",
+    "plan_batches",
+    "quote_mailbox",
+    "ssl_context",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -40,12 +106,6 @@ DEFAULT_TIMEOUT_S = 30.0
 LOOKUP_POLL_S = 0.1
 # Without a deadline of its own, a session may last this many read timeouts in all.
 DEFAULT_DEADLINE_READ_TIMEOUTS = 4
-# Bounded batches: at most this many messages, or this many bytes, per UID FETCH.
-BATCH_MESSAGES = 50
-BATCH_BYTES = 20 * 1024 * 1024
-# A message is read up to this many bytes (a partial FETCH): triage uses 2000 bytes of its
-# text, and a 54 MB message read and parsed whole cost the worker about 240 MB of memory.
-MESSAGE_BYTES_LIMIT = 16 * 1024 * 1024
 # A header block read only to compute a message's key (the restore check's fallback for mail
 # recorded without its size and arrival date) is read up to this many bytes.
 HEADER_BYTES_LIMIT = 64 * 1024
@@ -58,23 +118,6 @@ SEARCH_WINDOW_GROWTH = 16
 # A plain-IMAP server greets at once; one silent this long is asked whether it speaks TLS
 # (an implicit-TLS port never greets a client that does not start TLS first).
 GREETING_PATIENCE_S = 3.0
-
-# OpenSSL verify codes (X509_V_ERR_*): a trusted certificate for other names than the host,
-# an issuer missing from the trust store, an expired certificate.
-_NAME_MISMATCH = frozenset({62, 64})
-_UNKNOWN_ISSUER = frozenset({2, 18, 19, 20, 21})
-_EXPIRED = 10
-# OpenSSL's reasons when a TLS client gets plain text back (a plain-IMAP greeting).
-_NOT_TLS = frozenset(
-    {"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}
-)
-
-_UID = re.compile(rb"\bUID (\d+)")
-_SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
-_INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
-_ESEARCH_MAX = re.compile(rb"\bMAX (\d+)", re.IGNORECASE)
-# RFC 5530 response codes that describe the server's state, not one message's.
-_TEMPORARY = re.compile(r"\[(UNAVAILABLE|INUSE|LIMIT|OVERQUOTA)\b", re.IGNORECASE)
 
 
 class ImapError(WorkerError):
@@ -90,243 +133,8 @@ class ImapRefused(ImapError):
         self.answer = answer
 
 
-class NoGreeting(TimeoutError):
-    """The server accepted the connection but sent no IMAP greeting; the text says why."""
-
-
 class ImapAborted(ImapError):
     """The worker is stopping: the session was cut short (the account's fault it is not)."""
-
-
-CutReason = Literal["deadline", "stopping"]
-
-
-def _shut_down(sock: socket.socket) -> None:
-    """Shut the socket down so a read blocked on it in another thread returns at once."""
-    # The plain socket's shutdown, not SSLSocket's, which also drops the TLS state under the
-    # reading thread; a socket already closed or detached has nothing left to cut.
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-class SessionWatch:
-    """Cuts one session's connection when its deadline passes or the worker stops."""
-
-    def __init__(self, deadline_s: float) -> None:
-        self.cut_reason: CutReason | None = None
-        self._lock = threading.Lock()
-        self._socket: socket.socket | None = None
-        self._timer = threading.Timer(deadline_s, self.cut, args=("deadline",))
-        self._timer.daemon = True  # a timer left running never holds the process at exit
-
-    def start(self) -> None:
-        """Start counting down the deadline."""
-        self._timer.start()
-
-    def watch(self, sock: socket.socket) -> None:
-        """The socket the session reads from now on; cut at once if the session already is."""
-        with self._lock:
-            self._socket = sock
-            if self.cut_reason is not None:
-                _shut_down(sock)
-
-    def cut(self, reason: CutReason) -> None:
-        """Shut the watched socket down (and any watched later); the first reason stays."""
-        with self._lock:
-            if self.cut_reason is None:
-                self.cut_reason = reason
-            if self._socket is not None:
-                _shut_down(self._socket)
-
-    def end(self) -> None:
-        """The session is closed: stop the timer and forget the socket."""
-        self._timer.cancel()
-        with self._lock:
-            self._socket = None
-
-    def tls_socket_class(self) -> type[ssl.SSLSocket]:
-        """An SSLSocket class that is watched from its handshake on (a server can trickle that)."""
-        watch = self
-
-        class WatchedSSLSocket(ssl.SSLSocket):
-            def do_handshake(self, block: bool = False) -> None:
-                # wrap_socket returns the socket only after the handshake: watch it from here.
-                watch.watch(self)
-                super().do_handshake(block)
-
-        return WatchedSSLSocket
-
-
-class OpenSessions:
-    """The IMAP sessions open in one process, so that stopping it can cut them all at once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watches: set[SessionWatch] = set()
-        self._stopping = False
-
-    @property
-    def stopping(self) -> bool:
-        """True once :meth:`cut_all` ran: every session opened after it is cut at once."""
-        return self._stopping
-
-    def add(self, watch: SessionWatch) -> None:
-        """Track an opening session (cut at once when the process is stopping)."""
-        with self._lock:
-            self._watches.add(watch)
-            stopping = self._stopping
-        if stopping:
-            watch.cut("stopping")
-
-    def discard(self, watch: SessionWatch) -> None:
-        """Forget a closed session."""
-        with self._lock:
-            self._watches.discard(watch)
-
-    def cut_all(self) -> int:
-        """Cut every open session, and every one opened later; returns how many were open."""
-        with self._lock:
-            self._stopping = True
-            watches = list(self._watches)
-        for watch in watches:
-            watch.cut("stopping")
-        return len(watches)
-
-
-SocketOpener = Callable[[], socket.socket]
-
-
-class _WatchedIMAP4(imaplib.IMAP4):
-    """imaplib's plaintext client on a socket the session opened (and watches)."""
-
-    def __init__(self, host: str, port: int, timeout: float, opener: SocketOpener) -> None:
-        self._opener = opener
-        super().__init__(host, port, timeout)
-
-    def _create_socket(self, timeout: float | None) -> socket.socket:
-        return self._opener()
-
-
-class _WatchedIMAP4SSL(imaplib.IMAP4_SSL):
-    """imaplib's implicit-TLS client on a socket the session opened (and watches)."""
-
-    def __init__(
-        self, host: str, port: int, context: ssl.SSLContext, timeout: float, opener: SocketOpener
-    ) -> None:
-        self._opener = opener
-        super().__init__(host, port, ssl_context=context, timeout=timeout)
-
-    def _create_socket(self, timeout: float | None) -> socket.socket:
-        sock: socket.socket = self.ssl_context.wrap_socket(
-            self._opener(), server_hostname=self.host
-        )
-        return sock
-
-
-@dataclass(frozen=True)
-class MailboxState:
-    """What EXAMINE reported: the UIDVALIDITY epoch, the number of messages and UIDNEXT."""
-
-    uidvalidity: int
-    exists: int
-    uidnext: int | None = None  # the UID the next message will get (None: not reported)
-
-
-@dataclass(frozen=True)
-class MessageRef:
-    """A message above the checkpoint, before its body is fetched."""
-
-    uid: int
-    size: int
-    internal_date: datetime | None = None
-
-
-@dataclass(frozen=True)
-class FetchedMessage:
-    """One message's raw bytes and IMAP arrival date (INTERNALDATE)."""
-
-    uid: int
-    internal_date: datetime | None
-    raw: bytes
-    server_size: int = 0  # RFC822.SIZE, when it was asked for
-
-    @property
-    def size(self) -> int:
-        """The message's size on the server (at least what was read)."""
-        return max(self.server_size, len(self.raw))
-
-    @property
-    def truncated(self) -> bool:
-        """True when the message is larger than what was read (MESSAGE_BYTES_LIMIT)."""
-        # Some servers report a size a few bytes off what they send: only a full read counts.
-        return len(self.raw) >= MESSAGE_BYTES_LIMIT and self.server_size > len(self.raw)
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A message whose single UID FETCH the server refused; ``answer`` is the server's reply."""
-
-    uid: int
-    answer: str
-
-
-def plan_batches(refs: list[MessageRef], *, headers_only: bool = False) -> Iterator[list[int]]:
-    """The UIDs of ``refs`` in order, in batches bounded by count and by bytes."""
-    batch: list[int] = []
-    size = 0
-    for ref in refs:
-        if batch and (len(batch) >= BATCH_MESSAGES or size + ref.size > BATCH_BYTES):
-            yield batch
-            batch, size = [], 0
-        batch.append(ref.uid)
-        size += 0 if headers_only else min(ref.size, MESSAGE_BYTES_LIMIT)
-    if batch:
-        yield batch
-
-
-def _fetched(data: list[Any]) -> dict[int, FetchedMessage]:
-    """The messages in a UID FETCH answer, by UID."""
-    found: dict[int, FetchedMessage] = {}
-    for index, item in enumerate(data):
-        if not isinstance(item, tuple):
-            continue
-        prefix, raw = item[0], item[1]
-        following = data[index + 1] if index + 1 < len(data) else b""
-        # Some servers send UID or INTERNALDATE after the literal: look on both sides.
-        meta = prefix + (following if isinstance(following, bytes) else b"")
-        uid = _UID.search(meta)
-        if uid is None:
-            continue
-        date = _INTERNALDATE.search(meta)
-        size = _SIZE.search(meta)  # asked for with the whole message only
-        found[int(uid.group(1))] = FetchedMessage(
-            uid=int(uid.group(1)),
-            internal_date=parse_internaldate(date.group(1)) if date else None,
-            raw=raw,
-            server_size=int(size.group(1)) if size else 0,
-        )
-    return found
-
-
-def _listed(data: list[Any]) -> Iterator[MessageRef]:
-    """The messages of a ``UID FETCH (UID RFC822.SIZE INTERNALDATE)`` answer."""
-    for line in data:
-        text = line[0] if isinstance(line, tuple) else line
-        if not isinstance(text, bytes):
-            continue
-        uid, size, date = _UID.search(text), _SIZE.search(text), _INTERNALDATE.search(text)
-        if uid is None:
-            continue
-        yield MessageRef(
-            uid=int(uid.group(1)),
-            size=int(size.group(1)) if size else 0,
-            internal_date=parse_internaldate(date.group(1)) if date else None,
-        )
-
-
-def _answer(data: list[Any]) -> str:
-    """A server's reply text (bytes joined and decoded)."""
-    return b" ".join(d for d in data if isinstance(d, bytes)).decode("utf-8", "replace").strip()
 
 
 def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
@@ -336,180 +144,6 @@ def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
-
-
-def encode_mailbox(name: str) -> str:
-    """IMAP's modified UTF-7 (RFC 3501 §5.1.3), so folder names like "Überweisungen" work."""
-    out: list[str] = []
-    pending: list[str] = []
-
-    def flush() -> None:
-        if pending:
-            data = "".join(pending).encode("utf-16-be")
-            out.append("&" + base64.b64encode(data).decode().rstrip("=").replace("/", ",") + "-")
-            pending.clear()
-
-    for char in name:
-        if 0x20 <= ord(char) <= 0x7E:
-            flush()
-            out.append("&-" if char == "&" else char)
-        else:
-            pending.append(char)
-    flush()
-    return "".join(out)
-
-
-def quote_mailbox(name: str) -> str:
-    """An IMAP quoted string of the encoded name, so names with spaces work."""
-    encoded = encode_mailbox(name)
-    return '"' + encoded.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def parse_internaldate(value: bytes) -> datetime | None:
-    """``"17-Jul-1996 02:44:25 -0700"`` → an aware datetime (None when malformed)."""
-    try:
-        return datetime.strptime(value.decode("ascii").strip(), "%d-%b-%Y %H:%M:%S %z")
-    except (UnicodeDecodeError, ValueError):
-        return None
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if text.startswith(("b'", 'b"')):
-        text = text[2:-1]
-    if isinstance(exc, NoGreeting):
-        return text  # it says what happened in words: no class name needed
-    # imaplib's own exception classes are all called "error": name them by what they are.
-    name = "IMAP error" if isinstance(exc, imaplib.IMAP4.error) else type(exc).__name__
-    return f"{name}: {text}" if text else name
-
-
-def _certificate_step(
-    exc: ssl.SSLCertVerificationError, account: EmailAccountConfig, names: tuple[str, ...]
-) -> str:
-    """What to do about a certificate the client refused, by OpenSSL's verify code."""
-    code = exc.verify_code
-    if code in _NAME_MISMATCH:
-        covered = f"only for {', '.join(names)}" if names else "for other names"
-        return (
-            f" (the server's certificate is from a trusted issuer but {covered}, not"
-            f" {account.host}: set the account's host to a name the certificate covers, or"
-            f" have the server's certificate issued for {account.host}; ca_file is not the cause)"
-        )
-    if code == _EXPIRED:
-        return " (the server's certificate has expired: ask the server's operator to renew it)"
-    if code not in _UNKNOWN_ISSUER and code is not None:
-        return ""
-    if account.ca_file:
-        return (
-            f" (the account's ca_file {account.ca_file} does not hold the CA that issued the"
-            " server's certificate: put that CA's certificate there, docs/email.md)"
-        )
-    return " (a self-signed or private CA? set the account's ca_file, docs/email.md)"
-
-
-def _next_step(exc: BaseException, account: EmailAccountConfig, names: tuple[str, ...] = ()) -> str:
-    """What an operator does about the common causes, appended to the error.
-
-    ``names`` are the names the server's certificate covers, when a name mismatch was read.
-    """
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return _certificate_step(exc, account, names)
-    if isinstance(exc, ssl.SSLError) and account.security == "tls" and exc.reason in _NOT_TLS:
-        return (
-            f" (the server did not answer TLS: port {account.imap_port} probably speaks plain"
-            ' IMAP; set security "starttls" for this port, or use port 993 with "tls")'
-        )
-    if isinstance(exc, imaplib.IMAP4.error) and "AUTHENTICATIONFAILED" in str(exc).upper():
-        return " (check username and password; Gmail, Fastmail and iCloud need an app password)"
-    return ""
-
-
-def _certificate_names(cert: dict[str, Any]) -> tuple[str, ...]:
-    """The DNS names and IP addresses a parsed certificate covers (its CN without them)."""
-    alt = [value for kind, value in cert.get("subjectAltName", ()) if kind in ("DNS", "IP Address")]
-    if alt:
-        return tuple(alt)
-    return tuple(v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName")
-
-
-def _peek(sock: socket.socket, wait_s: float) -> bool:
-    """True when the server sent something (or closed) within ``wait_s``; nothing is consumed."""
-    sock.settimeout(max(wait_s, 0.001))
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except TimeoutError:
-        return False
-    except OSError:
-        return True  # the read that follows reports it
-    return True
-
-
-class _TlsProbe:
-    """Asks a second connection to ``address`` whether the port answers a TLS handshake,
-    without blocking: the caller waits on :meth:`wants` together with other sockets and calls
-    :meth:`step` when one of them is ready. ``answer`` is None until it is known."""
-
-    def __init__(self, address: Any, family: int) -> None:
-        self.answer: bool | None = None
-        self._tls: ssl.SSLSocket | None = None
-        self._raw = socket.socket(family, socket.SOCK_STREAM)
-        self._raw.setblocking(False)
-        self._connected = False
-        self._want_write = True
-        try:
-            code = self._raw.connect_ex(address)
-        except OSError:
-            self._finish(False)
-            return
-        if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
-            self._finish(False)
-
-    def wants(self) -> tuple[list[socket.socket], list[socket.socket]]:
-        """The sockets to wait on: ``(readable, writable)``; empty once the answer is known."""
-        if self.answer is not None:
-            return [], []
-        sock = self._tls or self._raw  # wrapping takes the raw socket's descriptor over
-        return ([], [sock]) if self._want_write else ([sock], [])
-
-    def step(self) -> None:
-        """Go on with connecting or the handshake as far as it goes without blocking."""
-        if self.answer is not None:
-            return
-        try:
-            if not self._connected:
-                error = self._raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if error:
-                    self._finish(False)
-                    return
-                self._connected = True
-                context = ssl.create_default_context()
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE  # only whether TLS comes back matters
-                self._tls = context.wrap_socket(self._raw, do_handshake_on_connect=False)
-            assert self._tls is not None  # noqa: S101 - set on connecting
-            self._tls.do_handshake()
-            self._finish(True)
-        except ssl.SSLWantReadError:
-            self._want_write = False
-        except ssl.SSLWantWriteError:
-            self._want_write = True
-        except ssl.SSLError as exc:
-            # A TLS server refusing this client still speaks TLS.
-            self._finish("ALERT" in (exc.reason or ""))
-        except OSError:
-            self._finish(False)
-
-    def _finish(self, answer: bool) -> None:
-        self.answer = answer
-        self.close()
-
-    def close(self) -> None:
-        """Drop the probe's connection (its answer, if known, stays)."""
-        for sock in (self._tls, self._raw):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
 
 
 class ImapSession:
@@ -589,8 +223,8 @@ class ImapSession:
                 " slow (a large first check over a slow link), raise"
                 " SOKRATOS_EMAIL_CHECK_DEADLINE; else ask the server's operator"
             )
-        names = self._certificate_names() if _name_mismatch(exc) else ()
-        return ImapError(f"{what}: {_describe(exc)}{_next_step(exc, self.account, names)}")
+        names = self._certificate_names() if name_mismatch(exc) else ()
+        return ImapError(f"{what}: {describe(exc)}{next_step(exc, self.account, names)}")
 
     def _certificate_names(self) -> tuple[str, ...]:
         """The names the server's certificate covers, read over a second connection that checks
@@ -601,9 +235,9 @@ class ImapSession:
         conn: imaplib.IMAP4 | None = None
         try:
             if self.account.security == "tls":
-                conn = _WatchedIMAP4SSL(host, port, context, self.timeout, self._open_socket)
+                conn = WatchedIMAP4SSL(host, port, context, self.timeout, self._open_socket)
             else:
-                conn = _WatchedIMAP4(host, port, self.timeout, self._open_socket)
+                conn = WatchedIMAP4(host, port, self.timeout, self._open_socket)
                 conn.starttls(ssl_context=context)
             cert = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError):
@@ -612,7 +246,7 @@ class ImapSession:
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.shutdown()
-        return _certificate_names(cert) if cert else ()
+        return certificate_names(cert) if cert else ()
 
     def __exit__(
         self,
@@ -644,10 +278,8 @@ class ImapSession:
         """Connected and greeted; watched from the name lookup on."""
         host, port = self.account.host, self.account.imap_port
         if self.account.security == "tls":
-            return _WatchedIMAP4SSL(
-                host, port, self._ssl_context(), self.timeout, self._open_socket
-            )
-        return _WatchedIMAP4(host, port, self.timeout, self._open_greeted_socket)
+            return WatchedIMAP4SSL(host, port, self._ssl_context(), self.timeout, self._open_socket)
+        return WatchedIMAP4(host, port, self.timeout, self._open_greeted_socket)
 
     def _open_greeted_socket(self) -> socket.socket:
         """A TCP connection on which the server's greeting has begun to arrive."""
@@ -672,9 +304,9 @@ class ImapSession:
         """
         started = time.monotonic()
         patience = min(GREETING_PATIENCE_S, self.timeout / 2)
-        if _peek(sock, patience):
+        if peek(sock, patience):
             return
-        probe = None if self._watch.cut_reason else _TlsProbe(sock.getpeername(), sock.family)
+        probe = None if self._watch.cut_reason else TlsProbe(sock.getpeername(), sock.family)
         try:
             while (left := self.timeout - (time.monotonic() - started)) > 0:
                 readable, writable = probe.wants() if probe else ([], [])
@@ -779,14 +411,14 @@ class ImapSession:
 
     def _check(self, typ: str, data: list[object], what: str) -> None:
         if typ != "OK":
-            raise ImapError(f"{what} on {self._where()} failed: {typ} {_answer(data)}".strip())
+            raise ImapError(f"{what} on {self._where()} failed: {typ} {answer_text(data)}".strip())
 
     def _bye(self) -> str | None:
         """The server's BYE text when it closed the connection itself (not a cut session)."""
         if self._watch.cut_reason is not None or self._conn is None:
             return None
         bye = self._conn.untagged_responses.get("BYE")
-        return _answer(list(bye)) if bye else None
+        return answer_text(list(bye)) if bye else None
 
     def examine(self) -> MailboxState:
         """Open the account's mailbox read-only and read its UIDVALIDITY."""
@@ -803,7 +435,7 @@ class ImapSession:
         self._state = MailboxState(
             uidvalidity=int(validity[0]),
             exists=int(exists or b"0"),
-            uidnext=_number(uidnext),
+            uidnext=response_number(uidnext),
         )
         return self._state
 
@@ -825,7 +457,7 @@ class ImapSession:
             raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
         refs: dict[int, MessageRef] = {}
         at_or_below: MessageRef | None = None
-        for ref in _listed(list(data)):
+        for ref in listed_refs(list(data)):
             if ref.uid > last_uid:
                 refs[ref.uid] = ref
             elif at_or_below is None or ref.uid > at_or_below.uid:
@@ -836,13 +468,13 @@ class ImapSession:
         """UID ``uid``'s RFC822.SIZE and INTERNALDATE (one small UID FETCH), or None when it
         is not in the mailbox; raises :class:`ImapRefused` when the server refuses it."""
         data = self._uid_fetch([uid], "UID RFC822.SIZE INTERNALDATE")
-        return next((ref for ref in _listed(data) if ref.uid == uid), None)
+        return next((ref for ref in listed_refs(data) if ref.uid == uid), None)
 
     def header_block(self, uid: int, limit: int = HEADER_BYTES_LIMIT) -> bytes | None:
         """The first ``limit`` bytes of UID ``uid``'s header block (``BODY.PEEK[HEADER]<0.N>``),
         or None when it is not in the mailbox; raises :class:`ImapRefused` when refused."""
         data = self._uid_fetch([uid], f"INTERNALDATE BODY.PEEK[HEADER]<0.{limit}>")
-        found = _fetched(data).get(uid)
+        found = fetched_messages(data).get(uid)
         return found.raw if found is not None else None
 
     def _capabilities(self) -> frozenset[str]:
@@ -888,7 +520,7 @@ class ImapSession:
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
         for line in answer:
-            found = _ESEARCH_MAX.search(line) if isinstance(line, bytes) else None
+            found = ESEARCH_MAX.search(line) if isinstance(line, bytes) else None
             if found and int(found.group(1)) <= last_uid:
                 return int(found.group(1))
         return None  # no MAX: no message in the range
@@ -918,7 +550,7 @@ class ImapSession:
             if headers_only
             else f"RFC822.SIZE BODY.PEEK[]<0.{MESSAGE_BYTES_LIMIT}>"
         )
-        found = _fetched(self._uid_fetch(uids, f"UID INTERNALDATE {section}"))
+        found = fetched_messages(self._uid_fetch(uids, f"UID INTERNALDATE {section}"))
         missing = [uid for uid in uids if uid not in found]
         if missing:
             self._skip_vanished(missing)
@@ -927,9 +559,9 @@ class ImapSession:
     def _uid_fetch(self, uids: list[int], items: str) -> list[Any]:
         """The raw answer to one UID FETCH of ``items``; raises ImapRefused for a NO or a
         server's BYE."""
-        where = f"UID FETCH {_uid_set(uids)} on {self._where()}"
+        where = f"UID FETCH {format_uid_set(uids)} on {self._where()}"
         try:
-            typ, data = self.conn.uid("FETCH", _uid_set(uids), f"({items})")
+            typ, data = self.conn.uid("FETCH", format_uid_set(uids), f"({items})")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             bye = self._bye()
             if bye is None:
@@ -937,8 +569,8 @@ class ImapSession:
             self._reopen()  # the server closed the connection: later messages need a new one
             raise ImapRefused(f"{where} was refused: BYE {bye}", f"BYE {bye}") from None
         if typ == "NO":
-            answer = f"NO {_answer(list(data))}".strip()
-            if _TEMPORARY.search(answer):
+            answer = f"NO {answer_text(list(data))}".strip()
+            if TEMPORARY_CODE.search(answer):
                 # The server's state, not this message's (RFC 5530): the check just stops.
                 raise ImapError(f"{where} failed for now: {answer}")
             raise ImapRefused(f"{where} was refused: {answer}", answer)
@@ -967,7 +599,7 @@ class ImapSession:
     def _existing(self, uids: list[int]) -> set[int]:
         """Which of ``uids`` are still in the mailbox (UID SEARCH)."""
         try:
-            typ, data = self.conn.uid("SEARCH", "UID", _uid_set(uids))
+            typ, data = self.conn.uid("SEARCH", "UID", format_uid_set(uids))
             self._check(typ, list(data), "UID SEARCH")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
             raise self._failure(f"UID SEARCH on {self._where()} failed", exc) from None
@@ -989,7 +621,7 @@ class ImapSession:
                 log.warning(
                     "email_batch_refused",
                     account=self.account.name,
-                    uids=_uid_set(uids),
+                    uids=format_uid_set(uids),
                     answer=exc.answer,
                     what_to_do="nothing: fetching its messages one at a time",
                 )
@@ -1001,19 +633,3 @@ class ImapSession:
                 self._skip_vanished(uids)
             return
         yield from messages
-
-
-def _name_mismatch(exc: BaseException) -> bool:
-    """A certificate refused only because it is for other names than the account's host."""
-    return isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code in _NAME_MISMATCH
-
-
-def _number(data: list[Any]) -> int | None:
-    """The number in an untagged response code such as ``[UIDNEXT 42]``, if one came."""
-    value = data[0] if data else None
-    return int(value) if isinstance(value, bytes) and value.strip().isdigit() else None
-
-
-def _uid_set(uids: list[int]) -> str:
-    """An IMAP sequence set of UIDs."""
-    return ",".join(map(str, uids))
