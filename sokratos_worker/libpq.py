@@ -190,8 +190,8 @@ _OPTION_REFUSED = (
     (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
     (re.compile(r'invalid "?(\w+)"? value: '), None),
     (re.compile(r"could not match \d+ port numbers"), "port"),
-    # sslnegotiation=direct or sslrootcert=system from a service file (config.py checks the
-    # URL's and the variables').
+    # sslnegotiation=direct or sslrootcert=system from a service file (config_validators.py
+    # checks the URL's and the variables').
     (re.compile(r'weak sslmode "[^"]*" may not be used with'), "sslmode"),
     # Checked before store/connection.py's login markers, whose "does not exist" would take it.
     (re.compile(r'root certificate file "[^"]*" does not exist'), "sslrootcert"),
