@@ -185,7 +185,7 @@ def _distillable(payload: dict[str, Any]) -> None:
 
     size = byte_len(archive_from_payload(payload, datetime.now(UTC)).text)
     if size > MAX_ARCHIVE_BYTES:
-        name = "archive_text" if "archive_text" in payload else "messages"
+        name = "archive_text" if payload.get("archive_text") is not None else "messages"
         raise InvalidPayload(
             name,
             f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"

@@ -103,7 +103,7 @@ class Effects:
     """What a handler decided for one item; the store writes it in one transaction.
 
     ``existing_memory_ids`` lists memories the item matched without writing (a
-    near-duplicate), so ``work_outcomes.memory_ids`` can point at them.
+    near-duplicate, or a known fact), so ``work_outcomes.memory_ids`` can point at them.
     """
 
     outcome: Outcome

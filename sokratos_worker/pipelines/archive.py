@@ -28,9 +28,13 @@ class Archive:
 
 
 def archive_from_payload(payload: dict[str, Any], archived_at: datetime) -> Archive:
-    """Either payload shape as archive text; InvalidPayload names the offending field."""
-    has_messages = "messages" in payload
-    has_text = "archive_text" in payload
+    """Either payload shape as archive text; InvalidPayload names the offending field.
+
+    A null ``messages`` or ``archive_text`` counts as absent, as in the SQL enqueue check: a Go
+    struct without ``omitempty`` sends the unused field as null.
+    """
+    has_messages = payload.get("messages") is not None
+    has_text = payload.get("archive_text") is not None
     if has_messages == has_text:
         raise InvalidPayload("messages", "or archive_text is required (exactly one of them)")
     if has_text:

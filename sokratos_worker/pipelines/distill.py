@@ -129,7 +129,7 @@ class DistillationHandler:
         memories: list[NewMemory] = []
         supersessions: list[Supersession] = []
         existing: list[int] = []
-        known = 0
+        known = 0  # facts matching one planned earlier in this item (no existing memory)
         unchecked = 0  # facts saved without a contradiction verdict
         escaped = 0  # facts whose text held NUL or lone surrogates
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
@@ -151,7 +151,9 @@ class DistillationHandler:
             )
             if plan.memories and plan.memories[0].embedding is not None:
                 batch.append(plan.memories[0].embedding)
-            if plan.known_fact:
+            if plan.known_fact_of is not None:
+                existing.append(plan.known_fact_of)
+            elif plan.known_fact:
                 known += 1
             elif plan.duplicate_of is not None:
                 existing.append(plan.duplicate_of)
@@ -215,7 +217,7 @@ def _bounded(item: Item, archive: Archive) -> Archive:
     """The archive, or InvalidPayload when it is longer than is distilled."""
     size = byte_len(archive.text)
     if size > MAX_ARCHIVE_BYTES:
-        name = "archive_text" if "archive_text" in item.payload else "messages"
+        name = "archive_text" if item.payload.get("archive_text") is not None else "messages"
         raise InvalidPayload(
             name,
             f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled"

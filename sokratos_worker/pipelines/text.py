@@ -96,12 +96,18 @@ def is_trivial(exchange: str) -> bool:
 
 
 def cap_assistant_reply(exchange: str, cap: int = ASSISTANT_REPLY_CAP) -> str:
-    """Truncate the reply after the first "\\nassistant: " to ``cap`` bytes (plus "...")."""
-    at = exchange.find(ASSISTANT_MARKER)
+    """Truncate the reply after the conversation's first "\\nassistant: " to ``cap`` bytes
+    (plus "..."); the tool context is left to :func:`bound_triage_input`.
+
+    Only the conversation is searched, as a tool result holding the marker would otherwise
+    have the user's words cut in favour of tool output.
+    """
+    tools, conversation = split_tool_context(exchange)
+    at = conversation.find(ASSISTANT_MARKER)
     if at < 0:
         return exchange
-    head = exchange[: at + len(ASSISTANT_MARKER)]
-    return head + truncate(exchange[len(head) :], cap)
+    head = conversation[: at + len(ASSISTANT_MARKER)]
+    return tools + head + truncate(conversation[len(head) :], cap)
 
 
 def split_tool_context(exchange: str) -> tuple[str, str]:

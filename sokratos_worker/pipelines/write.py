@@ -55,6 +55,8 @@ class WritePlan:
     supersessions: tuple[Supersession, ...] = ()
     duplicate_of: int | None = None
     known_fact: bool = False
+    # The saved memory within 0.15 (None when the match is a fact planned earlier in the item).
+    known_fact_of: int | None = None
     contradiction_backend: str | None = None
     contradiction_failed: str | None = None  # why no verdict came (saved all the same)
     escaped: bool = False  # the model's text held NUL or lone surrogates, escaped to be stored
@@ -113,11 +115,12 @@ class MemoryWriter:
             return WritePlan(memories=self._rows(item, draft, bare, first_chunk), escaped=escaped)
         first = self._embed(chunks[0])
         vec = first[0][1]
-        if fact_dedupe and (
-            any(cosine_distance(vec, other) < FACT_DUPLICATE_DISTANCE for other in batch)
-            or self.reader.fact_exists(vec, FACT_DUPLICATE_DISTANCE)
-        ):
-            return WritePlan(known_fact=True)
+        if fact_dedupe:
+            if any(cosine_distance(vec, other) < FACT_DUPLICATE_DISTANCE for other in batch):
+                return WritePlan(known_fact=True)
+            known = self.reader.known_fact_id(vec, FACT_DUPLICATE_DISTANCE)
+            if known is not None:
+                return WritePlan(known_fact=True, known_fact_of=known)
         duplicate = self.reader.near_duplicate(vec, NEAR_DUPLICATE_DISTANCE)
         if duplicate is not None:
             return WritePlan(duplicate_of=duplicate)

@@ -299,17 +299,18 @@ class MemoryReader:
         )
         return [MemorySnippet(int(r[0]), str(r[1])) for r in rows]
 
-    def fact_exists(
+    def known_fact_id(
         self, vec: Sequence[float], max_distance: float = FACT_DUPLICATE_DISTANCE
-    ) -> bool:
-        """True when any memory at all (superseded and identity included) is this close."""
+    ) -> int | None:
+        """The nearest memory at all (superseded and identity included) this close, if any:
+        the outcome names it, as the settle's own re-check does."""
         rows = self._read(
-            "fact_exists",
-            f"SELECT EXISTS ({_ANY_MEMORY})",
+            "known_fact_id",
+            _ANY_MEMORY + _NEAREST,
             {**self._vec(vec), "max": max_distance},
-            fallback=[(False,)],
+            fallback=[],
         )
-        return bool(rows[0][0])
+        return int(rows[0][0]) if rows else None
 
     def preference_traits(self) -> list[tuple[str, str]]:
         """The user's ``preference`` traits by key; empty when Sokratos's table is absent."""

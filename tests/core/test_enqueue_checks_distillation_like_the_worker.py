@@ -70,3 +70,36 @@ def test_the_python_client_refuses_it_too(database_url: str) -> None:
     with psycopg.connect(database_url) as conn:
         keys = conn.execute("SELECT idempotency_key FROM pending_distillation").fetchall()
     assert keys == [("user-1",)]
+
+
+@pytest.mark.parametrize(
+    ("payload", "accepted"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "archive_text": None}, True),
+        ({"messages": None, "archive_text": "user: I moved to Porto"}, True),
+        ({"messages": None, "archive_text": None}, False),
+        ({"messages": None}, False),
+        ({"archive_text": None}, False),
+    ],
+    ids=["archive-text-null", "messages-null", "both-null", "only-messages-null", "only-text-null"],
+)
+def test_a_null_field_is_absent_to_the_sql_check_and_the_worker_alike(
+    database_url: str, payload: dict[str, object], accepted: bool
+) -> None:
+    """A Go struct without omitempty sends the unused field as null: the SQL function, the
+    CLI / Python client check and the worker's own check (check_distillation runs it) agree."""
+    from sokratos_worker import client
+    from sokratos_worker.errors import InvalidPayload
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        try:
+            conn.execute("SELECT sokratos_enqueue_distillation(%s::jsonb)", (json.dumps(payload),))
+            sql_accepts = True
+        except psycopg.errors.InvalidParameterValue:
+            sql_accepts = False
+    try:
+        client.check_distillation(payload)
+        worker_accepts = True
+    except InvalidPayload:
+        worker_accepts = False
+    assert (sql_accepts, worker_accepts) == (accepted, accepted)

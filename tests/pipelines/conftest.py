@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -9,9 +10,15 @@ from typing import Any
 import psycopg
 import pytest
 
+from sokratos_worker.config import load_settings
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.model import Effects, Item, Queue
+from sokratos_worker.pipelines import build_handlers
+from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import write_effects
+from sokratos_worker.testing.scripted_llm import ScriptedLLM
 
 from .fakes import FakeChat, FakeEmbedder
 
@@ -88,3 +95,47 @@ def memory_rows(db: psycopg.Connection) -> list[dict[str, Any]]:
                       CASE WHEN embedding IS NULL THEN NULL ELSE vector_dims(embedding) END AS dims
                FROM memories ORDER BY id"""
         ).fetchall()
+
+
+def enqueue(db: psycopg.Connection, sql: str, *args: Any) -> int:
+    """Run an enqueue function (``SELECT sokratos_enqueue_…(…)``); the item id."""
+    row = db.execute(sql, args).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def drain(database_url: str, server: ScriptedLLM, **env: str) -> None:
+    """Run the real runner, pipelines and chat client against ``server`` until the queues are
+    empty; one attempt per item, so a retry cannot hide a failure."""
+    settings = load_settings(
+        {
+            "SOKRATOS_DATABASE_URL": database_url,
+            "SOKRATOS_MAX_ATTEMPTS": "1",
+            "SOKRATOS_LLM_BACKENDS": json.dumps(
+                [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
+            ),
+            **env,
+        }
+    )
+    chat = FallbackChatClient(settings.llm_backends)
+    database = Database(database_url, size=settings.pool_size)
+    try:
+        handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
+        runner = Runner(
+            settings=settings, database=database, handlers=handlers, worker_id="test-worker"
+        )
+        runner.start(drain_only=True)
+        assert runner.wait_drained(60)
+    finally:
+        chat.close()
+        database.close()
+
+
+def outcome(db: psycopg.Connection, queue: str, item_id: int) -> tuple[str, list[int], str]:
+    """The item's (outcome, memory_ids, detail) from work_outcomes."""
+    row = db.execute(
+        "SELECT outcome, memory_ids, detail FROM work_outcomes WHERE queue = %s AND item_id = %s",
+        (queue, item_id),
+    ).fetchone()
+    assert row is not None, f"no outcome for {queue} {item_id}"
+    return row[0], list(row[1] or []), row[2]

@@ -29,8 +29,8 @@ from .fakes import FakeChat, FakeEmbedder
 
 
 class _Reader:
-    def fact_exists(self, vec, distance):
-        return False
+    def known_fact_id(self, vec, distance):
+        return None
 
     def near_duplicate(self, vec, distance=0.0, window_s=0.0):
         return None

@@ -112,13 +112,13 @@ def test_known_facts_are_skipped_and_no_new_fact_means_skipped(
     db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
 ) -> None:
     # Superseded and old memories count too for the 0.15 fact dedupe.
-    insert_memory(
+    lives = insert_memory(
         db,
         "Lives in Leipzig",
         near(embedder.vector("The user lives in Leipzig."), 0.1),
         age="30 days",
     )
-    insert_memory(
+    climbs = insert_memory(
         db, "Climbs", near(embedder.vector("The user goes climbing."), 0.12), memory_type="identity"
     )
     chat.script("distillation", FACTS)
@@ -126,6 +126,8 @@ def test_known_facts_are_skipped_and_no_new_fact_means_skipped(
     assert effects.outcome is Outcome.SKIPPED
     assert effects.detail == "no new fact (3 extracted, 2 known)"
     assert effects.memories == ()
+    # The outcome names the memories that hold the facts (contract: a skipped duplicate's ids).
+    assert sorted(effects.existing_memory_ids) == sorted((lives, climbs))
 
 
 def test_no_facts_is_skipped(database: Database, chat: FakeChat, embedder: FakeEmbedder) -> None:

@@ -8,16 +8,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from sokratos_worker.config import load_settings
-from sokratos_worker.handlers import HandlerContext
-from sokratos_worker.llm.chat import FallbackChatClient
-from sokratos_worker.pipelines import build_handlers, prompts
-from sokratos_worker.runner import Runner
-from sokratos_worker.store.connection import Database
+from sokratos_worker.pipelines import prompts
 from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
 
-from .conftest import memory_rows
-from .fakes import FakeEmbedder
+from .conftest import drain, enqueue, memory_rows
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -62,39 +56,6 @@ def _verdict(score: float, summary: str, *, save: bool = True) -> dict[str, Any]
     }
 
 
-def _enqueue(db: psycopg.Connection, sql: str, *args: Any) -> int:
-    row = db.execute(sql, args).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def _drain(database_url: str, server: ScriptedLLM, **env: str) -> None:
-    """Run the real runner, pipelines and chat client against ``server`` until the queues are
-    empty; one attempt per item, so a retry cannot hide a failure."""
-    settings = load_settings(
-        {
-            "SOKRATOS_DATABASE_URL": database_url,
-            "SOKRATOS_MAX_ATTEMPTS": "1",
-            "SOKRATOS_LLM_BACKENDS": json.dumps(
-                [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
-            ),
-            **env,
-        }
-    )
-    chat = FallbackChatClient(settings.llm_backends)
-    database = Database(database_url, size=settings.pool_size)
-    try:
-        handlers = build_handlers(HandlerContext(settings, database, chat, FakeEmbedder()))
-        runner = Runner(
-            settings=settings, database=database, handlers=handlers, worker_id="test-worker"
-        )
-        runner.start(drain_only=True)
-        assert runner.wait_drained(60)
-    finally:
-        chat.close()
-        database.close()
-
-
 def test_items_end_in_the_right_outcomes_and_rows(
     db: psycopg.Connection, database_url: str
 ) -> None:
@@ -102,17 +63,17 @@ def test_items_end_in_the_right_outcomes_and_rows(
     distil = "SELECT sokratos_enqueue_distillation(%s::jsonb)"
     exchange = "user: my daughter Mia started school in Graz today\nassistant: Congratulations!"
     ids = {
-        "saved": _enqueue(
+        "saved": enqueue(
             db, triage, json.dumps({"exchange": exchange, "pipeline_id": 99}), "conversation"
         ),
-        "trivial": _enqueue(db, triage, json.dumps({"exchange": "ok"}), "conversation"),
-        "low": _enqueue(
+        "trivial": enqueue(db, triage, json.dumps({"exchange": "ok"}), "conversation"),
+        "low": enqueue(
             db,
             triage,
             json.dumps({"exchange": "user: what's the weather\nassistant: sunny"}),
             "conversation",
         ),
-        "email": _enqueue(
+        "email": enqueue(
             db, triage, json.dumps({"text": "From: news@x\n\nSale!", "date": None}), "email"
         ),
     }
@@ -131,8 +92,8 @@ def test_items_end_in_the_right_outcomes_and_rows(
             {"role": "user", "content": "Great, I climb there twice a week."},
         ]
     }
-    distilled = _enqueue(db, distil, json.dumps(messages))
-    poison = _enqueue(
+    distilled = enqueue(db, distil, json.dumps(messages))
+    poison = enqueue(
         db,
         distil,
         json.dumps(
@@ -141,7 +102,7 @@ def test_items_end_in_the_right_outcomes_and_rows(
     )
 
     with ScriptedLLM(chat=respond) as server:
-        _drain(database_url, server, SOKRATOS_CONCURRENCY="2")
+        drain(database_url, server, SOKRATOS_CONCURRENCY="2")
 
     outcomes = {
         (row[0], row[1]): (row[2], row[3])
@@ -191,11 +152,11 @@ def test_the_same_fact_triaged_by_many_slots_at_once_is_saved_once(
     exchange = "user: my daughter Mia started school in Graz today\nassistant: Congratulations!"
     n = 24
     ids = [
-        _enqueue(db, "SELECT sokratos_enqueue_triage(%s::jsonb)", json.dumps({"exchange": exchange}))
+        enqueue(db, "SELECT sokratos_enqueue_triage(%s::jsonb)", json.dumps({"exchange": exchange}))
         for _ in range(n)
     ]
     with ScriptedLLM(chat=respond, latency=0.05) as server:  # (so that the slots overlap)
-        _drain(database_url, server, SOKRATOS_CONCURRENCY="8")
+        drain(database_url, server, SOKRATOS_CONCURRENCY="8")
 
     rows = db.execute(
         "SELECT item_id, outcome, memory_ids, detail FROM work_outcomes WHERE queue = 'pending_triage'"
@@ -221,13 +182,13 @@ def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(
             return Reply.chat({"facts": [{"text": fact, "salience": 6, "tags": ["hobby"]}]})
         return Reply.chat('{"facts": [{"text": "The user climbs at Kos', finish_reason="length")
 
-    item = _enqueue(
+    item = enqueue(
         db,
         "SELECT sokratos_enqueue_distillation(%s::jsonb)",
         json.dumps({"archive_text": "user: I climb at Kosmos in Leipzig twice a week."}),
     )
     with ScriptedLLM(chat=respond_cut_off_first) as server:
-        _drain(database_url, server)
+        drain(database_url, server)
         assert server.count() == 2  # the cut-off reply and the shorter one
 
     outcome, memory_ids = db.execute(
@@ -241,7 +202,7 @@ def test_a_distillation_cut_off_at_max_tokens_is_saved_from_the_shorter_retry(
 
 def _enqueue_exchange(db: psycopg.Connection) -> int:
     exchange = "user: I moved to Graz last week with my family\nassistant: Welcome to Graz!"
-    return _enqueue(
+    return enqueue(
         db, "SELECT sokratos_enqueue_triage(%s::jsonb)", json.dumps({"exchange": exchange})
     )
 
@@ -259,7 +220,7 @@ def test_a_nan_salience_is_never_saved(db: psycopg.Connection, database_url: str
     reply = json.dumps(_verdict(123456789, SAVED_SUMMARY)).replace("123456789", "NaN")
     item = _enqueue_exchange(db)
     with ScriptedLLM(chat=lambda r: Reply.chat(reply)) as server:
-        _drain(database_url, server)
+        drain(database_url, server)
     assert memory_rows(db) == []
     assert (_triage_outcome(db, item) or ("?",))[0] == "failed"
 
@@ -272,7 +233,7 @@ def test_a_nul_in_the_models_summary_is_escaped_noted_and_saved(
     reply["tags"] = ["graz\udcff"]
     item = _enqueue_exchange(db)
     with ScriptedLLM(chat=lambda r: Reply.chat(json.dumps(reply))) as server:
-        _drain(database_url, server)
+        drain(database_url, server)
     outcome = _triage_outcome(db, item)
     assert outcome is not None and outcome[0] == "saved", outcome
     assert "escaped" in outcome[1]
@@ -290,7 +251,7 @@ def test_a_request_refused_only_for_this_item_uses_its_attempts(
     item = _enqueue_exchange(db)
     waf = Reply.error(403, "Request blocked by WAF rule 942100", type="forbidden")
     with ScriptedLLM(chat=lambda r: waf) as server:
-        _drain(database_url, server)
+        drain(database_url, server)
         sent = server.count()
     assert sent == 1
     assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)

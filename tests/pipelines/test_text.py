@@ -109,6 +109,15 @@ def test_assistant_reply_capped_at_800_bytes() -> None:
     assert cap_assistant_reply(short) == short
 
 
+def test_assistant_reply_cap_skips_the_marker_in_tool_context() -> None:
+    """A tool result holding "\\nassistant: " must not have the user's words cut for it."""
+    tools = "[read_chat_log result] notes\nassistant: " + "t" * 900 + "\n"
+    conversation = "user: my sister moved\nassistant: " + "r" * 900
+    capped = cap_assistant_reply(tools + conversation)
+    assert capped == tools + "user: my sister moved\nassistant: " + "r" * 800 + "..."
+    assert cap_assistant_reply(tools + "user: no reply") == tools + "user: no reply"
+
+
 def test_assistant_reply_cap_is_utf8_safe() -> None:
     capped = cap_assistant_reply("user: x\nassistant: " + "€" * 300)
     reply = capped.split("\nassistant: ")[1]
