@@ -245,13 +245,19 @@ install_env
 install_credentials
 reload_systemd
 
+# roles.sql as installed: inside the wheel, or sql/ of a checkout (a path relative to the
+# operator's directory named nothing after an install from a wheel or a requirement).
+ROLES_SQL=$("$VENV/bin/python" -c 'from sokratos_worker.store.migrations import sql_directory
+print(sql_directory() / "roles.sql")' 2>/dev/null) || true
+[[ -f "$ROLES_SQL" ]] || ROLES_SQL="$REPO_DIR/sql/roles.sql"
+
 cat <<NEXT
 install.sh: done. Next:
   1. edit $ETC_DIR/env (and put secrets into $CRED_DIR, then run this script again);
   2. with an external PostgreSQL: migrate as the role that owns the tables, then create the
      least-privilege roles (roles.sql needs the migrated schema):
        SOKRATOS_DATABASE_URL='postgresql://OWNER@HOST/DB' $VENV/bin/$APP migrate
-       psql 'postgresql://OWNER@HOST/DB' -v ON_ERROR_STOP=1 -f sql/roles.sql
+       psql 'postgresql://OWNER@HOST/DB' -v ON_ERROR_STOP=1 -f "$ROLES_SQL"
      (with the embedded PostgreSQL the service migrates its own database: skip this step);
   3. check with the service's configuration ('$APP check', run as docs/production.md §8
      shows), then start:

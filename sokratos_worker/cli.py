@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from sokratos_worker import __version__
-from sokratos_worker.config import ConfigError, Settings, load_settings, unknown_variables
+from sokratos_worker.config import (
+    ConfigError,
+    Settings,
+    ignored_database_url,
+    load_settings,
+    unknown_variables,
+)
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked, WorkerError
 from sokratos_worker.handlers import HandlerFactory
 from sokratos_worker.logs import configure_logging
@@ -190,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "list",
         help="failures, newest first",
         description="List failures, newest first, one line each: id, time, op_type, the"
-        " error's start and the item a retry created ('no failures' when there are none).",
+        " error's start and the item a retry created ('no failures' when there are none;"
+        " with --op-type, the op_types that have some).",
     )
     flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
     flist.add_argument(
@@ -329,6 +336,12 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
         settings=settings,
     )
     _warn_unknown_variables(args.command)
+    if ignored_database_url(settings):
+        log.warning(
+            "database_url_ignored",
+            hint="DATABASE_URL names another database than SOKRATOS_DATABASE_URL, which is the"
+            " one used: unset DATABASE_URL for sokratos-worker, or give both the same URL",
+        )
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:
         if args.command == "run":
@@ -430,17 +443,20 @@ class EmbeddedUnavailable(WorkerError):
 def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     """The configured URL, or the embedded PostgreSQL (attached or started for the command).
 
-    While the embedded server is held, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C
-    does, whatever the command: the server the command started is stopped again on the way
-    out (their default action ended the process on the spot and left it running). A stop
+    While either is held, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, whatever
+    the command: it ends with one line and exit 1, and the server the command started is
+    stopped again on the way out (their default action ended the process on the spot,
+    silently, and left it running). A stop
     signal during the start itself is held until the server is up (or its start failed),
     then raised the same way; one during the release is held until the release is done.
     """
     if settings.database_url is not None:
         url = settings.database_url.get_secret_value()
-        if wait:
-            _wait_for_database(settings, url)
-        yield url
+        # SIGTERM's default action ended a command waiting for the database without a word.
+        with _handling_in_main_thread(_STOPS_WHILE_STARTING, _interrupt):
+            if wait:
+                _wait_for_database(settings, url)
+            yield url
         return
     with _embedded_database(settings, wait=wait) as url:
         yield url
@@ -720,12 +736,14 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
                     print(json.dumps(row, default=str))
                 else:
                     retried = f" retried as {row['retried_as']}" if row["retried_at"] else ""
+                    # One line each: server errors carry "\nDETAIL: ..." and tabs.
+                    error = " ".join(row["error_message"].split())[:90]
                     print(
                         f"{row['id']:>6}  {row['created_at']:%Y-%m-%d %H:%M}  "
-                        f"{row['op_type']:<20} {row['error_message'][:90]}{retried}"
+                        f"{row['op_type']:<20} {error}{retried}"
                     )
             if not rows and not args.json:
-                print("no failures")
+                print(_no_failures(conn, args.op_type))
             return EXIT_OK
         if args.action == "show":
             found = failures.get_failure(conn, args.id)
@@ -737,8 +755,20 @@ def _failed(args: argparse.Namespace, settings: Settings) -> int:
         if args.action == "retry":
             return _retry_failures(args, conn)
         deleted = failures.purge_failures(conn, older_than_days=args.older_than)
-        print(f"deleted {deleted} failures older than {args.older_than} days")
+        days = "1 day" if args.older_than == 1 else f"{args.older_than} days"
+        print(f"deleted {deleted} failures older than {days}")
         return EXIT_OK
+
+
+def _no_failures(conn: Any, op_type: str | None) -> str:
+    """``failed list`` found nothing: with --op-type, say which op_types there are (a typo)."""
+    from sokratos_worker.store.failures import op_types  # noqa: PLC0415
+
+    if op_type is None:
+        return "no failures"
+    known = op_types(conn)
+    held = f"op_types with failures: {', '.join(known)}" if known else "no failures at all"
+    return f"no failures of op_type {op_type!r} ({held})"
 
 
 def _failure_document(found: dict[str, Any]) -> str:

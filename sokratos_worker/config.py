@@ -487,6 +487,15 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     )
 
 
+def ignored_database_url(settings: Settings, environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``DATABASE_URL`` holds another URL than the one used: ``SOKRATOS_DATABASE_URL``
+    wins, and a DATABASE_URL exported for another program would otherwise pass unnoticed."""
+    env = os.environ if environ is None else environ
+    other = (env.get("DATABASE_URL") or "").strip()
+    used = settings.database_url.get_secret_value() if settings.database_url else None
+    return bool(other) and used is not None and other != used.strip()
+
+
 def _settings_error_variable(text: str) -> str:
     match = re.search(r'field "(\w+)"', text)
     return _variable_for((match.group(1),)) if match else "configuration"

@@ -117,7 +117,9 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
         return RetryResult(
             failure_id,
             None,
-            "refused: this failure has no stored payload (not written by sokratos-worker)",
+            "refused: this failure has no stored payload (not written by sokratos-worker):"
+            " replay it from the application that wrote it; 'failed purge --older-than DAYS'"
+            " removes it once it is that old",
         )
     if source_queue not in _REPLAY_QUEUES:
         return RetryResult(
@@ -220,6 +222,12 @@ def invalid_payload_count(conn: psycopg.Connection, *, op_type: str | None) -> i
         {"op": op_type, "invalid": _INVALID_PAYLOAD},
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def op_types(conn: psycopg.Connection) -> list[str]:
+    """The op_types failed_operations holds, to name them when a filter matched none."""
+    rows = conn.execute("SELECT DISTINCT op_type FROM failed_operations ORDER BY 1").fetchall()
+    return [str(r[0]) for r in rows]
 
 
 def not_replayable_counts(conn: psycopg.Connection, *, op_type: str | None) -> dict[str, int]:

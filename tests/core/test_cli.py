@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from sokratos_worker.cli import build_parser
 from tests.support.db import count, enqueue_many
@@ -255,6 +256,59 @@ def test_failed_retry_all_says_what_it_leaves_out(
         " 1 spool_import): retry one by ID" in retried.stdout
     ), retried.stdout
     assert "nothing to retry" in retried.stdout
+
+
+def test_failed_commands_say_what_to_do_next(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """A row Sokratos wrote was "refused: no stored payload" with no next step; a mistyped
+    --op-type listed "no failures" as if there were none; purge said "1 days"."""
+    failure_id = count(
+        db,
+        "INSERT INTO failed_operations (op_type, label, error_message, context_data)"
+        " VALUES ('memory_save', 'sokratos', 'e', NULL) RETURNING id",
+    )
+    env = env_for(database_url, tmp_path)
+    retried = cli("failed", "retry", str(failure_id), env=env)
+    assert "no stored payload" in retried.stdout, retried.stdout + retried.stderr
+    assert "replay it from the application that wrote it" in retried.stdout
+    assert "'failed purge --older-than DAYS'" in retried.stdout
+    typo = cli("failed", "list", "--op-type", "memory_sav", env=env)
+    assert typo.returncode == 0, typo.stderr
+    assert typo.stdout.strip() == (
+        "no failures of op_type 'memory_sav' (op_types with failures: memory_save)"
+    )
+    assert cli("failed", "list", "--op-type", "memory_save", env=env).stdout.startswith(
+        f"{failure_id:>6}"
+    )
+    db.execute("UPDATE failed_operations SET created_at = now() - interval '2 days'")
+    purge = cli("failed", "purge", "--older-than", "1", env=env)
+    assert purge.stdout.strip() == "deleted 1 failures older than 1 day", purge.stdout
+    empty = cli("failed", "list", "--op-type", "memory_save", env=env)
+    assert empty.stdout.strip() == "no failures of op_type 'memory_save' (no failures at all)"
+
+
+def test_failed_list_prints_one_line_per_failure(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """An error holding a newline (PostgreSQL's "\nDETAIL: ...") split a failure over lines
+    that looked like rows and carried no id."""
+    for error in (
+        "database refused the write: duplicate key\nDETAIL:  Key (origin)=(x) already exists.",
+        "second failure\r\n\tcontinued",
+    ):
+        db.execute(
+            "INSERT INTO failed_operations (op_type, label, error_message, context_data,"
+            " source_queue, item_id) VALUES ('conversation_triage', 'l', %s, %s,"
+            " 'pending_triage', nextval('pending_triage_id_seq'))",
+            (error, Jsonb({"payload": {"exchange": "user: hi\nassistant: ho"}})),
+        )
+    done = cli("failed", "list", env=env_for(database_url, tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, lines
+    ids = [int(r[0]) for r in db.execute("SELECT id FROM failed_operations ORDER BY id DESC")]
+    assert [int(line.split()[0]) for line in lines] == ids
 
 
 def test_failed_show_and_retry_read_a_dead_letter_nested_deeper_than_python_parses(
@@ -761,3 +815,20 @@ def test_status_reports_a_spool_it_cannot_examine(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert f"spool: cannot read {data / 'spool'} (Permission denied)" in proc.stdout, proc.stdout
+
+
+def test_a_database_url_the_worker_ignores_is_named(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """SOKRATOS_DATABASE_URL wins over DATABASE_URL; another program's DATABASE_URL beside it
+    was ignored without a word. Alone, DATABASE_URL is the database (contract.md)."""
+    elsewhere = "postgresql://nobody@127.0.0.1:1/other"
+    both = cli("status", env=env_for(database_url, tmp_path, DATABASE_URL=elsewhere))
+    assert both.returncode == 0, both.stderr
+    assert "database_url_ignored" in both.stderr, both.stderr
+    assert "unset DATABASE_URL for sokratos-worker" in both.stderr
+    same = cli("status", env=env_for(database_url, tmp_path, DATABASE_URL=database_url))
+    assert same.returncode == 0 and "database_url_ignored" not in same.stderr, same.stderr
+    alone = cli("status", env=env_for(None, tmp_path, DATABASE_URL=database_url))
+    assert alone.returncode == 0 and "database_url_ignored" not in alone.stderr, alone.stderr
+    assert "pending_triage" in alone.stdout, alone.stdout

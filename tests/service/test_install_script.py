@@ -88,6 +88,10 @@ def test_staged_install_is_idempotent(tmp_path: Path) -> None:
         ) in lines
         assert not any("bad name" in line or "README" in line for line in lines)
     assert "skipped credential bad name" in second.stdout
+    # The roles.sql to run is named by a path that exists, wherever the operator stands.
+    roles = next(line for line in second.stdout.splitlines() if "roles.sql" in line and "-f" in line)
+    path = roles.split("-f", 1)[1].strip().strip('"')
+    assert Path(path).is_absolute() and Path(path).is_file(), roles
 
 
 @pytest.mark.parametrize(
@@ -119,8 +123,11 @@ def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement
     venv_bin = tmp_path / "opt" / "sokratos-worker" / "venv" / "bin"
     venv_bin.mkdir(parents=True)
     asked = tmp_path / "pip-args"
-    # The venv exists already (so it is not created): its python records what pip was asked.
-    (venv_bin / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {asked}\n')
+    # The venv exists already (so it is not created): its python records what pip was asked
+    # (and nothing else: the script also asks it where roles.sql is).
+    (venv_bin / "python").write_text(
+        f'#!/bin/sh\n[ "$1" = -m ] && printf "%s\\n" "$@" > {asked}\nexit 0\n'
+    )
     (venv_bin / "sokratos-worker").write_text("#!/bin/sh\nexit 0\n")
     for script in venv_bin.iterdir():
         script.chmod(0o755)
