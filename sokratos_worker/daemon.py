@@ -28,12 +28,13 @@ from psycopg import errors as pg_errors
 from sokratos_worker import __version__
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
-from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.errors import DatabaseUnavailable, TableLocked
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
 from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 from sokratos_worker.service.metrics import Metrics, MetricsServer
+from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.spool import import_spool
 from sokratos_worker.store import failures as failures_store
@@ -99,6 +100,8 @@ class Worker:
     _stop: threading.Event = field(default_factory=threading.Event)
     _signal_name: str | None = None  # set by the handler, acted on by the main thread
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
+    database_contact: DatabaseContact = field(default_factory=DatabaseContact)
+    _waiting_for_database: bool = False  # the runner's last reported state was waiting for it
 
     def __post_init__(self) -> None:
         self.runner = Runner(
@@ -189,6 +192,7 @@ class Worker:
         try:
             return fn()
         except DatabaseUnavailable as exc:
+            self._contact_failed(exc)
             log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
         except pg_errors.QueryCanceled as exc:
             log.warning(
@@ -216,8 +220,6 @@ class Worker:
         }
         if (waiting := self._lock_wait) is not None:
             detail["lock_wait"] = waiting.describe()  # (status: "running (claiming waits ...)")
-        for state in self._backend_states():
-            self.metrics.set_circuit(state.name, state.circuit)
         self._safely(
             "heartbeat",
             lambda: self._write_heartbeat(self.runner.state, detail),
@@ -241,6 +243,7 @@ class Worker:
                 state=state,
                 detail=detail,
             )
+        self.database_contact.succeeded()
 
     def _backend_states(self) -> list[Any]:
         chat = self.context.chat
@@ -282,7 +285,14 @@ class Worker:
         text = state if not detail else f"{state}: {detail}"
         self.notifier.status(text[:200])
         self.metrics.set_worker_state(state)
-        self.metrics.set_database_up(state != State.WAITING_FOR_DATABASE)
+        was_waiting = self._waiting_for_database
+        self._waiting_for_database = state == State.WAITING_FOR_DATABASE
+        if self._waiting_for_database:
+            self.database_contact.failed()
+        elif was_waiting and state == State.RUNNING:
+            # The runner leaves its wait for "running" only once a claim went through.
+            self.database_contact.succeeded()
+        self.metrics.set_database_up(self._ready())
         if state in (State.WAITING_FOR_DATABASE, State.NO_BACKEND):
             log.warning("worker_state", state=state, detail=detail)
         else:
@@ -372,6 +382,7 @@ class Worker:
             try:
                 with connect(self.database.conninfo, autocommit=True) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    self.database_contact.succeeded()
                     log.info("listening", channel=NOTIFY_CHANNEL)
                     self.runner.wake(notified=False)  # whatever arrived while we were away
                     delay = 0.5
@@ -381,6 +392,8 @@ class Worker:
             except Exception as exc:
                 if self._stop.is_set():
                     return  # the database went away because we are stopping: not news
+                # The first to know of an outage while the runner idles: /readyz says so now.
+                self.database_contact.failed()
                 log.warning("listen_reconnecting", error=str(exc).strip(), retry_in_s=delay)
             self._stop.wait(delay)
             delay = min(delay * 2, 10.0)
@@ -547,14 +560,24 @@ class Worker:
         log.info("metrics_listening", addr=self.settings.metrics_addr)
         return server
 
+    def _contact_failed(self, exc: DatabaseUnavailable) -> None:
+        """Record an outage, unless ``exc`` shows a reachable database (a locked table). A
+        pool that lent no connection within 5 s counts: that is how an outage shows to it."""
+        if not isinstance(exc, TableLocked):
+            self.database_contact.failed()
+
     def _ready(self) -> bool:
-        # The runner learns of an outage on its next claim; no query per probe.
-        return self.runner.state != State.WAITING_FOR_DATABASE
+        """The worker reaches PostgreSQL: its runner does not wait for it, and the latest
+        contact of any path (claims, listener, heartbeat, scrape) succeeded. No query."""
+        return self.runner.state != State.WAITING_FOR_DATABASE and self.database_contact.reachable
 
     def _refresh_metrics(self, metrics: Metrics) -> None:
         in_flight = self.runner.inflight_by_queue()
         for queue in Queue:
             metrics.set_in_flight(queue.value, in_flight.get(queue, 0))
+        # The breakers are in memory: a circuit that opened since the last tick shows now.
+        for backend in self._backend_states():
+            metrics.set_circuit(backend.name, backend.circuit)
         try:
             # A scrape must answer: a huge backlog, or a table a migration holds locked, is
             # cut off and the last values are served.
@@ -571,14 +594,15 @@ class Worker:
                 hint="the queue and failure gauges keep their last values; is a table locked"
                 " (a migration, a long transaction) or the backlog very large?",
             )
-            return
-        except DatabaseUnavailable:
-            metrics.set_database_up(False)
-            return
-        # (up again: nothing else sets it back while an idle runner sees no state change)
-        metrics.set_database_up(True)
-        metrics.set_queues(queues)
-        metrics.set_failures(failures)
+        except DatabaseUnavailable as exc:
+            self._contact_failed(exc)
+        else:
+            # (up again: nothing else sets it back while an idle runner sees no state change)
+            self.database_contact.succeeded()
+            metrics.set_queues(queues)
+            metrics.set_failures(failures)
+        # What /readyz answers, so the two never disagree within a scrape.
+        metrics.set_database_up(self._ready())
 
 
 def build_worker(

@@ -2,7 +2,8 @@
 
 Self-contained: nothing here schedules, talks to PostgreSQL or reads settings; the daemon
 wires them in (``Notifier`` from the loop that proves progress, ``Metrics`` updated by the
-drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR`` is set).
+drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR`` is set,
+``DatabaseContact`` told by each path how its contact with the database ended).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from sokratos_worker.service.metrics import (
     MetricsServer,
     parse_addr,
 )
+from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
 
 __all__ = [
     "CIRCUIT_STATE_VALUES",
     "DURATION_BUCKETS",
+    "DatabaseContact",
     "Metrics",
     "MetricsServer",
     "Notifier",

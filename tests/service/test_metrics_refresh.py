@@ -1,16 +1,16 @@
-"""The database part of a /metrics scrape against a real PostgreSQL: fresh values, and the last
-ones (not a hung scrape, not "database down") when a table is locked."""
+"""A /metrics scrape against a real PostgreSQL: fresh values, the last ones (not a hung scrape,
+not "database down") when a table is locked, and the circuits as they are now."""
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from types import SimpleNamespace
 
 import psycopg
 from structlog.testing import capture_logs
 
-from sokratos_worker.daemon import Worker
+from sokratos_worker.config import BackendConfig, Settings
+from sokratos_worker.daemon import Worker, build_worker
+from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.store.connection import Database
 from tests.support.db import enqueue_many
@@ -22,29 +22,40 @@ def _ready(metrics: Metrics) -> float | None:
     )
 
 
+def _circuit(metrics: Metrics, backend: str) -> float | None:
+    return metrics.registry.get_sample_value("sokratos_backend_circuit_state", {"backend": backend})
+
+
+def _worker(database: Database, metrics: Metrics) -> Worker:
+    """A worker without backends, its scrape wired as ``_start_metrics`` wires it."""
+    worker = build_worker(Settings(), database, lambda _ctx: {}, None, None, metrics=metrics)
+    metrics.on_scrape(worker._refresh_metrics)
+    return worker
+
+
 def test_a_scrape_held_up_by_a_locked_table_serves_the_last_values(
     db: psycopg.Connection, database_url: str
 ) -> None:
     enqueue_many(db, 3)
     database = Database(database_url, size=2)
-    worker = SimpleNamespace(runner=SimpleNamespace(inflight_by_queue=Counter), database=database)
     metrics = Metrics()
-    metrics.set_database_up(True)
+    worker = _worker(database, metrics)
     try:
-        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]
+        worker._refresh_metrics(metrics)
         assert _ready(metrics) == 3
         enqueue_many(db, 2, prefix="later")
         with psycopg.connect(database_url) as locker:  # a migration holding the table
             locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
             with capture_logs() as logs:
-                scrape = threading.Thread(target=Worker._refresh_metrics, args=(worker, metrics))
+                scrape = threading.Thread(target=worker._refresh_metrics, args=(metrics,))
                 scrape.start()
                 scrape.join(30)  # (its statement timeout is 2 s)
                 assert not scrape.is_alive(), "the scrape waited on the lock"
         assert [e["event"] for e in logs] == ["metrics_refresh_slow"]
         assert _ready(metrics) == 3  # the last values, not zeros
         assert metrics.registry.get_sample_value("sokratos_database_up") == 1
-        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]
+        assert worker._ready()  # a locked table is a reachable database
+        worker._refresh_metrics(metrics)
         assert _ready(metrics) == 5
     finally:
         database.close()
@@ -54,19 +65,49 @@ def test_database_up_recovers_after_a_scrape_that_could_not_get_a_connection(
     db: psycopg.Connection, database_url: str
 ) -> None:
     """A scrape that gets no pooled connection (all busy, or a blip the idle runner never saw)
-    reports the database down; an idle runner changes no state to set it back, so the next
-    successful scrape must."""
+    reports the database down, and /readyz with it; an idle runner changes no state to set them
+    back, so the next successful scrape must."""
     database = Database(database_url, size=1)
-    worker = SimpleNamespace(runner=SimpleNamespace(inflight_by_queue=Counter), database=database)
     metrics = Metrics()
-    metrics.set_database_up(True)
+    worker = _worker(database, metrics)
     try:
         busy = database.pool.getconn()  # the only connection, in use (a slot's, say)
-        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]  # PoolTimeout
+        worker._refresh_metrics(metrics)  # PoolTimeout
         assert metrics.registry.get_sample_value("sokratos_database_up") == 0
+        assert not worker._ready()
         database.pool.putconn(busy)
-        Worker._refresh_metrics(worker, metrics)  # type: ignore[arg-type]
+        worker._refresh_metrics(metrics)
         assert _ready(metrics) == 0  # this scrape did reach the database
         assert metrics.registry.get_sample_value("sokratos_database_up") == 1
+        assert worker._ready()
     finally:
         database.close()
+
+
+def test_a_scrape_shows_the_circuit_as_it_is_now(database_url: str) -> None:
+    """With two backends, a circuit that opens while the other serves changes no worker state
+    (no heartbeat is written early): the scrape itself must read the breakers."""
+    settings = Settings(
+        llm_backends=[
+            BackendConfig(name="primary", url="http://127.0.0.1:9/v1", model="m"),
+            BackendConfig(name="fallback", url="http://127.0.0.1:9/v1", model="m"),
+        ]
+    )
+    chat = FallbackChatClient(settings.llm_backends)
+    database = Database(database_url, size=2)
+    metrics = Metrics()
+    try:
+        worker = build_worker(settings, database, lambda _ctx: {}, chat, None, metrics=metrics)
+        metrics.on_scrape(worker._refresh_metrics)
+        worker.tick(email=False)  # the heartbeat: both circuits closed
+        metrics.render()
+        assert _circuit(metrics, "primary") == 0
+        breaker = chat.breaker("primary")
+        for _ in range(breaker.threshold):
+            breaker.record_failure("HTTP 500 (test)")
+        assert chat.states()[0].circuit == "open"
+        metrics.render()  # a scrape before the next heartbeat
+        assert _circuit(metrics, "primary") == 2, "the scrape still reports the circuit closed"
+    finally:
+        database.close()
+        chat.close()
