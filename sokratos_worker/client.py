@@ -188,7 +188,7 @@ def _distillable(payload: dict[str, Any]) -> None:
         name = "archive_text" if payload.get("archive_text") is not None else "messages"
         raise InvalidPayload(
             name,
-            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
+            f"would make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
             " split the conversation into several items",
         )
     fields.optional_int(payload, "pipeline_id")

@@ -220,7 +220,7 @@ def _bounded(item: Item, archive: Archive) -> Archive:
         name = "archive_text" if item.payload.get("archive_text") is not None else "messages"
         raise InvalidPayload(
             name,
-            f"make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled"
+            f"would make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled"
             " (a conversation of that size is not one archive: split it into several items)",
         )
     return archive

@@ -23,7 +23,7 @@ from tests.support.operator import cli_env, run_cli
             {"messages": [{"role": "user", "content": ["I moved", "to Porto"]}]},
             "payload.messages[0].content must be a string",
         ),
-        ({"archive_text": "x" * 600_000}, "payload.archive_text make an archive of 600,0"),
+        ({"archive_text": "x" * 600_000}, "payload.archive_text would make an archive of 600,0"),
         ({"messages": [], "archive_text": "both"}, "exactly one of them"),
         ({"archive_text": "[Conversation archived]", "pipeline_id": "7"}, "payload.pipeline_id must be an integer"),
     ],
@@ -80,14 +80,25 @@ def test_the_python_client_refuses_it_too(database_url: str) -> None:
         ({"messages": None, "archive_text": None}, False),
         ({"messages": None}, False),
         ({"archive_text": None}, False),
+        ({"messages": [], "archive_text": "user: hi"}, False),
+        ({"messages": "user: hi", "archive_text": "user: hi"}, False),
     ],
-    ids=["archive-text-null", "messages-null", "both-null", "only-messages-null", "only-text-null"],
+    ids=[
+        "archive-text-null",
+        "messages-null",
+        "both-null",
+        "only-messages-null",
+        "only-text-null",
+        "both-given",
+        "both-given-messages-a-string",
+    ],
 )
 def test_a_null_field_is_absent_to_the_sql_check_and_the_worker_alike(
     database_url: str, payload: dict[str, object], accepted: bool
 ) -> None:
     """A Go struct without omitempty sends the unused field as null: the SQL function, the
-    CLI / Python client check and the worker's own check (check_distillation runs it) agree."""
+    CLI / Python client check and the worker's own check (check_distillation runs it) agree.
+    Both fields given was refused by the worker only (sql/0047): the producer learned nothing."""
     from sokratos_worker import client
     from sokratos_worker.errors import InvalidPayload
 
