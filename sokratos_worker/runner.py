@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -121,6 +121,11 @@ class Runner:
         self._on_item_done = on_item_done
         self._lock = threading.Lock()
         self._inflight: dict[tuple[Queue, int], Item] = {}
+        # Claim statements sent and not yet tracked or given back: the stop waits for them,
+        # or what they land would stay leased to a worker that has exited.
+        self._claims_in_flight = 0
+        self._claims_ended = threading.Condition(self._lock)
+        self._claiming_on: Connection | None = None  # the dispatcher's claim being sent
         self._adopted: dict[tuple[Queue, int], Item] = {}  # re-claims of items running here
         self._left_leased: dict[tuple[Queue, int], float] = {}  # ran, settle not written
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
@@ -182,11 +187,40 @@ class Runner:
             self._progress()  # items finishing within the grace is progress too
             time.sleep(0.05)
         leftovers = self._take_inflight()
+        give_up_at = time.monotonic() + RELEASE_STATEMENT_TIMEOUT_MS / 1000
         released = self._release(leftovers)
+        self._await_claims(give_up_at)
         for _ in range(self.settings.concurrency):
             self._handoff.put(None)
         self._stopped.set()  # the lease renewer ends too: nothing of ours is leased any more
         return released
+
+    def _await_claims(self, until: float) -> None:
+        """Wait, until ``until``, for claims sent before the stop: each gives back what it got.
+
+        The dispatcher's claim still waiting then (for a lock) is cancelled: left running, it
+        would lease its items to this process after it exited. The cancel is sent holding the
+        lock the dispatcher takes once its claim returns, so it can only reach that claim or,
+        had it just ended, that connection's next statement (the give-back of what it got,
+        whose failure leaves those leases to expire, as without the cancel).
+        """
+        with self._claims_ended:
+            while self._claims_in_flight and time.monotonic() < until:
+                self._claims_ended.wait(until - time.monotonic())
+            if self._claiming_on is not None:
+                try:
+                    self._claiming_on.cancel_safe(timeout=2.0)
+                except Exception as exc:
+                    log.warning("claim_cancel_failed", error=describe(exc))
+                self._claims_ended.wait_for(lambda: self._claiming_on is None, timeout=2.0)
+            if self._claims_in_flight:
+                log.warning(
+                    "stop_claims_still_waiting",
+                    claims=self._claims_in_flight,
+                    hint="a claim (or a settle claiming the next item) sent before the stop"
+                    " waits for a lock; what it claims once the lock is gone stays leased"
+                    " until its lease expires",
+                )
 
     def inflight_count(self) -> int:
         """Items claimed and not yet settled by this process."""
@@ -282,24 +316,47 @@ class Runner:
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
         free = self.settings.concurrency - self.inflight_count()
-        if free <= 0 or not self.queues:
+        if free <= 0 or not self.queues or not self._begin_claim():
             return 0, 0
         asked, got = free, 0
         order = self.queues[self._rotation :] + self.queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self.queues))
-        with self._dispatcher_connection() as conn:
-            for q in order:
-                if free <= 0:
-                    break
-                items = store.claim(
-                    conn, q, owner=self.worker_id, limit=free, lease_s=self.settings.lease
-                )
-                for item in items:
-                    if self._track(item):
+        try:
+            with self._dispatcher_connection() as conn:
+                for q in order:
+                    if free <= 0:
+                        break
+                    items = self._claim_cancellable(conn, q, free)
+                    fresh = self._track_claimed(items)
+                    if fresh is None:
+                        # On this connection: a cancel sent as the claim ended can only hit this.
+                        self._release(items, conn)
+                        break
+                    for item in fresh:
                         self._handoff.put(item)
-                free -= len(items)
-                got += len(items)
+                    free -= len(items)
+                    got += len(items)
+        finally:
+            self._end_claim()
         return asked, got
+
+    def _claim_cancellable(self, conn: Connection, queue: Queue, limit: int) -> list[Item]:
+        """One claim statement, which the stop cancels if it still waits after the release."""
+        with self._lock:
+            self._claiming_on = conn
+        try:
+            return store.claim(
+                conn, queue, owner=self.worker_id, limit=limit, lease_s=self.settings.lease
+            )
+        except pg_errors.QueryCanceled:
+            if not self._stop_claiming.is_set():
+                raise
+            log.info("claim_cancelled_at_stop", queue=queue.value)
+            return []  # rolled back: it claimed nothing
+        finally:
+            with self._lock:
+                self._claiming_on = None
+                self._claims_ended.notify_all()
 
     def _next_ready_in(self) -> float | None:
         with self._dispatcher_connection() as conn:
@@ -315,19 +372,49 @@ class Runner:
             finally:
                 self.dispatcher_backend_pid = None
 
+    def _begin_claim(self) -> bool:
+        """Count a claim statement about to be sent; False once the stop has come."""
+        with self._lock:
+            if self._stop_claiming.is_set():
+                return False
+            self._claims_in_flight += 1
+            return True
+
+    def _end_claim(self) -> None:
+        """The claim's items are tracked or given back: the stop need not wait for it."""
+        with self._lock:
+            self._claims_in_flight -= 1
+            self._claims_ended.notify_all()
+
     def _track(self, item: Item) -> bool:
         """Record a claimed item; False when a slot here is already running it."""
-        key = (item.queue, item.id)
+        return bool(self._track_claimed([item]))
+
+    def _track_claimed(self, items: list[Item]) -> list[Item] | None:
+        """Record claimed items; returns those to run (not already running here), or None
+        when the stop came while the claim was in flight: the caller gives them all back.
+
+        Checked under the lock ``shutdown`` takes the in-flight items with, after setting
+        the stop: a claim either lands before that take (and is released with the rest) or
+        sees the stop, never neither.
+        """
+        fresh: list[Item] = []
+        reclaimed: list[Item] = []
         with self._lock:
-            self._stats.add(item.queue, "claimed")
-            running_here = key in self._inflight
-            if running_here:
-                # Its lease ran out while it ran (a database outage longer than the lease) and
-                # we claimed it again: the run in progress adopts this claim for its settle.
-                self._adopted[key] = item
-            else:
-                self._inflight[key] = item
-        if running_here:
+            if self._stop_claiming.is_set():
+                return None
+            for item in items:
+                key = (item.queue, item.id)
+                self._stats.add(item.queue, "claimed")
+                if key in self._inflight:
+                    # Its lease ran out while it ran (a database outage longer than the lease)
+                    # and we claimed it again: the run in progress adopts this claim.
+                    self._adopted[key] = item
+                    reclaimed.append(item)
+                else:
+                    self._inflight[key] = item
+                    fresh.append(item)
+        for item in reclaimed:
             log.warning(
                 "item_reclaimed_while_running",
                 queue=item.queue.value,
@@ -335,9 +422,9 @@ class Runner:
                 attempt=item.attempt,
                 hint="its lease expired while it ran; it runs once, and this attempt counts",
             )
-            return False
-        log.debug("item_claimed", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
-        return True
+        for item in fresh:
+            log.debug("item_claimed", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
+        return fresh
 
     def _latest_claim(self, item: Item) -> Item:
         """The claim a settle must be fenced by: a re-claim adopted while the item ran wins
@@ -494,8 +581,25 @@ class Runner:
     ) -> tuple[Item | None, str]:
         """Returns the next item claimed with the settle, and how the attempt ended."""
         item = self._latest_claim(item)
-        # Past the tick's budget the items in flight finish, but none is claimed after them.
-        want_next = not (self._stop_claiming.is_set() or self._paused() or self._budget_spent())
+        # Past the tick's budget the items in flight finish, but none is claimed after them;
+        # after the stop, none either (_begin_claim checks it).
+        want_next = not (self._paused() or self._budget_spent()) and self._begin_claim()
+        try:
+            return self._settle_and_claim(item, effects, bound, started, want_next=want_next)
+        finally:
+            if want_next:
+                self._end_claim()
+
+    def _settle_and_claim(
+        self,
+        item: Item,
+        effects: Effects,
+        bound: structlog.BoundLogger,
+        started: float,
+        *,
+        want_next: bool,
+    ) -> tuple[Item | None, str]:
+        """The settle of :meth:`_settle_success`, claiming the next item if ``want_next``."""
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
             return store.settle_success(
@@ -532,8 +636,12 @@ class Runner:
         else:
             kind = self._report_fenced(item, bound, released=LEASE_LOST)
         # Tracked first, so in-flight never reads 0 in between.
-        fresh = [next_item for next_item in next_items if self._track(next_item)]
+        fresh = self._track_claimed(next_items)
         self._untrack(item)
+        if fresh is None:
+            # Claimed as the stop came: given back, not run (and not left to the lease).
+            self._release(next_items)
+            return None, kind
         return (fresh[0] if fresh else None), kind
 
     def _fail(
@@ -836,14 +944,14 @@ class Runner:
             keys = {*self._inflight, *self._adopted, *self._left_leased}
         return [item_id for q, item_id in keys if q is queue]
 
-    def _release(self, items: list[Item]) -> int:
+    def _release(self, items: list[Item], on: Connection | None = None) -> int:
+        """Give back ``items`` (attempt uncounted), on ``on`` or a pooled connection."""
         if not items:
             return 0
         try:
-            with (
-                self.database.connection() as conn,
-                time_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS),
-            ):
+            with ExitStack() as stack:
+                conn = on if on is not None else stack.enter_context(self.database.connection())
+                stack.enter_context(time_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS))
                 released = [i for i in items if store.give_back(conn, i, owner=self.worker_id)]
         except (DatabaseUnavailable, pg_errors.QueryCanceled) as exc:
             log.warning(

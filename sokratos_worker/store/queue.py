@@ -82,8 +82,12 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                    lease_expires_at = NULL
                WHERE {fence} RETURNING id"""
         ).format(table=table, fence=fence),
+        # Leases run from clock_timestamp(), not now() (the statement's or transaction's start):
+        # a statement that waited behind a lock longer than the lease would otherwise grant
+        # one already over, and another worker would take the item while it runs here.
         "renew": sql.SQL(
-            """UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+            """UPDATE {table}
+               SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
                WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s) RETURNING id"""
         ).format(table=table),
         # The fast path: delete and record the outcome in one statement (one round trip).
@@ -128,7 +132,8 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                     c AS (UPDATE {table} AS t
                           SET attempts = t.attempts + 1,
                               lease_owner = %(owner)s,
-                              lease_expires_at = now() + make_interval(secs => %(lease)s)
+                              lease_expires_at = clock_timestamp()
+                                  + make_interval(secs => %(lease)s)
                           FROM picked WHERE t.id = picked.id
                           RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
                                     t.attempts, t.created_at, t.attempt_errors, picked.held)
@@ -173,7 +178,8 @@ def warm_up(conn: psycopg.Connection) -> None:
 @functools.cache
 def _claim_sql(queue: Queue, limit: int) -> bytes:
     """The claim of up to ``limit`` items, rendered once per limit: a constant LIMIT lets
-    PostgreSQL keep its generic plan (see ``settle_claim``)."""
+    PostgreSQL keep its generic plan (see ``settle_claim``). The lease runs from the
+    moment the claim takes the row (``clock_timestamp()``, see ``renew``), not from its start."""
     table = sql.Identifier(queue.value)
     return (
         sql.SQL(
@@ -188,7 +194,7 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
            UPDATE {table} AS t
            SET attempts = t.attempts + 1,
                lease_owner = %(owner)s,
-               lease_expires_at = now() + make_interval(secs => %(lease)s)
+               lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
            FROM picked WHERE t.id = picked.id
            RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
                      t.created_at, t.attempt_errors, picked.held"""
