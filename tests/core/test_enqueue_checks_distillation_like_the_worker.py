@@ -98,7 +98,7 @@ def test_a_null_field_is_absent_to_the_sql_check_and_the_worker_alike(
 ) -> None:
     """A Go struct without omitempty sends the unused field as null: the SQL function, the
     CLI / Python client check and the worker's own check (check_distillation runs it) agree.
-    Both fields given was refused by the worker only (sql/0047): the producer learned nothing."""
+    Both fields given was refused by the worker only (sql/0046): the producer learned nothing."""
     from sokratos_worker import client
     from sokratos_worker.errors import InvalidPayload
 
