@@ -1,6 +1,7 @@
-"""The worker behind a real PgBouncer (session pooling) in front of the tests' PostgreSQL: it
-drains, wakes on NOTIFY, and a startup parameter PgBouncer refuses is a configuration error
-(exit 78 naming the variable that sent it), not an outage waited out until exit 75."""
+"""The worker behind a real PgBouncer in front of the tests' PostgreSQL. In session pooling it
+drains and wakes on NOTIFY, and a startup parameter PgBouncer refuses is a configuration error
+(exit 78 naming the variable that sent it), not an outage waited out until exit 75. Transaction
+pooling, which it cannot run behind, is refused at start (exit 78) before any lock is taken."""
 
 from __future__ import annotations
 
