@@ -36,7 +36,6 @@ from sokratos_worker.email.imap_answers import (
     BATCH_MESSAGES,
     ESEARCH_MAX,
     MESSAGE_BYTES_LIMIT,
-    TEMPORARY_CODE,
     FetchedMessage,
     MailboxState,
     MessageRef,
@@ -50,6 +49,7 @@ from sokratos_worker.email.imap_answers import (
     plan_batches,
     quote_mailbox,
     response_number,
+    server_state,
 )
 from sokratos_worker.email.imap_hints import (
     NoGreeting,
@@ -558,7 +558,7 @@ class ImapSession:
 
     def _uid_fetch(self, uids: list[int], items: str) -> list[Any]:
         """The raw answer to one UID FETCH of ``items``; raises ImapRefused for a NO or a
-        server's BYE."""
+        server's BYE, or plain ImapError when the answer is the server's state (server_state)."""
         where = f"UID FETCH {format_uid_set(uids)} on {self._where()}"
         try:
             typ, data = self.conn.uid("FETCH", format_uid_set(uids), f"({items})")
@@ -566,11 +566,14 @@ class ImapSession:
             bye = self._bye()
             if bye is None:
                 raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
+            if server_state(bye):
+                # The server going away, not this message's fault: the check just stops.
+                raise ImapError(f"{where} failed for now: BYE {bye}") from None
             self._reopen()  # the server closed the connection: later messages need a new one
             raise ImapRefused(f"{where} was refused: BYE {bye}", f"BYE {bye}") from None
         if typ == "NO":
             answer = f"NO {answer_text(list(data))}".strip()
-            if TEMPORARY_CODE.search(answer):
+            if server_state(answer):
                 # The server's state, not this message's (RFC 5530): the check just stops.
                 raise ImapError(f"{where} failed for now: {answer}")
             raise ImapRefused(f"{where} was refused: {answer}", answer)

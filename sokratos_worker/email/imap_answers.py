@@ -29,6 +29,9 @@ _INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
 ESEARCH_MAX = re.compile(rb"\bMAX (\d+)", re.IGNORECASE)
 # RFC 5530 response codes that describe the server's state, not one message's.
 TEMPORARY_CODE = re.compile(r"\[(UNAVAILABLE|INUSE|LIMIT|OVERQUOTA)\b", re.IGNORECASE)
+# A BYE that says the server is going away, not that it failed on a message (Dovecot's
+# "* BYE Server shutting down." when it stops or restarts).
+_SHUTTING_DOWN = re.compile(r"\bshutting down\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,12 @@ def listed_refs(data: list[Any]) -> Iterator[MessageRef]:
             size=int(size.group(1)) if size else 0,
             internal_date=parse_internaldate(date.group(1)) if date else None,
         )
+
+
+def server_state(answer: str) -> bool:
+    """True when a ``NO`` or ``BYE`` answer describes the server's state (an RFC 5530 code in
+    TEMPORARY_CODE, or a server shutting down) rather than one message it cannot return."""
+    return bool(TEMPORARY_CODE.search(answer) or _SHUTTING_DOWN.search(answer))
 
 
 def answer_text(data: list[Any]) -> str:

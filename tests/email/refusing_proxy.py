@@ -2,6 +2,7 @@
 
 Some servers refuse a message they cannot return with a tagged ``NO`` (Dovecot closes the
 connection with ``BYE`` instead); everything else is relayed to Dovecot unchanged.
+:class:`ByeProxy` closes the session with ``* BYE`` instead.
 """
 
 from __future__ import annotations
@@ -84,3 +85,20 @@ class RefusingProxy:
                     client.sendall(match.group(1) + b" NO " + self.answer + b"\r\n")
                 else:
                     upstream.sendall(line)
+
+
+class ByeProxy(RefusingProxy):
+    """Closes the session with ``* BYE <answer>`` on a body FETCH of a refused UID; a new
+    connection is served by Dovecot again (the reconnect works)."""
+
+    def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in client.makefile("rb"):
+                match = _FETCH.match(line)
+                if match and _uids(match.group(2)) & self.refused:
+                    client.sendall(b"* BYE " + self.answer + b"\r\n")
+                    for sock in (client, upstream):
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                    return
+                upstream.sendall(line)

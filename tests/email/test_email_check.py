@@ -15,7 +15,7 @@ import mails
 import psycopg
 import pytest
 from dovecot import UTF8_PASSWORD, UTF8_USER, AccountFactory, Dovecot, make_settings
-from refusing_proxy import RefusingProxy
+from refusing_proxy import ByeProxy, RefusingProxy
 from structlog.testing import capture_logs
 
 from sokratos_worker.email import (
@@ -981,6 +981,70 @@ def test_a_temporary_no_is_the_servers_state_and_never_passes_a_message(
     assert report.ok, report.error
     assert [i["payload"]["subject"] for i in items(db)] == ["one", "two"]
     assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"[UNAVAILABLE] Server shutting down, try again later", b"Server shutting down."],
+    ids=["unavailable-code", "dovecot-shutdown"],
+)
+def test_a_bye_for_the_servers_state_never_passes_a_message(
+    *,
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: Any,
+    answer: bytes,
+) -> None:
+    """`* BYE [UNAVAILABLE] ...` (RFC 5530) or Dovecot's `* BYE Server shutting down.` while
+    a message is fetched, on more than three checks: each check fails as the server's problem
+    (as for NO [UNAVAILABLE]), the message's refusal count does not rise, and once the server
+    serves again the mail is triaged, not passed into failed_operations."""
+    dovecot.append(mailbox, mails.plain(subject="the only mail"))
+    with ByeProxy(dovecot.imap_port, refused={1}, answer=answer) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(4):
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+            assert report.error is not None and "failed for now" in report.error, report
+    refused = db.execute("SELECT refused_uid, refused_checks FROM email_checkpoints").fetchone()
+    assert refused == (None, 0)
+    # The server serves again.
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(60))
+    assert report.ok, report.error
+    subjects = [
+        row[0]
+        for row in db.execute("SELECT payload->>'subject' FROM pending_triage ORDER BY id")
+    ]
+    failed = db.execute("SELECT context_data->>'server_answer' FROM failed_operations").fetchall()
+    assert subjects == ["the only mail"], (
+        f"the mail was not triaged once the server served it again; failed_operations: {failed}"
+    )
+    assert failed == []
+
+
+def test_a_bye_for_one_message_is_counted_as_its_refusal(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    """Any other BYE on a message's FETCH (Dovecot's "Internal error" on a damaged message
+    file) is that message's refusal: counted per check, and passed on the third."""
+    for subject in ("one", "two"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    answer = b"Internal error occurred. Refer to server log for more information."
+    with ByeProxy(dovecot.imap_port, refused={2}, answer=answer) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(2):
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+            assert report.error is not None and "UID 2 " in report.error, report
+            assert "failed for now" not in report.error
+            refusal = "SELECT refused_uid, refused_checks FROM email_checkpoints"
+            assert db.execute(refusal).fetchone() == (2, n + 1)
+        [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["one"]
+    [context] = db.execute("SELECT context_data FROM failed_operations").fetchone()
+    assert (context["uid"], context["refused_checks"]) == (2, 3)
+    assert context["server_answer"].startswith("BYE Internal error")
 
 
 def test_a_batch_refused_with_no_is_fetched_one_by_one_and_the_refused_message_passed(
