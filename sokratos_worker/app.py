@@ -21,7 +21,7 @@ from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store import queue as queue_store
 from sokratos_worker.store.connection import Database
-from sokratos_worker.store.migrations import apply_migrations
+from sokratos_worker.store.migrations import apply_migrations, history_differences
 from sokratos_worker.store.sessions import refuse_shared_sessions
 
 log = structlog.get_logger(__name__)
@@ -85,8 +85,11 @@ def _migrate(conninfo: str, notifier: Notifier) -> None:
 def _check_schema(settings: Settings, database: Database) -> None:
     with database.connection() as conn:
         problems = schema_problems(settings, conn)
+        differences = [] if problems else history_differences(conn)
     if problems:
         raise problems[0]
+    for difference in differences:  # warned, not refused: old workers run during an upgrade
+        log.warning("migration_history_differs", difference=difference)
 
 
 def run_worker(

@@ -14,6 +14,7 @@ from sokratos_worker.store.connection import (
     connect,
     is_read_only,
 )
+from sokratos_worker.store.migrations import history_differences
 from sokratos_worker.store.sessions import SessionsShared, shared_server_session
 
 
@@ -80,12 +81,14 @@ def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
         lines.append(_sessions_line(url))
         if vector is not None:
             problems = schema_problems(settings, conn)
+            # Passes with a note: a newer or edited history is warned of, not refused.
+            notes = [] if problems else history_differences(conn)
             lines.append(
                 CheckLine(
                     "schema",
                     not problems,
                     "; ".join(str(p) for p in problems)
-                    or "migrations applied, fits the embedding configuration",
+                    or "; ".join(["migrations applied, fits the embedding configuration", *notes]),
                 )
             )
 
@@ -142,7 +145,11 @@ def connections_line(settings: Settings, conn: Connection) -> CheckLine:
                   (SELECT CASE WHEN rolsuper THEN -1 ELSE rolconnlimit END  -- (not for superusers)
                    FROM pg_roles WHERE rolname = current_user),
                   (SELECT datconnlimit FROM pg_database WHERE datname = current_database()),
-                  (SELECT count(*) - 1 FROM pg_stat_activity WHERE backend_type = 'client backend'),
+                  -- Other roles' sessions show a NULL backend_type without pg_read_all_stats.
+                  (SELECT CASE WHEN bool_or(backend_type IS NULL) THEN NULL
+                               ELSE count(*) FILTER (WHERE backend_type = 'client backend'
+                                                     AND pid <> pg_backend_pid()) END
+                   FROM pg_stat_activity),
                   current_user, current_database()"""
     ).fetchone()
     assert row is not None  # noqa: S101 - a SELECT without FROM returns one row
@@ -168,7 +175,12 @@ def connections_line(settings: Settings, conn: Connection) -> CheckLine:
             f"{wants} but {'; '.join(short)}: lower SOKRATOS_CONCURRENCY or raise the limit"
             " (a worker short of connections runs, but far slower)",
         )
-    return CheckLine("connections", True, f"{wants}; {limits[0][0]}, {in_use} in use now")
+    now = (
+        f"{in_use} in use now"
+        if in_use is not None
+        else "in use now: unknown to this role (it may not see other roles' sessions)"
+    )
+    return CheckLine("connections", True, f"{wants}; {limits[0][0]}, {now}")
 
 
 def _pgvector_missing(settings: Settings, conn: Connection) -> str:

@@ -598,13 +598,21 @@ def _handling(
 
 
 def _migrate(_: argparse.Namespace, settings: Settings) -> int:
-    from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
+    from sokratos_worker.store.connection import connect  # noqa: PLC0415
+    from sokratos_worker.store.migrations import (  # noqa: PLC0415
+        apply_migrations,
+        history_differences,
+    )
     from sokratos_worker.store.sessions import refuse_shared_sessions  # noqa: PLC0415
 
     with database_url(settings) as url:
         refuse_shared_sessions(url)  # a transaction pooler would leak the migration lock
         applied = apply_migrations(url)
+        with connect(url) as conn:
+            differences = history_differences(conn)
     print("applied: " + ", ".join(applied) if applied else "up to date")
+    for difference in differences:  # a warning: exit 0, the schema is usable
+        print(f"warning: {difference}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -6,7 +6,7 @@ import psycopg
 
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store.migrations import pending_migrations
-from sokratos_worker.store.status import database_has_fixed_embedding
+from sokratos_worker.store.status import embedding_column
 
 
 def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[ConfigError]:
@@ -33,9 +33,9 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
                 " or SOKRATOS_MIGRATE_ON_START=false)",
             )
         ]
-    fixed = database_has_fixed_embedding(conn)
-    problems = []
-    if fixed is not None and not settings.embeddings_enabled:
+    problems = _missing_privileges(conn)
+    column = embedding_column(conn)
+    if column.required and not settings.embeddings_enabled:
         problems.append(
             ConfigError(
                 "SOKRATOS_EMBEDDING_URL",
@@ -43,11 +43,75 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
                 " database), so memories cannot be saved without an embedding model",
             )
         )
-    if fixed and settings.embedding_dim and fixed != settings.embedding_dim:
+    # Compared whenever both are known: a nullable vector(N) refuses other dimensions too.
+    if (
+        column.dimension
+        and settings.embeddings_enabled
+        and settings.embedding_dim
+        and column.dimension != settings.embedding_dim
+    ):
         problems.append(
             ConfigError(
                 "SOKRATOS_EMBEDDING_DIM",
-                f"is {settings.embedding_dim} but memories.embedding is vector({fixed})",
+                f"is {settings.embedding_dim} but memories.embedding is vector({column.dimension})",
             )
         )
     return problems
+
+
+# What the worker does to each table (sql/roles.sql grants the same); a table that does not
+# exist (personality_traits outside Sokratos) is not asked for. The queues and the keys are
+# inserted into by sokratos_enqueue, which runs with its caller's rights for the worker.
+_WORKER_PRIVILEGES: dict[str, tuple[str, ...]] = {
+    "pending_triage": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "pending_distillation": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "work_outcomes": ("SELECT", "INSERT"),
+    "failed_operations": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "processed_emails": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "email_checkpoints": ("SELECT", "INSERT", "UPDATE"),
+    "worker_heartbeats": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "sokratos_idempotency_keys": ("SELECT", "INSERT", "UPDATE"),
+    "memories": ("SELECT", "INSERT", "UPDATE"),
+    "adaptive_params": ("SELECT",),
+    "personality_traits": ("SELECT",),
+    "sokratos_worker_migrations": ("SELECT",),
+}
+
+
+def _missing_privileges(conn: psycopg.Connection) -> list[ConfigError]:
+    """Grants the worker's role lacks on the tables it uses and their id sequences: without
+    them it would start, then fail every settle with "permission denied" and retry for ever."""
+    tables = list(_WORKER_PRIVILEGES)
+    privileges = [",".join(p) for p in _WORKER_PRIVILEGES.values()]
+    rows = conn.execute(
+        """WITH wanted AS (
+               SELECT w.name, to_regclass(w.name) AS rel, p.privilege
+               FROM unnest(%s::text[], %s::text[]) AS w(name, privileges),
+                    unnest(string_to_array(w.privileges, ',')) AS p(privilege))
+           SELECT name, string_agg(privilege, ', ' ORDER BY privilege)
+           FROM wanted
+           WHERE CASE WHEN rel IS NULL THEN false ELSE NOT has_table_privilege(rel, privilege) END
+           GROUP BY name
+           UNION ALL
+           SELECT s.oid::regclass::text, 'USAGE'
+           FROM pg_depend d JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
+           WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+             AND d.deptype IN ('a', 'i')
+             AND d.refobjid IN (SELECT rel FROM wanted WHERE privilege = 'INSERT')
+             -- CASE: the planner may ask before the join has kept sequences only.
+             AND CASE WHEN s.relkind = 'S' THEN NOT has_sequence_privilege(s.oid, 'USAGE')
+                      ELSE false END""",
+        (tables, privileges),
+    ).fetchall()
+    if not rows:
+        return []
+    role = conn.execute("SELECT current_user").fetchone()
+    lacks = "; ".join(f"{privilege} on {name}" for name, privilege in rows)
+    return [
+        ConfigError(
+            "schema",
+            f"role {role[0] if role else conn.info.user} lacks {lacks}: run sql/roles.sql"
+            " again as the owner of the tables (after every 'sokratos-worker migrate' that"
+            " adds one; docs/production.md §4)",
+        )
+    ]

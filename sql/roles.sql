@@ -22,6 +22,13 @@
 -- The migrations stay with the owner of the tables (the role that ran them, or Sokratos's own
 -- role for an existing database): `sokratos-worker migrate` as that role.
 -- On PostgreSQL 14 and older, also run: REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+--
+-- Tables outside public (e.g. the owner's "$user" schema): found in the catalogs whoever runs
+-- this, and put on the two roles' search_path in this database (see the end of the file).
+-- No ALTER DEFAULT PRIVILEGES: it would give every future table of the owner the same rights
+-- whatever the worker does with it, and only for tables created by the role named in it; a
+-- table a migration adds is granted here, by name, when this file is run again, and until
+-- then `sokratos-worker run` and `check` name the missing grant (exit 78).
 
 DO $$
 BEGIN
@@ -38,6 +45,7 @@ END $$;
 DO $$
 DECLARE
     schema_name text;
+    found text;
     tbl text;
     seq text;
     -- Read, written and deleted by the worker.
@@ -48,12 +56,22 @@ DECLARE
     -- (`run --no-migrate` checks that the schema is current).
     worker_ro text[] := ARRAY['adaptive_params', 'personality_traits', 'sokratos_worker_migrations'];
 BEGIN
-    -- Where the worker's tables are: the schema of the enqueue functions.
-    SELECT n.nspname INTO schema_name
-    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-    WHERE p.proname = 'sokratos_enqueue_triage' AND pg_function_is_visible(p.oid);
+    -- Where the worker's tables are: the schema of the enqueue functions and the migration
+    -- history, looked up in the catalogs rather than through this session's search_path (a
+    -- superuser's path need not include the owner's "$user" schema).
+    SELECT string_agg(DISTINCT nspname, ', ' ORDER BY nspname), min(nspname) INTO found, schema_name
+    FROM (SELECT n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+          WHERE p.proname = 'sokratos_enqueue_triage'
+          UNION
+          SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.relname = 'sokratos_worker_migrations' AND c.relkind IN ('r', 'p')) AS s
+    WHERE nspname NOT IN ('pg_catalog', 'information_schema');
     IF schema_name IS NULL THEN
         RAISE EXCEPTION 'sokratos_enqueue_triage not found: run `sokratos-worker migrate` first';
+    END IF;
+    IF found <> schema_name THEN
+        RAISE EXCEPTION 'the worker''s tables or functions are in several schemas (%): drop the'
+            ' copy that is not used, then run roles.sql again', found;
     END IF;
 
     EXECUTE format('GRANT CONNECT ON DATABASE %I TO sokratos_worker, sokratos_producer',
@@ -101,4 +119,37 @@ BEGIN
     EXECUTE format('GRANT EXECUTE ON FUNCTION %I.sokratos_enqueue(text, jsonb, text, text), '
                    '%I.sokratos_check_payload(text, jsonb, text) TO sokratos_worker',
                    schema_name, schema_name);
+
+    -- The two roles name the tables and functions unqualified, so a schema other than public
+    -- (the owner's "$user" schema) must be on their search_path in this database. Set only
+    -- then: with public the default path finds them, and roles.sql stays runnable by an owner
+    -- that may not alter roles. ALTER ROLE needs a superuser (or CREATEROLE with ADMIN on the
+    -- roles); an owner of the database without it sets the database's default instead, with
+    -- the schema after public so that no name other roles resolve today changes.
+    IF schema_name <> 'public' THEN
+        BEGIN
+            EXECUTE format('ALTER ROLE sokratos_worker IN DATABASE %I SET search_path = %I, public',
+                           current_database(), schema_name);
+            EXECUTE format('ALTER ROLE sokratos_producer IN DATABASE %I SET search_path = %I, public',
+                           current_database(), schema_name);
+        EXCEPTION WHEN insufficient_privilege THEN
+            -- (Nor when the database has a search_path of its own: it is not ours to replace.)
+            IF NOT EXISTS (SELECT FROM pg_database WHERE datname = current_database()
+                           AND pg_has_role(datdba, 'USAGE'))
+               OR EXISTS (SELECT FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
+                          WHERE d.datname = current_database() AND s.setrole = 0
+                            AND EXISTS (SELECT FROM unnest(s.setconfig) c
+                                        WHERE c LIKE 'search_path=%')) THEN
+                RAISE EXCEPTION 'the tables are in schema %, which sokratos_worker and'
+                    ' sokratos_producer must have on their search_path: run roles.sql as a'
+                    ' superuser (or as the owner of database %, if it sets no search_path of'
+                    ' its own)', schema_name, current_database();
+            END IF;
+            EXECUTE format('ALTER DATABASE %I SET search_path = "$user", public, %I',
+                           current_database(), schema_name);
+            RAISE NOTICE 'this role may not alter sokratos_worker and sokratos_producer: set'
+                ' search_path = "$user", public, % for database % instead', schema_name,
+                current_database();
+        END;
+    END IF;
 END $$;

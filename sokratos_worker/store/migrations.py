@@ -104,20 +104,14 @@ def apply_migrations(conninfo: str, on_progress: Progress = _nobody_listens) -> 
             if not pending_migrations(conn):  # applied by whoever held the lock
                 return []
             _create_history_table(conn)
+            # An edited applied file is reported by history_differences(), on every path.
             done = {
-                row[0]: row[1]
-                for row in conn.execute("SELECT version, checksum FROM sokratos_worker_migrations")
+                row[0] for row in conn.execute("SELECT version FROM sokratos_worker_migrations")
             }
             migrations = load_migrations()
             pending = sum(1 for m in migrations if m.version not in done)
             for migration in migrations:
                 if migration.version in done:
-                    if done[migration.version] != migration.checksum:
-                        log.warning(
-                            "migration_checksum_changed",
-                            migration=migration.name,
-                            hint="an applied migration file was edited; it is not re-run",
-                        )
                     continue
                 on_progress(
                     f"applying migration {migration.name} ({len(applied) + 1} of {pending})"
@@ -192,6 +186,38 @@ def pending_migrations(conn: psycopg.Connection) -> list[str]:
     if table is not None and table[0] is not None:
         done = {row[0] for row in conn.execute("SELECT version FROM sokratos_worker_migrations")}
     return [m.name for m in load_migrations() if m.version not in done]
+
+
+def history_differences(conn: psycopg.Connection) -> list[str]:
+    """Where the recorded history disagrees with this version's files, one sentence each:
+    migrations only a newer worker has (a rolling upgrade, or this code rolled back) and
+    applied migrations whose file changed since. Warnings, never refusals: during a rolling
+    upgrade the older workers keep running against the newer schema."""
+    table = conn.execute("SELECT to_regclass('sokratos_worker_migrations')").fetchone()
+    if table is None or table[0] is None:
+        return []
+    recorded = conn.execute(
+        "SELECT version, name, checksum FROM sokratos_worker_migrations ORDER BY version"
+    ).fetchall()
+    files = {m.version: m for m in load_migrations()}
+    unknown = [str(name) for version, name, _ in recorded if version not in files]
+    edited = [
+        files[version].name
+        for version, _, checksum in recorded
+        if version in files and files[version].checksum != checksum
+    ]
+    differences = []
+    if unknown:
+        differences.append(
+            f"the database has migrations this version does not know: {', '.join(unknown)}"
+            " (a newer sokratos-worker applied them; upgrade this one)"
+        )
+    if edited:
+        differences.append(
+            f"applied migrations whose file changed since: {', '.join(edited)} (not re-run;"
+            " the database keeps what was applied then)"
+        )
+    return differences
 
 
 def _create_history_table(conn: psycopg.Connection) -> None:

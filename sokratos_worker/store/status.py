@@ -166,15 +166,25 @@ def prune_failures_ttl(conn: psycopg.Connection, *, ttl_days: int) -> int:
     ).rowcount
 
 
-def database_has_fixed_embedding(conn: psycopg.Connection) -> int | None:
-    """The fixed dimension of memories.embedding (Sokratos: 2560) and whether it is NOT NULL."""
+@dataclass(frozen=True)
+class EmbeddingColumn:
+    """What memories.embedding demands of the configuration."""
+
+    dimension: int | None  # vector(N); None for a plain ``vector`` or no column
+    required: bool  # NOT NULL (a Sokratos database): no memory without an embedding
+
+
+def embedding_column(conn: psycopg.Connection) -> EmbeddingColumn:
+    """The fixed dimension of memories.embedding (Sokratos: 2560) and whether it is NOT NULL,
+    apart: a nullable vector(N) still refuses every embedding of another dimension."""
     row = conn.execute(
         """SELECT a.atttypmod, a.attnotnull FROM pg_attribute a
-           WHERE a.attrelid = 'memories'::regclass AND a.attname = 'embedding'"""
+           WHERE a.attrelid = 'memories'::regclass AND a.attname = 'embedding'
+             AND NOT a.attisdropped"""
     ).fetchone()
-    if row is None or not row[1]:
-        return None
-    return int(row[0]) if row[0] and row[0] > 0 else 0
+    if row is None:
+        return EmbeddingColumn(None, required=False)
+    return EmbeddingColumn(int(row[0]) if row[0] and row[0] > 0 else None, required=bool(row[1]))
 
 
 # Who another session is, after its pid, read from pg_stat_activity ``a`` (see session()).

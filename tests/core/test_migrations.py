@@ -21,6 +21,7 @@ from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store import migrations
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import MigrationError, apply_migrations, load_migrations
+from tests.core.test_cli import cli, env_for
 
 ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
 
@@ -346,3 +347,45 @@ def test_the_wait_for_the_migration_lock_is_logged_again_at_intervals(
     gaps = [later - earlier for earlier, later in itertools.pairwise(heard)]
     assert min(gaps) > 0.45, gaps
     assert any(e["event"] == "migrations_applied" for e in logs)
+
+
+def _said(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"{proc.stdout}\n{proc.stderr}"
+
+
+def test_a_migration_only_a_newer_worker_has_is_warned_of_not_refused(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    # A newer worker migrated (rolling upgrade, or this code rolled back): older workers run on.
+    db.execute(
+        "INSERT INTO sokratos_worker_migrations (version, name, checksum)"
+        " VALUES (9999, '9999_from_a_newer_worker', 'abc')"
+    )
+    env = env_for(database_url, tmp_path)
+    migrated = cli("migrate", env=env)
+    assert migrated.returncode == 0 and "9999" in _said(migrated), _said(migrated)[-1500:]
+    checked = cli("check", env=env)
+    schema = [line for line in checked.stdout.splitlines() if "schema" in line]
+    assert schema and "9999" in schema[0], checked.stdout
+    assert schema[0].startswith("ok"), schema[0]  # a note: warned, not refused
+    ran = cli("run", "--once", "--no-migrate", env=env)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "migration_history_differs" in ran.stderr and "9999" in ran.stderr
+
+
+def test_an_applied_migration_whose_file_changed_is_named_when_up_to_date(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    edited = load_migrations()[-1]
+    db.execute(
+        "UPDATE sokratos_worker_migrations SET checksum = 'checksum-of-an-earlier-file'"
+        " WHERE version = %s",
+        (edited.version,),
+    )
+    env = env_for(database_url, tmp_path)
+    migrated = cli("migrate", env=env)
+    assert migrated.returncode == 0 and "up to date" in migrated.stdout
+    assert edited.name in _said(migrated), _said(migrated)[-1500:]
+    checked = cli("check", env=env)
+    schema = next(line for line in checked.stdout.splitlines() if "schema" in line)
+    assert schema.startswith("ok") and edited.name in schema, checked.stdout

@@ -1,4 +1,5 @@
-"""`run` and `check` judge the database the same way: missing migrations, embedding column, typos."""
+"""`run` and `check` judge the database the same way: missing migrations, embedding column,
+grants, typos."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from pathlib import Path
 
 import psycopg
 
+from sokratos_worker.config import Settings
+from sokratos_worker.schema_check import schema_problems
 from tests.core.test_cli import cli, env_for
 from tests.support.db import count
+
+ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
 
 
 def test_run_no_migrate_on_an_unmigrated_database_exits_78_naming_migrate(
@@ -48,3 +53,57 @@ def test_check_names_an_unknown_variable_and_run_warns(
     run = cli("run", "--once", env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert '"unknown_variables_ignored"' in run.stderr and "SOKRATOS_CONCURENCY" in run.stderr
+
+
+def _embeddings(dim: int) -> Settings:
+    return Settings(embedding_url="http://127.0.0.1:1/v1", embedding_model="m", embedding_dim=dim)
+
+
+def test_a_nullable_fixed_dimension_that_differs_is_refused(db: psycopg.Connection) -> None:
+    # A pgvector index needs a fixed dimension: the column pinned, NOT NULL left off. Every
+    # save of another dimension would fail ("expected 1024 dimensions, not 2560").
+    db.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector(1024)")
+    db.execute(
+        "INSERT INTO memories (summary, embedding) VALUES ('x', array_fill(0.1, ARRAY[1024])::vector)"
+    )
+    problems = schema_problems(_embeddings(2560), db)
+    assert [p.variable for p in problems] == ["SOKRATOS_EMBEDDING_DIM"], problems
+    assert "1024" in str(problems[0])
+
+
+def test_a_nullable_fixed_dimension_that_matches_is_fine(db: psycopg.Connection) -> None:
+    db.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector(1024)")
+    assert schema_problems(_embeddings(1024), db) == []
+    assert schema_problems(Settings(), db) == []  # nullable: no embedding model needed
+
+
+def _as_worker_role(url: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["options"] = "-c role=sokratos_worker"
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+def test_a_table_the_worker_role_may_not_write_is_named_by_check_and_run(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    # As after a migration that added a table, with roles.sql not run again.
+    db.execute(ROLES_SQL)
+    db.execute("REVOKE ALL ON work_outcomes FROM sokratos_worker")
+    env = env_for(_as_worker_role(database_url), tmp_path)
+    checked = cli("check", env=env)
+    failing = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    assert any("work_outcomes" in line and "roles.sql" in line for line in failing), checked.stdout
+    # The role cannot see the other sessions: the line says so rather than "-1 in use now".
+    connections = next(line for line in checked.stdout.splitlines() if "connections" in line)
+    assert "unknown to this role" in connections and "-1" not in connections, connections
+    ran = cli("run", "--once", "--no-migrate", env=env)
+    assert ran.returncode == 78, ran.stderr[-2000:]
+    assert "work_outcomes" in ran.stderr and "roles.sql" in ran.stderr
+
+
+def test_the_worker_role_with_every_grant_passes_the_schema_check(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    db.execute(ROLES_SQL)
+    with psycopg.connect(_as_worker_role(database_url), autocommit=True) as conn:
+        assert schema_problems(Settings(), conn) == []
