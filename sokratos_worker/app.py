@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from sokratos_worker.config import Settings, unknown_variables
+from sokratos_worker.config import ConfigError, Settings, unknown_variables
 from sokratos_worker.daemon import EXIT_OK, EXIT_TEMPFAIL, SIGNAL_POLL_S, Worker, build_worker
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
@@ -34,6 +34,9 @@ MIGRATION_EXTENSION_S = 30.0
 # as the unit's TimeoutStartSec gives a whole start. systemd only ever moves the deadline
 # later (EXTEND_TIMEOUT_USEC), so a longer TimeoutStartSec set in a drop-in still holds.
 REST_OF_START_S = 120.0
+# The local model server died past its restart limit: 75, a dependency that stays away, not 1
+# (our bug) nor 78 (the file loaded before); systemd restarting the unit gives it a fresh start.
+EXIT_LOCAL_MODEL_DIED = EXIT_TEMPFAIL
 
 
 def default_handlers(context: HandlerContext) -> Handlers:
@@ -44,15 +47,20 @@ def default_handlers(context: HandlerContext) -> Handlers:
 
 
 @contextmanager
-def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any]]:
-    """The chat client and embedder, with the local demonstration model when asked for."""
+def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any, Any]]:
+    """The chat client and embedder, with the local demonstration model when asked for (the
+    fourth: its running :class:`LocalModelServer`, or None)."""
     from sokratos_worker.llm import build_chat_client, build_embedder  # noqa: PLC0415
 
     local = None
     if settings.local_model:
-        from sokratos_worker.llm.local import start_local_server  # noqa: PLC0415
+        from sokratos_worker.llm.local import LocalModelUnusable, start_local_server  # noqa: PLC0415
 
-        local = start_local_server()
+        try:
+            local = start_local_server()
+        except LocalModelUnusable as exc:
+            # Starting again loads the same file: 78 keeps systemd from restarting for ever.
+            raise ConfigError("SOKRATOS_LOCAL_MODEL", str(exc)) from None
         settings = settings.model_copy(
             update={"llm_backends": [*settings.llm_backends, local.backend]}
         )
@@ -63,10 +71,21 @@ def backends(settings: Settings) -> Iterator[tuple[Settings, Any, Any]]:
             " Do not use SOKRATOS_LOCAL_MODEL=true with a real memory store.",
         )
     try:
-        yield settings, build_chat_client(settings), build_embedder(settings)
+        yield settings, build_chat_client(settings), build_embedder(settings), local
     finally:
         if local is not None:
             local.stop()
+
+
+def _watch_local_model(local: Any, chat: Any, worker: Worker) -> None:
+    """Restart the local model server when it dies; past the limit, stop the worker."""
+    from sokratos_worker.llm.local import follow_backend  # noqa: PLC0415
+
+    def give_up(reason: str) -> None:
+        log.error("worker_exiting", reason=reason, exit_code=EXIT_LOCAL_MODEL_DIED)
+        worker.stop_with(EXIT_LOCAL_MODEL_DIED, "local_model_gave_up")
+
+    local.watch(on_moved=lambda config: follow_backend(chat, config), on_give_up=give_up)
 
 
 def _migrate(conninfo: str, notifier: Notifier) -> None:
@@ -134,7 +153,7 @@ def run_worker(
                 " opens up to CONCURRENCY + 4; 'sokratos-worker check' compares them)?",
             )
         _check_schema(settings, database)
-        with backends(settings) as (effective, chat, embedder):
+        with backends(settings) as (effective, chat, embedder, local):
             metrics = Metrics()
             observed = ObservedChat(chat, metrics) if chat is not None else None
             worker = build_worker(
@@ -146,8 +165,10 @@ def run_worker(
                 metrics=metrics,
                 notifier=notifier,
             )
+            if local is not None and chat is not None:
+                _watch_local_model(local, chat, worker)
             code = _once_restoring_signals(worker) if once else worker.serve()
-            if stopped is not None and worker.stop_requested:
+            if stopped is not None and worker.stop_requested and worker.exit_code == EXIT_OK:
                 stopped.set()
             return code
     finally:
@@ -233,7 +254,7 @@ def run_once(worker: Worker) -> int:
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     if worker.stop_requested:
         log.info("run_once_stopped", released=released)
-        return EXIT_OK
+        return worker.exit_code
     if paused:
         log.warning(
             "run_once_incomplete",

@@ -102,6 +102,7 @@ class Worker:
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
     _waiting_for_database: bool = False  # the runner's last reported state was waiting for it
+    exit_code: int = EXIT_OK  # what serve() returns; stop_with() sets another
 
     def __post_init__(self) -> None:
         self.runner = Runner(
@@ -447,8 +448,15 @@ class Worker:
                 hint="still waiting (on a locked table?); the process exits without them and"
                 " what they committed stays; they run again at the next start",
             )
-        log.info("worker_stopped", released=released)
-        return EXIT_OK
+        log.info("worker_stopped", released=released, exit_code=self.exit_code)
+        return self.exit_code
+
+    def stop_with(self, code: int, reason: str) -> None:
+        """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
+        (the local model server that keeps dying)."""
+        self.exit_code = code
+        if self._signal_name is None:
+            self._signal_name = reason
 
     @property
     def stop_requested(self) -> bool:

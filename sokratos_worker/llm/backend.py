@@ -70,5 +70,10 @@ class Backend:
             clock=clock,
         )
 
+    def moved(self, url: str) -> None:
+        """Send later requests to ``url`` (a local model server restarted on another port)."""
+        self.config = self.config.model_copy(update={"url": url})
+        self.chat_url = httpx.URL(f"{url}/chat/completions")
+
 
 __all__ = ["Backend", "RetryPolicy"]

@@ -519,6 +519,10 @@ class FallbackChatClient:
             if k not in {"skipped", "busy"}
         ]
 
+    def move_backend(self, name: str, url: str) -> None:
+        """Send backend ``name``'s later requests to ``url`` (its server moved ports)."""
+        self._backend(name).moved(url)
+
     def _backend(self, name: str) -> Backend:
         for backend in self._backends:
             if backend.name == name:

