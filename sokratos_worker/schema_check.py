@@ -62,6 +62,9 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
 # What the worker does to each table (sql/roles.sql grants the same); a table that does not
 # exist (personality_traits outside Sokratos) is not asked for. The queues and the keys are
 # inserted into by sokratos_enqueue, which runs with its caller's rights for the worker.
+# SELECT, INSERT and UPDATE are met by a grant on some columns too (has_any_column_privilege:
+# a DBA may allow only `UPDATE (superseded_by) ON memories`, all the worker updates there);
+# DELETE exists only for the whole table.
 _WORKER_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "pending_triage": ("SELECT", "INSERT", "UPDATE", "DELETE"),
     "pending_distillation": ("SELECT", "INSERT", "UPDATE", "DELETE"),
@@ -90,7 +93,11 @@ def _missing_privileges(conn: psycopg.Connection) -> list[ConfigError]:
                     unnest(string_to_array(w.privileges, ',')) AS p(privilege))
            SELECT name, string_agg(privilege, ', ' ORDER BY privilege)
            FROM wanted
-           WHERE CASE WHEN rel IS NULL THEN false ELSE NOT has_table_privilege(rel, privilege) END
+           WHERE CASE WHEN rel IS NULL THEN false
+                      -- A column grant is enough (UPDATE (superseded_by) ON memories).
+                      WHEN privilege IN ('SELECT', 'INSERT', 'UPDATE')
+                          THEN NOT has_any_column_privilege(rel, privilege)
+                      ELSE NOT has_table_privilege(rel, privilege) END
            GROUP BY name
            UNION ALL
            SELECT s.oid::regclass::text, 'USAGE'

@@ -55,6 +55,14 @@ DECLARE
     -- Read by the worker: thresholds, the user's preferences, the migration history
     -- (`run --no-migrate` checks that the schema is current).
     worker_ro text[] := ARRAY['adaptive_params', 'personality_traits', 'sokratos_worker_migrations'];
+    -- Their search_path (the end of the file).
+    db_path text;
+    server_path text;
+    role_name text;
+    role_path text;
+    names text[];
+    new_path text;
+    via_database boolean := false;
 BEGIN
     -- Where the worker's tables are: the schema of the enqueue functions and the migration
     -- history, looked up in the catalogs rather than through this session's search_path (a
@@ -121,35 +129,89 @@ BEGIN
                    schema_name, schema_name);
 
     -- The two roles name the tables and functions unqualified, so a schema other than public
-    -- (the owner's "$user" schema) must be on their search_path in this database. Set only
-    -- then: with public the default path finds them, and roles.sql stays runnable by an owner
-    -- that may not alter roles. ALTER ROLE needs a superuser (or CREATEROLE with ADMIN on the
-    -- roles); an owner of the database without it sets the database's default instead, with
-    -- the schema after public so that no name other roles resolve today changes.
+    -- (the owner's "$user" schema) must be on their search_path in this database. With public
+    -- the default path finds them, and nothing is set. A path that already names the schema
+    -- (the role's own, or the database's, set by an earlier run or by the DBA) is left as it
+    -- is, so this file can be run again; otherwise the role gets the path it has today (its
+    -- own, else the database's, else the server's) with the schema put in FRONT: the worker's
+    -- tables and functions must resolve to ours before any same-named object in a schema
+    -- later on the path (a stray copy in public, or one planted in a schema others may write
+    -- to), while everything else on that path keeps its place, e.g. pgvector's "extensions"
+    -- schema named on the database's path (Supabase's layout: type vector, operator <=>).
+    -- ALTER ROLE needs a superuser (or CREATEROLE with ADMIN on the roles); an owner of the
+    -- database without it sets the database's default instead, with the schema LAST so that
+    -- no name other roles resolve today changes. It stops (rolling back the grants) when the
+    -- database has a path of its own without the schema (not ours to replace) or a role has
+    -- one: only a superuser may then set the roles'.
     IF schema_name <> 'public' THEN
-        BEGIN
-            EXECUTE format('ALTER ROLE sokratos_worker IN DATABASE %I SET search_path = %I, public',
-                           current_database(), schema_name);
-            EXECUTE format('ALTER ROLE sokratos_producer IN DATABASE %I SET search_path = %I, public',
-                           current_database(), schema_name);
-        EXCEPTION WHEN insufficient_privilege THEN
-            -- (Nor when the database has a search_path of its own: it is not ours to replace.)
+        SELECT substr(c, length('search_path=') + 1) INTO db_path
+        FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase,
+             unnest(s.setconfig) AS c
+        WHERE d.datname = current_database() AND s.setrole = 0 AND c LIKE 'search_path=%';
+        -- The server's path (postgresql.conf) when this session shows it, else the default.
+        SELECT CASE WHEN source IN ('default', 'configuration file') THEN setting
+                    ELSE '"$user", public' END INTO server_path
+        FROM pg_settings WHERE name = 'search_path';
+
+        FOREACH role_name IN ARRAY ARRAY['sokratos_worker', 'sokratos_producer'] LOOP
+            -- The role's own setting: in this database first, then in every database.
+            SELECT substr(c, length('search_path=') + 1) INTO role_path
+            FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole,
+                 unnest(s.setconfig) AS c
+            WHERE r.rolname = role_name AND c LIKE 'search_path=%'
+              AND s.setdatabase IN (0, (SELECT oid FROM pg_database
+                                        WHERE datname = current_database()))
+            ORDER BY s.setdatabase DESC LIMIT 1;
+            -- The path's schema names as PostgreSQL reads them: "quoted" or lower-cased.
+            SELECT coalesce(array_agg(CASE WHEN m[1] LIKE '"%'
+                                           THEN replace(substr(m[1], 2, length(m[1]) - 2), '""', '"')
+                                           ELSE lower(m[1]) END ORDER BY i), '{}')
+            INTO names
+            FROM regexp_matches(coalesce(role_path, db_path, server_path),
+                                '("(?:[^"]|"")*"|[^",[:space:]]+)', 'g') WITH ORDINALITY AS t(m, i);
+            IF schema_name = ANY(names) OR (schema_name = role_name AND '$user' = ANY(names)) THEN
+                CONTINUE;  -- done (an earlier run, or the DBA): keep granting
+            END IF;
+            new_path := array_to_string(
+                quote_ident(schema_name)
+                    || ARRAY(SELECT quote_ident(p) FROM unnest(names) WITH ORDINALITY AS u(p, i)
+                             ORDER BY i), ', ');
+            BEGIN
+                EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = %s',
+                               role_name, current_database(), new_path);
+                RAISE NOTICE 'search_path of % in database % set to %', role_name,
+                    current_database(), new_path;
+            EXCEPTION WHEN insufficient_privilege THEN
+                IF role_path IS NOT NULL THEN
+                    RAISE EXCEPTION 'the tables are in schema %, which % must have on its'
+                        ' search_path, and it has a search_path of its own (%) without it:'
+                        ' run roles.sql as a superuser', schema_name, role_name, role_path;
+                END IF;
+                via_database := true;
+            END;
+        END LOOP;
+
+        IF via_database THEN
+            -- db_path IS NOT NULL here means a path without the schema (one with it was done).
             IF NOT EXISTS (SELECT FROM pg_database WHERE datname = current_database()
                            AND pg_has_role(datdba, 'USAGE'))
-               OR EXISTS (SELECT FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
-                          WHERE d.datname = current_database() AND s.setrole = 0
-                            AND EXISTS (SELECT FROM unnest(s.setconfig) c
-                                        WHERE c LIKE 'search_path=%')) THEN
+               OR db_path IS NOT NULL THEN
                 RAISE EXCEPTION 'the tables are in schema %, which sokratos_worker and'
                     ' sokratos_producer must have on their search_path: run roles.sql as a'
                     ' superuser (or as the owner of database %, if it sets no search_path of'
-                    ' its own)', schema_name, current_database();
+                    ' its own or one that names the schema)', schema_name, current_database();
             END IF;
-            EXECUTE format('ALTER DATABASE %I SET search_path = "$user", public, %I',
-                           current_database(), schema_name);
+            SELECT array_to_string(array_agg(quote_ident(
+                       CASE WHEN m[1] LIKE '"%'
+                            THEN replace(substr(m[1], 2, length(m[1]) - 2), '""', '"')
+                            ELSE lower(m[1]) END) ORDER BY i)
+                       || quote_ident(schema_name), ', ')
+            INTO new_path
+            FROM regexp_matches(server_path, '("(?:[^"]|"")*"|[^",[:space:]]+)', 'g')
+                 WITH ORDINALITY AS t(m, i);
+            EXECUTE format('ALTER DATABASE %I SET search_path = %s', current_database(), new_path);
             RAISE NOTICE 'this role may not alter sokratos_worker and sokratos_producer: set'
-                ' search_path = "$user", public, % for database % instead', schema_name,
-                current_database();
-        END;
+                ' search_path = % for database % instead', new_path, current_database();
+        END IF;
     END IF;
 END $$;

@@ -107,3 +107,18 @@ def test_the_worker_role_with_every_grant_passes_the_schema_check(
     db.execute(ROLES_SQL)
     with psycopg.connect(_as_worker_role(database_url), autocommit=True) as conn:
         assert schema_problems(Settings(), conn) == []
+
+
+def test_a_column_level_update_grant_on_memories_passes_the_schema_check(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    # The worker only runs `UPDATE memories SET superseded_by = ...`: a DBA's column grant is
+    # all it needs, yet has_table_privilege(..., 'UPDATE') is false for it and run refused.
+    db.execute(ROLES_SQL)
+    db.execute("REVOKE UPDATE ON memories FROM sokratos_worker")
+    db.execute("GRANT UPDATE (superseded_by) ON memories TO sokratos_worker")
+    with psycopg.connect(_as_worker_role(database_url), autocommit=True) as conn:
+        # What the worker does to memories works under this grant (memories.py: supersede).
+        conn.execute("UPDATE memories SET superseded_by = NULL WHERE false")
+        problems = schema_problems(Settings(), conn)
+    assert problems == [], problems

@@ -165,3 +165,92 @@ def test_roles_sql_refuses_to_guess_between_two_schemas(
         with pytest.raises(psycopg.errors.RaiseException, match="several schemas") as raised:
             conn.execute(ROLES_SQL)
     assert db.schema in str(raised.value) and "public" in str(raised.value)
+
+
+def test_roles_sql_run_twice_by_the_database_owner_still_grants(
+    sokratos_in_its_own_schema: SchemaDatabase,
+) -> None:
+    # The first run sets the database's search_path; the second, after an upgrade that added a
+    # table, found that path (its own) and raised: nothing was granted any more.
+    db = sokratos_in_its_own_schema
+    with psycopg.connect(db.superuser, autocommit=True) as conn:
+        conn.execute(CREATE_ROLES)  # cluster-wide; the owner may not create roles
+    with psycopg.connect(db.owner, autocommit=True) as conn:
+        conn.execute(ROLES_SQL)  # first run: fine
+        # An upgrade adds a table the worker uses; docs: run roles.sql again.
+        conn.execute(f'REVOKE ALL ON "{db.schema}".work_outcomes FROM sokratos_worker')
+        try:
+            conn.execute(ROLES_SQL)  # second run, as documented ("idempotent")
+        except psycopg.Error as exc:
+            pytest.fail(f"roles.sql run a second time by the owner failed: {exc}")
+        granted = conn.execute(
+            "SELECT has_table_privilege('sokratos_worker', %s, 'INSERT')",
+            (f'"{db.schema}".work_outcomes',),
+        ).fetchone()
+    assert granted == (True,)
+
+
+@pytest.fixture
+def vector_in_extensions_schema(pg_server: str) -> Iterator[SchemaDatabase]:
+    """Like sokratos_in_its_own_schema, but pgvector lives in schema "extensions" and the
+    database's search_path names it (Supabase's layout)."""
+    suffix = uuid.uuid4().hex[:8]
+    owner, dbname = f"sokratos_{suffix}", f"ext_db_{suffix}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(owner)))
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                sql.Identifier(dbname), sql.Identifier(owner)
+            )
+        )
+    superuser = with_database(pg_server, dbname=dbname)
+    with psycopg.connect(superuser, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA extensions")
+        conn.execute("GRANT USAGE ON SCHEMA extensions TO PUBLIC")
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector SCHEMA extensions")
+        conn.execute(
+            sql.SQL('ALTER DATABASE {} SET search_path = "$user", public, extensions').format(
+                sql.Identifier(dbname)
+            )
+        )
+        conn.execute(
+            sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+                sql.Identifier(owner), sql.Identifier(owner)
+            )
+        )
+        conn.execute(CREATE_ROLES)
+    owner_url = with_database(pg_server, dbname=dbname, user=owner)
+    try:
+        with psycopg.connect(owner_url, autocommit=True) as conn:
+            conn.execute(GO_SCHEMA)
+        apply_migrations(owner_url)
+        yield SchemaDatabase(superuser, owner_url, owner)
+    finally:
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            # The roles are cluster-wide, their settings in a dropped database go with it.
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
+            )
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(owner)))
+
+
+def test_roles_sql_as_superuser_keeps_the_databases_search_path_for_the_worker(
+    vector_in_extensions_schema: SchemaDatabase,
+) -> None:
+    # roles.sql set "<schema>, public" for the roles, which replaced the database's path for
+    # them: pgvector's schema disappeared and the worker could not see type vector.
+    db = vector_in_extensions_schema
+    worker = _login(db.owner, "sokratos_worker")
+    with psycopg.connect(worker) as conn:  # before roles.sql: the database's path applies
+        assert conn.execute("SELECT to_regtype('vector')").fetchone()[0] is not None
+    with psycopg.connect(db.superuser, autocommit=True) as conn:
+        conn.execute(ROLES_SQL)
+        conn.execute(ROLES_SQL)  # again: the path, which names the schema, is left as it is
+    with psycopg.connect(worker) as conn:
+        path = conn.execute("SHOW search_path").fetchone()[0]
+        # The worker's SQL casts to ::vector and uses <=> unqualified.
+        vector = conn.execute("SELECT to_regtype('vector')").fetchone()[0]
+        assert vector is not None, f"sokratos_worker cannot see type vector (search_path={path})"
+        assert conn.execute("SELECT to_regclass('memories')").fetchone()[0] is not None
+    # Ours first (the worker's unqualified names resolve to its tables), then the database's.
+    assert path == f'{db.schema}, "$user", public, extensions'
