@@ -98,7 +98,9 @@ class Worker:
     _lock_looked_at: float = 0.0
     _lock_wait: status_store.LockWait | None = None  # what the stalled dispatcher waits for
     _stop: threading.Event = field(default_factory=threading.Event)
-    _signal_name: str | None = None  # set by the handler, acted on by the main thread
+    _signal_name: str | None = None  # the operator's signal: set by the handler, acted on
+    _signal_logged: bool = False  # by the main thread; logged once
+    _internal_stop: str | None = None  # stop_with's reason (never read by the handler)
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
     _waiting_for_database: bool = False  # the runner's last reported state was waiting for it
@@ -453,15 +455,22 @@ class Worker:
 
     def stop_with(self, code: int, reason: str) -> None:
         """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
-        (the local model server that keeps dying)."""
-        self.exit_code = code
+        (the local model server that keeps dying).
+
+        Kept apart from the operator's signal: the handler's first-or-second decision reads
+        only :attr:`_signal_name`, so the operator's first SIGTERM after this is still a first
+        signal (items in flight keep their grace). ``code`` is the exit code only when no
+        operator signal came first: a requested stop exits 0 whatever happens meanwhile.
+        """
         if self._signal_name is None:
-            self._signal_name = reason
+            self.exit_code = code
+        if self._internal_stop is None:
+            self._internal_stop = reason
 
     @property
     def stop_requested(self) -> bool:
-        """A stop signal arrived."""
-        return self._signal_name is not None
+        """A stop signal arrived, or :meth:`stop_with` asked for a stop."""
+        return self._signal_name is not None or self._internal_stop is not None
 
     def install_signals(self) -> None:
         """SIGTERM, SIGINT and SIGHUP stop claiming and let items in flight finish (a hangup,
@@ -484,15 +493,27 @@ class Worker:
             signal.signal(signum, handle)
 
     def notice_signal(self) -> bool:
-        """In the main thread: act on a recorded stop signal (stop claiming); True once stopping."""
-        if self._signal_name is None:
+        """In the main thread: act on a recorded stop signal or :meth:`stop_with` (stop
+        claiming); True once stopping."""
+        signal_name, internal = self._signal_name, self._internal_stop
+        if signal_name is None and internal is None:
             return False
-        if not self._stop.is_set():
+        if signal_name is not None and not self._signal_logged:
+            self._signal_logged = True
             log.info(
                 "signal_received",
-                signal=self._signal_name,
+                signal=signal_name,
                 hint="finishing items in flight; a second signal exits at once",
             )
+        elif signal_name is None and not self._stop.is_set():
+            log.info(
+                "stop_requested",
+                reason=internal,
+                exit_code=self.exit_code,
+                hint="finishing items in flight; the first stop signal lets them finish,"
+                " a second exits at once",
+            )
+        if not self._stop.is_set():
             self._stop.set()
             self.runner.request_stop()
             self._cut_email_sessions()

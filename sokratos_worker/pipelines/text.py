@@ -111,10 +111,21 @@ def cap_assistant_reply(exchange: str, cap: int = ASSISTANT_REPLY_CAP) -> str:
 
 
 def split_tool_context(exchange: str) -> tuple[str, str]:
-    """(tool context, conversation): the ``[tool] result`` lines before the first "user: " line."""
+    """(tool context, conversation): the ``[tool] result`` lines, then "user: …\\nassistant: …".
+
+    Sokratos builds ``toolContext + "user: " + msg + "\\nassistant: " + reply`` with the tool
+    bodies whole and multi-line, so a tool result can hold "user: " and "assistant: " lines
+    itself (``read_chat_log``): the conversation starts at the *last* "\\nuser: " before the
+    *last* "\\nassistant: ", which is the one Sokratos wrote (the tool context comes before
+    it). With no "\\nuser: " before that marker (no reply: a tool result held it), the
+    last "\\nuser: ". An exchange that starts with "user: " has no tool context (Go's
+    behaviour).
+    """
     if exchange.startswith(USER_MARKER):
         return "", exchange
-    at = exchange.find("\n" + USER_MARKER)
+    at = exchange.rfind("\n" + USER_MARKER, 0, max(0, exchange.rfind(ASSISTANT_MARKER)))
+    if at < 0:  # no reply marker after the user's line (not one Sokratos builds): the last
+        at = exchange.rfind("\n" + USER_MARKER)
     if at < 0:
         return "", exchange
     return exchange[: at + 1], exchange[at + 1 :]

@@ -338,3 +338,81 @@ def test_a_missing_local_extra_is_a_configuration_error(monkeypatch: pytest.Monk
         backends(Settings(local_model=True)),
     ):
         pass
+
+
+# -- the watcher's give-up and the operator's stop signal (Worker.stop_with) ----------------
+# stop_with is kept apart from the signal handler's first-or-second decision: the operator's
+# first SIGTERM after a give-up still lets items in flight finish, and a give-up during a
+# requested stop's grace does not turn its exit 0 into 75.
+
+_GIVE_UP_PRELUDE = """
+import os, signal, sys, threading, time
+from sokratos_worker.config import Settings
+from sokratos_worker.daemon import build_worker
+from sokratos_worker.store.connection import Database
+database = Database(sys.argv[1], size=2, keep_open=1)
+worker = build_worker(Settings(), database, lambda context: {}, None, None)
+worker.install_signals()
+
+def give_up():  # what app._watch_local_model's on_give_up does, from the watcher thread
+    thread = threading.Thread(target=worker.stop_with, args=(75, "local_model_gave_up"))
+    thread.start()
+    thread.join()
+"""
+
+_GIVE_UP_THEN_SIGTERM = (
+    _GIVE_UP_PRELUDE
+    + """
+give_up()
+os.kill(os.getpid(), signal.SIGTERM)  # the operator's first stop signal
+time.sleep(1)
+print("still finishing items", flush=True)
+os._exit(0)
+"""
+)
+
+_SIGTERM_THEN_GIVE_UP = (
+    _GIVE_UP_PRELUDE
+    + """
+os.kill(os.getpid(), signal.SIGTERM)  # the operator stops the worker
+time.sleep(0.2)
+assert worker.notice_signal()
+give_up()  # the model server dies past the limit while items finish
+print("exit_code", worker.exit_code, flush=True)
+os._exit(0)
+"""
+)
+
+
+def _run_give_up_script(script: str, database_url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script, database_url],
+        check=False,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_a_first_sigterm_after_the_watcher_gave_up_is_not_a_second_signal(
+    database_url: str,
+) -> None:
+    done = _run_give_up_script(_GIVE_UP_THEN_SIGTERM, database_url)
+    assert "second_signal_exiting_now" not in done.stderr, done.stderr[-1500:]
+    assert done.returncode == 0 and "still finishing items" in done.stdout, (
+        done.returncode,
+        done.stderr[-1500:],
+    )
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_a_requested_stop_exits_0_even_if_the_model_gives_up_meanwhile(
+    database_url: str,
+) -> None:
+    done = _run_give_up_script(_SIGTERM_THEN_GIVE_UP, database_url)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "exit_code 0" in done.stdout, done.stdout

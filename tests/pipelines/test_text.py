@@ -118,6 +118,27 @@ def test_assistant_reply_cap_skips_the_marker_in_tool_context() -> None:
     assert cap_assistant_reply(tools + "user: no reply") == tools + "user: no reply"
 
 
+def _chat_log_tool_exchange() -> str:
+    tools = (
+        "[read_chat_log result] yesterday\nuser: what did I say about Anna?\nassistant: "
+        + "t" * 900
+        + "\n"
+    )
+    return tools + "user: my sister Anna moved to Porto\nassistant: " + "r" * 300
+
+
+def test_the_users_words_survive_a_chat_log_tool_result() -> None:
+    """A tool result that is a chat log holds "user: " lines too: the conversation is the
+    last "\\nuser: " before the last "\\nassistant: ", not the first "\\nuser: "."""
+    capped = cap_assistant_reply(_chat_log_tool_exchange())
+    assert "user: my sister Anna moved to Porto" in capped, capped[-200:]
+
+
+def test_the_triage_input_keeps_the_users_words() -> None:
+    triage_input = bound_triage_input(cap_assistant_reply(_chat_log_tool_exchange()))
+    assert "my sister Anna moved to Porto" in triage_input, triage_input[-200:]
+
+
 def test_assistant_reply_cap_is_utf8_safe() -> None:
     capped = cap_assistant_reply("user: x\nassistant: " + "€" * 300)
     reply = capped.split("\nassistant: ")[1]
