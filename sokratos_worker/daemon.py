@@ -103,7 +103,6 @@ class Worker:
     _internal_stop: str | None = None  # stop_with's reason (never read by the handler)
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
-    _waiting_for_database: bool = False  # the runner's last reported state was waiting for it
     exit_code: int = EXIT_OK  # what serve() returns; stop_with() sets another
 
     def __post_init__(self) -> None:
@@ -115,6 +114,9 @@ class Worker:
             on_state=self._on_state,
             on_progress=self._progressed,
             on_item_done=lambda q, kind, secs: self.metrics.item_settled(q.value, kind, secs),
+            # Each claim, settle and renewal reports how its contact ended: a worker that works
+            # is ready again at once, not at the next heartbeat or scrape.
+            on_database_contact=self.database_contact.report,
         )
         # The state it starts in: the gauge is otherwise set on a change, and a worker that
         # stays running (no backend configured, say) exposed no sample at all.
@@ -288,13 +290,8 @@ class Worker:
         text = state if not detail else f"{state}: {detail}"
         self.notifier.status(text[:200])
         self.metrics.set_worker_state(state)
-        was_waiting = self._waiting_for_database
-        self._waiting_for_database = state == State.WAITING_FOR_DATABASE
-        if self._waiting_for_database:
-            self.database_contact.failed()
-        elif was_waiting and state == State.RUNNING:
-            # The runner leaves its wait for "running" only once a claim went through.
-            self.database_contact.succeeded()
+        # (The runner reports its contacts itself, as they end: a state change is no contact,
+        # "running" after a wait may come with every slot busy and no claim sent.)
         self.metrics.set_database_up(self._ready())
         if state in (State.WAITING_FOR_DATABASE, State.NO_BACKEND):
             log.warning("worker_state", state=state, detail=detail)

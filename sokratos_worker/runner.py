@@ -26,6 +26,7 @@ from sokratos_worker.errors import (
     DatabaseUnavailable,
     InvalidPayload,
     ItemError,
+    TableLocked,
 )
 from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
@@ -45,12 +46,19 @@ OUTCOME_KEY = "work_outcomes_queue_item_id_key"
 # The stop's release of unfinished items waits no longer behind a lock (a migration holding
 # a queue table): the leases expire instead, and the process exits.
 RELEASE_STATEMENT_TIMEOUT_MS = 5000
+# Then the dispatcher's claim still waiting is cancelled: the cancel and the wait for the claim
+# to end share this bound (a stop takes at most the grace + 5 s + 2 s).
+CLAIM_CANCEL_TIMEOUT_S = 2.0
 
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
+
+
+def _no_contact_report(reached: bool) -> None:
+    """The default of ``Runner(on_database_contact=...)``: nobody listens."""
 
 
 def _outcome_already_recorded(exc: BaseException) -> bool:
@@ -108,7 +116,11 @@ class Runner:
         on_state: Callable[[str, str], None] | None = None,
         on_progress: Callable[[], None] | None = None,
         on_item_done: Callable[[Queue, str, float], None] | None = None,
+        on_database_contact: Callable[[bool], None] = _no_contact_report,
     ) -> None:
+        """``on_database_contact(reached)`` hears how each claim, settle and lease renewal
+        ended: True when it reached PostgreSQL, False when the database was unavailable. It is
+        called on the hot path (once per claim and settle), so it must be cheap."""
         self.settings = settings
         self.database = database
         self.handlers = dict(handlers)
@@ -119,7 +131,12 @@ class Runner:
         self._on_state = on_state
         self._on_progress = on_progress
         self._on_item_done = on_item_done
+        self._on_database_contact = on_database_contact
         self._lock = threading.Lock()
+        # Held while the stop sends the cancel of the dispatcher's claim, and taken by the
+        # dispatcher once that claim returns, before its connection runs anything else: the
+        # cancel can only reach that claim (see _await_claims).
+        self._cancel_lock = threading.Lock()
         self._inflight: dict[tuple[Queue, int], Item] = {}
         # Claim statements sent and not yet tracked or given back: the stop waits for them,
         # or what they land would stay leased to a worker that has exited.
@@ -199,28 +216,48 @@ class Runner:
         """Wait, until ``until``, for claims sent before the stop: each gives back what it got.
 
         The dispatcher's claim still waiting then (for a lock) is cancelled: left running, it
-        would lease its items to this process after it exited. The cancel is sent holding the
-        lock the dispatcher takes once its claim returns, so it can only reach that claim or,
-        had it just ended, that connection's next statement (the give-back of what it got,
-        whose failure leaves those leases to expire, as without the cancel).
+        would lease its items to this process after it exited. The cancel is sent holding
+        ``_cancel_lock``, which the dispatcher takes once its claim returns and before its
+        connection runs anything else, so it can only reach that claim (a cancel that arrives
+        after the claim ended finds the connection idle). ``_lock`` is not held meanwhile: the
+        slots and a scrape need it. Sending the cancel and waiting for the claim to end take
+        at most CLAIM_CANCEL_TIMEOUT_S together; a cancel that could not be sent (the network
+        is gone) reached nothing, so the claim is not waited for again.
         """
         with self._claims_ended:
             while self._claims_in_flight and time.monotonic() < until:
                 self._claims_ended.wait(until - time.monotonic())
-            if self._claiming_on is not None:
-                try:
-                    self._claiming_on.cancel_safe(timeout=2.0)
-                except Exception as exc:
-                    log.warning("claim_cancel_failed", error=describe(exc))
-                self._claims_ended.wait_for(lambda: self._claiming_on is None, timeout=2.0)
-            if self._claims_in_flight:
-                log.warning(
-                    "stop_claims_still_waiting",
-                    claims=self._claims_in_flight,
-                    hint="a claim (or a settle claiming the next item) sent before the stop"
-                    " waits for a lock; what it claims once the lock is gone stays leased"
-                    " until its lease expires",
+        cancel_by = time.monotonic() + CLAIM_CANCEL_TIMEOUT_S
+        if self._cancel_dispatcher_claim(cancel_by):
+            with self._claims_ended:
+                self._claims_ended.wait_for(
+                    lambda: self._claiming_on is None,
+                    timeout=max(0.0, cancel_by - time.monotonic()),
                 )
+        with self._lock:
+            still_waiting = self._claims_in_flight
+        if still_waiting:
+            log.warning(
+                "stop_claims_still_waiting",
+                claims=still_waiting,
+                hint="a claim (or a settle claiming the next item) sent before the stop"
+                " waits for a lock; what it claims once the lock is gone stays leased"
+                " until its lease expires",
+            )
+
+    def _cancel_dispatcher_claim(self, cancel_by: float) -> bool:
+        """Cancel the dispatcher's claim in progress, if any; True when the cancel was sent."""
+        with self._cancel_lock:
+            with self._lock:
+                claiming_on = self._claiming_on
+            if claiming_on is None:
+                return False  # ended (its finally waits for _cancel_lock to clear it): nothing
+            try:
+                claiming_on.cancel_safe(timeout=max(0.01, cancel_by - time.monotonic()))
+            except Exception as exc:
+                log.warning("claim_cancel_failed", error=describe(exc))
+                return False
+            return True
 
     def inflight_count(self) -> int:
         """Items claimed and not yet settled by this process."""
@@ -264,6 +301,7 @@ class Runner:
                     asked, got = self._claim_for_idle_slots()
                     next_in = None if got or asked == 0 else self._next_ready_in()
                 except DatabaseUnavailable as exc:
+                    self._contact_failed(exc)
                     self._set_state(State.WAITING_FOR_DATABASE, str(exc))
                     log.warning("waiting_for_database", error=str(exc), retry_in_s=db_delay)
                     self._wait(db_delay)
@@ -275,9 +313,7 @@ class Runner:
                     db_delay = min(db_delay * 2, 5.0)
                     continue
                 db_delay = 0.2
-                if self.state == State.WAITING_FOR_DATABASE:
-                    self._set_state(State.RUNNING, "")
-                    log.info("database_reachable_again")
+                self._claimed_without_error(asked)
                 if drain_only and got == 0 and self.inflight_count() == 0:
                     break
                 if asked and got == asked:
@@ -305,6 +341,14 @@ class Runner:
             timeout = min(timeout, next_in + 0.01)
         return max(0.01, min(timeout, 5.0 if self.inflight_count() else timeout))
 
+    def _claimed_without_error(self, asked: int) -> None:
+        """The dispatcher's pass ended without a database error: leave any wait for it."""
+        if asked:  # a claim was sent (none when every slot is busy): the database answered
+            self._on_database_contact(True)
+        if self.state == State.WAITING_FOR_DATABASE:
+            self._set_state(State.RUNNING, "")
+            log.info("database_reachable_again")
+
     def _wait(self, seconds: float) -> None:
         # Wake at least every second so the watchdog sees progress.
         end = time.monotonic() + seconds
@@ -329,8 +373,7 @@ class Runner:
                     items = self._claim_cancellable(conn, q, free)
                     fresh = self._track_claimed(items)
                     if fresh is None:
-                        # On this connection: a cancel sent as the claim ended can only hit this.
-                        self._release(items, conn)
+                        self._release(items, conn, count_given_back=True)
                         break
                     for item in fresh:
                         self._handoff.put(item)
@@ -354,7 +397,8 @@ class Runner:
             log.info("claim_cancelled_at_stop", queue=queue.value)
             return []  # rolled back: it claimed nothing
         finally:
-            with self._lock:
+            # A cancel the stop is sending ends first: it must not reach the next statement.
+            with self._cancel_lock, self._lock:
                 self._claiming_on = None
                 self._claims_ended.notify_all()
 
@@ -401,11 +445,14 @@ class Runner:
         fresh: list[Item] = []
         reclaimed: list[Item] = []
         with self._lock:
+            # Counted also when given back (the database counted the claim; tick_finished
+            # shows it as claimed and given_back).
+            for item in items:
+                self._stats.add(item.queue, "claimed")
             if self._stop_claiming.is_set():
                 return None
             for item in items:
                 key = (item.queue, item.id)
-                self._stats.add(item.queue, "claimed")
                 if key in self._inflight:
                     # Its lease ran out while it ran (a database outage longer than the lease)
                     # and we claimed it again: the run in progress adopts this claim.
@@ -640,7 +687,7 @@ class Runner:
         self._untrack(item)
         if fresh is None:
             # Claimed as the stop came: given back, not run (and not left to the lease).
-            self._release(next_items)
+            self._release(next_items, count_given_back=True)
             return None, kind
         return (fresh[0] if fresh else None), kind
 
@@ -861,8 +908,9 @@ class Runner:
         while True:
             try:
                 with self.database.connection() as conn:
-                    return fn(conn)
+                    result = fn(conn)
             except DatabaseUnavailable as exc:
+                self._contact_failed(exc)
                 if time.monotonic() + delay > deadline:
                     bound.error(
                         "settle_abandoned",
@@ -874,6 +922,9 @@ class Runner:
                 bound.warning("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+            else:
+                self._on_database_contact(True)
+                return result
 
     # -- leases ----------------------------------------------------------------------
 
@@ -896,9 +947,12 @@ class Runner:
                         # Taken again now: the pass may have waited longer than a claim's age.
                         self._release_orphans(conn, q, self._held_ids(q), interval)
             except DatabaseUnavailable as exc:
+                self._contact_failed(exc)
                 log.warning("lease_renewal_failed", error=str(exc))
             except Exception as exc:  # a timeout or a read-only server must not end renewals
                 log.error("lease_renewal_failed", error=describe(exc), retry_in_s=interval)
+            else:
+                self._on_database_contact(True)
 
     def _lease_taken(self, conn: Connection, queue: Queue, item_id: int) -> bool:
         """True when a renewal missed an item because another claim holds it now.
@@ -944,8 +998,11 @@ class Runner:
             keys = {*self._inflight, *self._adopted, *self._left_leased}
         return [item_id for q, item_id in keys if q is queue]
 
-    def _release(self, items: list[Item], on: Connection | None = None) -> int:
-        """Give back ``items`` (attempt uncounted), on ``on`` or a pooled connection."""
+    def _release(
+        self, items: list[Item], on: Connection | None = None, *, count_given_back: bool = False
+    ) -> int:
+        """Give back ``items`` (attempt uncounted), on ``on`` or a pooled connection;
+        ``count_given_back``: count those released as given_back in the stats."""
         if not items:
             return 0
         try:
@@ -961,6 +1018,10 @@ class Runner:
                 " migration or a long transaction, or the database away)",
             )
             return 0
+        if count_given_back:
+            with self._lock:
+                for item in released:
+                    self._stats.add(item.queue, "given_back")
         for item in released:
             log.info("item_released", queue=item.queue.value, item_id=item.id)
         return len(released)
@@ -972,6 +1033,11 @@ class Runner:
         self.state, self.state_detail = state, detail
         if changed and self._on_state is not None:
             self._on_state(state, detail)
+
+    def _contact_failed(self, exc: DatabaseUnavailable) -> None:
+        """Report a contact that did not reach the database; a locked table did reach it."""
+        if not isinstance(exc, TableLocked):
+            self._on_database_contact(False)
 
     def _progress(self) -> None:
         if self._on_progress is not None:

@@ -24,6 +24,7 @@ from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.postgres]
 
@@ -185,3 +186,83 @@ def test_a_claim_that_waited_behind_a_lock_still_reserves_the_item_for_the_lease
         f"the lease w1 got ends {float(remaining[0]):.1f} s from now (granted for 2 s)"
     )
     assert taken == [], "a second worker claimed the item the first one had just claimed"
+
+
+def test_a_claim_landing_after_the_stop_is_counted_as_claimed(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """tick_finished (run --once reports after its shutdown) must show every claim the database
+    made: a claim that lands after the stop is given back, and still counted as claimed."""
+    enqueue_many(db, 2, behaviour="skip")
+    database = Database(database_url, size=6)
+    runner = Runner(
+        settings=fast_settings(concurrency=2, lease=300),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="stopped-worker",
+    )
+    with psycopg.connect(database_url) as locker:
+        locker.execute("LOCK TABLE pending_triage IN EXCLUSIVE MODE")
+        runner.start()
+        assert _wait_for(lambda: _lock_waiters(db) == 1), "the dispatcher's claim never blocked"
+        stopper = threading.Thread(target=runner.shutdown, args=(1,), daemon=True)
+        stopper.start()
+        assert _wait_for(runner._stop_claiming.is_set)
+        time.sleep(0.3)
+        locker.commit()  # the claim sent before the stop lands: 2 items, attempts counted
+    stopper.join(15)
+    runner._threads[-1].join(15)
+    assert not stopper.is_alive()
+    stats = runner.take_stats()
+    database.close()
+    # (given back: the database counted the claim, then un-counted the attempt)
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE lease_owner IS NULL") == 2
+    counts = stats.counts.get("pending_triage", {})
+    claimed = counts.get("claimed", 0)
+    assert claimed == 2, f"the claim of 2 items that landed after the stop is counted {claimed}"
+    assert counts.get("given_back", 0) == 2
+
+
+def test_a_stop_whose_cancel_cannot_reach_the_server_ends_within_grace_5_2(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The network is gone as the stop comes: the wait for claims (5 s) and the cancel that
+    cannot be sent (2 s) bound the stop; no cancel reached the claim, so it is not waited for
+    again (it took grace + 9 s)."""
+    enqueue_many(db, 1, behaviour="skip")
+    proxy = TcpProxy(database_url)
+    database = Database(proxy.url, size=4)
+    runner = Runner(
+        settings=fast_settings(concurrency=1, lease=300),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="partitioned-worker",
+    )
+    locker = psycopg.connect(database_url)
+    elapsed = None
+    try:
+        locker.execute("LOCK TABLE pending_triage IN EXCLUSIVE MODE")
+        runner.start()
+        assert _wait_for(lambda: _lock_waiters(db) == 1), "the dispatcher's claim never blocked"
+        proxy.blackhole()  # the network goes: the claim's answer and any cancel are lost
+        result: list[float] = []
+
+        def stop() -> None:
+            started = time.monotonic()
+            runner.shutdown(0)
+            result.append(time.monotonic() - started)
+
+        stopper = threading.Thread(target=stop, daemon=True)
+        stopper.start()
+        stopper.join(20)
+        elapsed = result[0] if result else None
+    finally:
+        proxy.close()  # the dispatcher's connection breaks: its thread ends
+        locker.rollback()
+        locker.close()
+        database.close()
+    assert elapsed is not None, "shutdown did not return within 20 s"
+    assert elapsed <= 0 + 5 + 2 + 0.5, (
+        f"shutdown(grace=0) took {elapsed:.1f} s: 5 s for the claims, 2 s for the cancel that"
+        " timed out, and 2 s more waiting for a claim that no cancel reached"
+    )

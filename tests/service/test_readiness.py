@@ -11,13 +11,17 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from sokratos_worker.config import Settings
 from sokratos_worker.daemon import build_worker
+from sokratos_worker.model import Queue
 from sokratos_worker.runner import State
 from sokratos_worker.store.connection import Database
 from tests.support.daemon import daemon_env, start_daemon, wait_until
+from tests.support.db import count, enqueue_many
+from tests.support.handlers import ScriptedHandler, fast_settings
 
 
 def _free_port() -> int:
@@ -113,3 +117,60 @@ def test_readyz_is_503_while_the_database_is_down(
                 proc.wait(40)
             except Exception:
                 proc.kill()
+
+
+@pytest.mark.postgres
+def test_a_successful_claim_and_settle_make_the_worker_ready_again(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A scrape that found the pool busy for 5 s (a failed contact) makes the worker not ready;
+    the runner's claims and settles that succeed afterwards make it ready again, though the
+    listener's connection never dropped (it reports nothing) and the next heartbeat is far."""
+    database = Database(database_url, size=2)
+    handler = ScriptedHandler()
+    worker = build_worker(
+        fast_settings(concurrency=1, heartbeat_interval=600),
+        database,
+        lambda _ctx: {Queue.TRIAGE: handler},
+        None,
+        None,
+    )
+    # The dispatcher's first pass (a claim, then when the next item is due) ends before the
+    # pool gets busy; it then idles until woken (heartbeat 600 s).
+    idle = threading.Event()
+    next_ready_in = worker.runner._next_ready_in
+
+    def first_pass_done() -> float | None:
+        try:
+            return next_ready_in()
+        finally:
+            idle.set()
+
+    worker.runner._next_ready_in = first_pass_done  # type: ignore[method-assign]
+    worker.runner.start()
+    try:
+        assert idle.wait(15)
+        time.sleep(0.2)
+        # The pool is busy for a moment (every connection lent): the scrape waits 5 s for one.
+        with database.pool.connection(), database.pool.connection():
+            worker._refresh_metrics(worker.metrics)
+        assert not worker._ready(), "(the scrape's pool timeout counts as a failed contact)"
+        # The pool is free again; the runner claims and settles an item (two contacts that
+        # succeed) as NOTIFY wakes it.
+        (item_id,) = enqueue_many(db, 1, behaviour="skip")
+        worker.runner.wake()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if count(db, "SELECT count(*) FROM work_outcomes WHERE item_id = %s", item_id):
+                break
+            time.sleep(0.02)
+        assert handler.calls == 1
+        assert count(db, "SELECT count(*) FROM pending_triage") == 0
+        ready = worker._ready()
+    finally:
+        worker.runner.shutdown(0)
+        database.close()
+    assert ready, (
+        "the runner claimed and settled an item since the scrape's failed contact, yet /readyz"
+        " still answers 503 (until the next heartbeat, 600 s here)"
+    )
