@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sokratos_worker.command_database import database_url
 from sokratos_worker.config import ConfigError, Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.model import CheckLine
@@ -60,8 +61,6 @@ def run_checks(settings: Settings) -> CheckReport:
 
 def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
     """The database, pgvector, connections and schema lines, appended as they are known."""
-    from sokratos_worker.cli import database_url  # noqa: PLC0415 - avoid an import cycle
-
     with database_url(settings, wait=False) as url, connect(url) as conn:
         version = conn.execute("SHOW server_version").fetchone()
         if is_read_only(conn):

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from sokratos_worker.command_database import database_url, stops_while_starting
 from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
 from sokratos_worker.store import report
@@ -107,8 +108,6 @@ def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
     (exit 0, as ``run``, and nothing is printed); during a round after the items in flight,
     between rounds at once (then the report so far is printed).
     """
-    from sokratos_worker.cli import stops_while_starting  # noqa: PLC0415 - cli imports us
-
     try:
         with stops_while_starting():
             return _run_demo(settings, out or sys.stdout)
@@ -123,7 +122,6 @@ def run_demo(settings: Settings, *, out: TextIO | None = None) -> int:
 
 def _run_demo(settings: Settings, out: TextIO) -> int:
     from sokratos_worker import client  # noqa: PLC0415 - heavy imports only for the demo
-    from sokratos_worker.cli import database_url  # noqa: PLC0415
     from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
 
     stopped = threading.Event()

@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
+from sokratos_worker.command_database import EmbeddedUnavailable, database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Queue
@@ -20,11 +21,6 @@ from sokratos_worker.store.migrations import pending_migrations
 
 def collect_status(settings: Settings) -> dict[str, Any]:
     """The contract's ``status --json`` object (plus a few more keys)."""
-    from sokratos_worker.cli import (  # noqa: PLC0415 - avoid an import cycle
-        EmbeddedUnavailable,
-        database_url,
-    )
-
     report: dict[str, Any] = {
         "database": "unreachable",
         "queues": {},

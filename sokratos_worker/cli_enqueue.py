@@ -1,0 +1,121 @@
+"""The ``enqueue`` command: read an item from the command line, enqueue it, or spool it.
+
+The payload comes from ``--exchange`` or ``--file`` (``-`` reads stdin) and is checked as the
+Python client checks it. The item goes to the database when one can be reached; when none
+can (or another session keeps the queue table locked), it is written to the spool directory
+for a worker to import later. A database that refuses the item is reported, and nothing is
+spooled then; a spool that cannot be written either ends the command with exit 75.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sokratos_worker.command_database import EmbeddedUnavailable, database_url
+from sokratos_worker.config import Settings
+from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
+from sokratos_worker.exit_codes import EXIT_OK
+from sokratos_worker.model import Queue
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from sokratos_worker.client import Enqueued
+
+
+def _read_arg(value: str) -> str:
+    return sys.stdin.read() if value == "-" else value
+
+
+def enqueue(args: argparse.Namespace, settings: Settings) -> int:
+    import psycopg  # noqa: PLC0415
+
+    if args.key is not None and not args.key.strip():
+        # An empty shell variable: as a key it would be accepted once, and every later
+        # enqueue with it answered with the first item's id, its own text dropped.
+        raise InvalidPayload(
+            "--key", "is blank (an empty variable?): give the item's key, or leave --key out"
+        )
+    queue, payload = _enqueue_input(args)
+    try:
+        result = _enqueue_or_spool(settings, queue, payload, key=args.key)
+    except psycopg.Error as exc:
+        raise WorkerError(_refused_enqueue(exc)) from exc
+    except OSError as exc:
+        # Only the spool is written here: the database was out of reach and so is the spool.
+        # Exit 75, not 1: nothing is wrong with the input, and a later try may succeed.
+        where = exc.filename or settings.spool_dir
+        raise DatabaseUnavailable(
+            f"the database could not take it (unreachable, or its queue table locked) and the"
+            f" spool cannot be written ({where}:"
+            f" {exc.strerror or exc}): nothing was enqueued, try again later"
+        ) from exc
+    print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
+    return EXIT_OK
+
+
+def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
+    """The queue and the payload the command line names; InvalidPayload when unusable."""
+    from sokratos_worker import client  # noqa: PLC0415
+
+    if args.kind == "triage":
+        exchange = _read_arg(args.exchange)
+        if not exchange.strip():
+            raise InvalidPayload("--exchange", "is empty")
+        return Queue.TRIAGE, client.triage_payload(exchange, tools_used=args.tools_used)
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
+    except OSError as exc:
+        raise WorkerError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidPayload("--file", f"is not UTF-8 text: {exc.reason}") from exc
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise InvalidPayload("--file", "must hold a JSON object")
+    client.check_distillation(payload)
+    return Queue.DISTILLATION, payload
+
+
+def _enqueue_or_spool(
+    settings: Settings, queue: Queue, payload: dict[str, Any], *, key: str | None
+) -> Enqueued:
+    """Enqueue; spool only when no database can be reached or a queue table stays locked
+    (never for a refusal)."""
+    from sokratos_worker import client  # noqa: PLC0415
+    from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS  # noqa: PLC0415
+
+    try:
+        with database_url(settings, wait=False) as url:
+            return client.enqueue(
+                url,
+                queue,
+                payload,
+                key=key,
+                spool_dir=settings.spool_dir,
+                spool_for=settings.database_identity,
+                lock_timeout_ms=COMMAND_LOCK_TIMEOUT_MS,
+            )
+    except EmbeddedUnavailable:
+        # No server at all: spooled, sanitized and checked as client.enqueue spools.
+        return client.spool(
+            settings.spool_dir, queue, payload, key=key, spool_for=settings.database_identity
+        )
+
+
+def _refused_enqueue(exc: psycopg.Error) -> str:
+    """One line: what the database refused and what to do about it."""
+    from psycopg import errors  # noqa: PLC0415
+
+    what = exc.diag.message_primary or str(exc).strip().splitlines()[0]
+    if isinstance(exc, errors.UndefinedFunction | errors.UndefinedTable):
+        return f"{what}: run 'sokratos-worker migrate' first"
+    if isinstance(exc, errors.InsufficientPrivilege):
+        return f"{what}: the role needs sokratos_producer (sql/roles.sql)"
+    return f"the database refused the enqueue ({exc.sqlstate}): {what}"
