@@ -4,6 +4,9 @@ One dispatcher thread claims a batch for the idle slots when woken (NOTIFY, a ti
 timer for the next backoff); a busy slot claims its next item in the transaction that
 settles the previous one, so under load an item costs about one commit. A process never
 holds more items than it has slots.
+
+The items held and the claims on their way to them are kept by :mod:`inflight` (which a
+stop waits on), their leases by the renewer of :mod:`leases`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from sokratos_worker.errors import (
     TableLocked,
 )
 from sokratos_worker.handlers import Handler
+from sokratos_worker.inflight import InFlight
+from sokratos_worker.leases import LeaseRenewer
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
 from sokratos_worker.store import queue as store
@@ -132,23 +137,25 @@ class Runner:
         self._on_progress = on_progress
         self._on_item_done = on_item_done
         self._on_database_contact = on_database_contact
-        self._lock = threading.Lock()
-        # Held while the stop sends the cancel of the dispatcher's claim, and taken by the
-        # dispatcher once that claim returns, before its connection runs anything else: the
-        # cancel can only reach that claim (see _await_claims).
-        self._cancel_lock = threading.Lock()
-        self._inflight: dict[tuple[Queue, int], Item] = {}
-        # Claim statements sent and not yet tracked or given back: the stop waits for them,
-        # or what they land would stay leased to a worker that has exited.
-        self._claims_in_flight = 0
-        self._claims_ended = threading.Condition(self._lock)
-        self._claiming_on: Connection | None = None  # the dispatcher's claim being sent
-        self._adopted: dict[tuple[Queue, int], Item] = {}  # re-claims of items running here
-        self._left_leased: dict[tuple[Queue, int], float] = {}  # ran, settle not written
-        self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
-        self._wake = threading.Event()
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
+        # The items held and the claims on their way to us; its lock also guards the stats
+        # and the pause state below.
+        self._inflight = InFlight(self._stop_claiming)
+        self._lock = self._inflight.lock
+        self._renewer = LeaseRenewer(
+            settings=settings,
+            database=database,
+            worker_id=worker_id,
+            queues=self.queues,
+            inflight=self._inflight,
+            stopped=self._stopped,
+            on_database_contact=on_database_contact,
+            contact_failed=self._contact_failed,
+            wake=lambda: self.wake(notified=False),
+        )
+        self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
+        self._wake = threading.Event()
         self._notified = False
         self._paused_until = 0.0
         self._pause_delay = 5.0
@@ -168,7 +175,7 @@ class Runner:
             self._budget_ends = time.monotonic() + budget_s
         for index in range(self.settings.concurrency):
             self._spawn(self._slot_loop, f"slot-{index}")
-        self._spawn(self._renew_loop, "lease-renewer")
+        self._spawn(self._renewer.run, "lease-renewer")
         self._spawn(lambda: self._dispatch_loop(drain_only, budget_s), "dispatcher")
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -203,71 +210,27 @@ class Runner:
         while self.inflight_count() and time.monotonic() < deadline:
             self._progress()  # items finishing within the grace is progress too
             time.sleep(0.05)
-        leftovers = self._take_inflight()
+        leftovers = self._inflight.take_all()
         give_up_at = time.monotonic() + RELEASE_STATEMENT_TIMEOUT_MS / 1000
         released = self._release(leftovers)
-        self._await_claims(give_up_at)
+        self._inflight.await_claims(give_up_at, CLAIM_CANCEL_TIMEOUT_S)
         for _ in range(self.settings.concurrency):
             self._handoff.put(None)
         self._stopped.set()  # the lease renewer ends too: nothing of ours is leased any more
         return released
 
-    def _await_claims(self, until: float) -> None:
-        """Wait, until ``until``, for claims sent before the stop: each gives back what it got.
-
-        The dispatcher's claim still waiting then (for a lock) is cancelled: left running, it
-        would lease its items to this process after it exited. The cancel is sent holding
-        ``_cancel_lock``, which the dispatcher takes once its claim returns and before its
-        connection runs anything else, so it can only reach that claim (a cancel that arrives
-        after the claim ended finds the connection idle). ``_lock`` is not held meanwhile: the
-        slots and a scrape need it. Sending the cancel and waiting for the claim to end take
-        at most CLAIM_CANCEL_TIMEOUT_S together; a cancel that could not be sent (the network
-        is gone) reached nothing, so the claim is not waited for again.
-        """
-        with self._claims_ended:
-            while self._claims_in_flight and time.monotonic() < until:
-                self._claims_ended.wait(until - time.monotonic())
-        cancel_by = time.monotonic() + CLAIM_CANCEL_TIMEOUT_S
-        if self._cancel_dispatcher_claim(cancel_by):
-            with self._claims_ended:
-                self._claims_ended.wait_for(
-                    lambda: self._claiming_on is None,
-                    timeout=max(0.0, cancel_by - time.monotonic()),
-                )
-        with self._lock:
-            still_waiting = self._claims_in_flight
-        if still_waiting:
-            log.warning(
-                "stop_claims_still_waiting",
-                claims=still_waiting,
-                hint="a claim (or a settle claiming the next item) sent before the stop"
-                " waits for a lock; what it claims once the lock is gone stays leased"
-                " until its lease expires",
-            )
-
-    def _cancel_dispatcher_claim(self, cancel_by: float) -> bool:
-        """Cancel the dispatcher's claim in progress, if any; True when the cancel was sent."""
-        with self._cancel_lock:
-            with self._lock:
-                claiming_on = self._claiming_on
-            if claiming_on is None:
-                return False  # ended (its finally waits for _cancel_lock to clear it): nothing
-            try:
-                claiming_on.cancel_safe(timeout=max(0.01, cancel_by - time.monotonic()))
-            except Exception as exc:
-                log.warning("claim_cancel_failed", error=describe(exc))
-                return False
-            return True
-
     def inflight_count(self) -> int:
         """Items claimed and not yet settled by this process."""
-        with self._lock:
-            return len(self._inflight)
+        return self._inflight.count()
 
     def inflight_by_queue(self) -> Counter[Queue]:
         """Items claimed and not yet settled by this process, per queue."""
+        return self._inflight.by_queue()
+
+    def _count(self, queue: Queue, kind: str, backend: str | None = None) -> None:
+        """Count one event in the stats (under the lock :meth:`take_stats` swaps them with)."""
         with self._lock:
-            return Counter(queue for queue, _ in self._inflight)
+            self._stats.add(queue, kind, backend)
 
     def take_stats(self) -> Stats:
         """The counts since the last call (for ``tick_finished``)."""
@@ -360,7 +323,7 @@ class Runner:
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
         free = self.settings.concurrency - self.inflight_count()
-        if free <= 0 or not self.queues or not self._begin_claim():
+        if free <= 0 or not self.queues or not self._inflight.begin_claim():
             return 0, 0
         asked, got = free, 0
         order = self.queues[self._rotation :] + self.queues[: self._rotation]
@@ -380,27 +343,22 @@ class Runner:
                     free -= len(items)
                     got += len(items)
         finally:
-            self._end_claim()
+            self._inflight.end_claim()
         return asked, got
 
     def _claim_cancellable(self, conn: Connection, queue: Queue, limit: int) -> list[Item]:
         """One claim statement, which the stop cancels if it still waits after the release."""
-        with self._lock:
-            self._claiming_on = conn
-        try:
-            return store.claim(
-                conn, queue, owner=self.worker_id, limit=limit, lease_s=self.settings.lease
-            )
-        except pg_errors.QueryCanceled:
-            if not self._stop_claiming.is_set():
-                raise
-            log.info("claim_cancelled_at_stop", queue=queue.value)
-            return []  # rolled back: it claimed nothing
-        finally:
-            # A cancel the stop is sending ends first: it must not reach the next statement.
-            with self._cancel_lock, self._lock:
-                self._claiming_on = None
-                self._claims_ended.notify_all()
+        with self._inflight.cancellable_claim(conn):
+            try:
+                items = store.claim(
+                    conn, queue, owner=self.worker_id, limit=limit, lease_s=self.settings.lease
+                )
+            except pg_errors.QueryCanceled:
+                if not self._stop_claiming.is_set():
+                    raise
+                log.info("claim_cancelled_at_stop", queue=queue.value)
+                items = []  # rolled back: it claimed nothing
+        return items
 
     def _next_ready_in(self) -> float | None:
         with self._dispatcher_connection() as conn:
@@ -416,100 +374,25 @@ class Runner:
             finally:
                 self.dispatcher_backend_pid = None
 
-    def _begin_claim(self) -> bool:
-        """Count a claim statement about to be sent; False once the stop has come."""
-        with self._lock:
-            if self._stop_claiming.is_set():
-                return False
-            self._claims_in_flight += 1
-            return True
-
-    def _end_claim(self) -> None:
-        """The claim's items are tracked or given back: the stop need not wait for it."""
-        with self._lock:
-            self._claims_in_flight -= 1
-            self._claims_ended.notify_all()
-
     def _track(self, item: Item) -> bool:
         """Record a claimed item; False when a slot here is already running it."""
         return bool(self._track_claimed([item]))
 
     def _track_claimed(self, items: list[Item]) -> list[Item] | None:
-        """Record claimed items; returns those to run (not already running here), or None
-        when the stop came while the claim was in flight: the caller gives them all back.
-
-        Checked under the lock ``shutdown`` takes the in-flight items with, after setting
-        the stop: a claim either lands before that take (and is released with the rest) or
-        sees the stop, never neither.
-        """
-        fresh: list[Item] = []
-        reclaimed: list[Item] = []
-        with self._lock:
-            # Counted also when given back (the database counted the claim; tick_finished
-            # shows it as claimed and given_back).
-            for item in items:
-                self._stats.add(item.queue, "claimed")
-            if self._stop_claiming.is_set():
-                return None
-            for item in items:
-                key = (item.queue, item.id)
-                if key in self._inflight:
-                    # Its lease ran out while it ran (a database outage longer than the lease)
-                    # and we claimed it again: the run in progress adopts this claim.
-                    self._adopted[key] = item
-                    reclaimed.append(item)
-                else:
-                    self._inflight[key] = item
-                    fresh.append(item)
-        for item in reclaimed:
-            log.warning(
-                "item_reclaimed_while_running",
-                queue=item.queue.value,
-                item_id=item.id,
-                attempt=item.attempt,
-                hint="its lease expired while it ran; it runs once, and this attempt counts",
-            )
-        for item in fresh:
-            log.debug("item_claimed", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
-        return fresh
-
-    def _latest_claim(self, item: Item) -> Item:
-        """The claim a settle must be fenced by: a re-claim adopted while the item ran wins
-        (also after an earlier settle of this run swapped it in and then failed)."""
-        key = (item.queue, item.id)
-        with self._lock:
-            newer = self._adopted.pop(key, None)
-            if newer is not None:
-                self._inflight[key] = newer
-                return newer
-            return self._inflight.get(key, item)
+        """Record claimed items (:meth:`InFlight.track_claimed`), counted as claimed in the
+        stats; None when the stop came while the claim was in flight: give them all back."""
+        return self._inflight.track_claimed(
+            items, lambda item: self._stats.add(item.queue, "claimed")
+        )
 
     def _untrack(self, item: Item, *, leave_leased: bool = False) -> bool:
-        """The run of ``item`` is over. ``leave_leased``: it ran but its settle could not be
-        written, so its lease (and attempt) stays; recorded in the same step, so the
-        orphan check never sees it in neither place."""
-        key = (item.queue, item.id)
-        with self._lock:
-            found = self._inflight.pop(key, None) is not None
-            if leave_leased:
-                self._left_leased[key] = time.monotonic()
-            # Claimed again after this run's settle was fenced by its older claim: the new
-            # claim's attempt is counted and nothing else will run it, so a slot does.
-            again = self._adopted.pop(key, None)
-            if again is not None:
-                self._inflight[key] = again
+        """The run of ``item`` is over (:meth:`InFlight.untrack`); a claim adopted while it
+        ran goes to a slot."""
+        found, again = self._inflight.untrack(item, leave_leased=leave_leased)
         if again is not None:
             log.info("item_runs_under_its_new_claim", queue=item.queue.value, item_id=item.id)
             self._handoff.put(again)
         return found
-
-    def _take_inflight(self) -> list[Item]:
-        """Every claim this process holds, the newest of each item (for release at shutdown)."""
-        with self._lock:
-            items = {**self._inflight, **self._adopted}
-            self._inflight.clear()
-            self._adopted.clear()
-        return list(items.values())
 
     # -- pause when no backend can be reached ----------------------------------------
 
@@ -627,15 +510,15 @@ class Runner:
         self, item: Item, effects: Effects, bound: structlog.BoundLogger, started: float
     ) -> tuple[Item | None, str]:
         """Returns the next item claimed with the settle, and how the attempt ended."""
-        item = self._latest_claim(item)
+        item = self._inflight.latest_claim(item)
         # Past the tick's budget the items in flight finish, but none is claimed after them;
-        # after the stop, none either (_begin_claim checks it).
-        want_next = not (self._paused() or self._budget_spent()) and self._begin_claim()
+        # after the stop, none either (begin_claim checks it).
+        want_next = not (self._paused() or self._budget_spent()) and self._inflight.begin_claim()
         try:
             return self._settle_and_claim(item, effects, bound, started, want_next=want_next)
         finally:
             if want_next:
-                self._end_claim()
+                self._inflight.end_claim()
 
     def _settle_and_claim(
         self,
@@ -668,8 +551,7 @@ class Runner:
                 bound.info(
                     "settled_as_near_duplicate", planned=effects.outcome.value, outcome=outcome
                 )
-            with self._lock:
-                self._stats.add(item.queue, outcome, effects.backend)
+            self._count(item.queue, outcome, effects.backend)
             # Debug: one line per item is the cost of a JSON render and a write per item
             # (the pipelines log what they saved; the tick reports the counts at info).
             bound.debug(
@@ -695,7 +577,7 @@ class Runner:
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
     ) -> str:
         """Settle a failed attempt; a settle the database refuses must not kill the slot."""
-        item = self._latest_claim(item)
+        item = self._inflight.latest_claim(item)
         try:
             return self._settle_failure(item, exc, handler, bound)
         except Exception as settle_exc:
@@ -729,8 +611,7 @@ class Runner:
             )
             if given is not None:
                 kind = RELEASED if given else self._report_fenced(item, bound, released=RELEASED)
-            with self._lock:
-                self._stats.add(item.queue, "given_back")
+            self._count(item.queue, "given_back")
             bound.warning("attempt_given_back", reason=decision.reason)
             self._pause(decision.reason)
         elif decision.step is Step.RETRY:
@@ -751,8 +632,7 @@ class Runner:
             )
             if ok:
                 kind = RETRY
-                with self._lock:
-                    self._stats.add(item.queue, "retried")
+                self._count(item.queue, "retried")
                 bound.warning(
                     "item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1)
                 )
@@ -765,8 +645,7 @@ class Runner:
             result = self._dead_letter(item, decision.reason, backend, memories, bound)
             if result is not None and result.settled:
                 kind = Outcome.ARCHIVED.value if result.memory_ids else Outcome.FAILED.value
-                with self._lock:
-                    self._stats.add(item.queue, kind)
+                self._count(item.queue, kind)
                 replay = result.failure_id if result.failure_id is not None else "ID"
                 hint = (
                     f"see 'sokratos-worker failed show {replay}'; the payload itself is invalid,"
@@ -879,8 +758,7 @@ class Runner:
             return LEASE_LOST
         if outcome is not None:
             bound.info("item_already_settled", outcome=outcome)
-            with self._lock:
-                self._stats.add(item.queue, outcome)
+            self._count(item.queue, outcome)
             return outcome
         if exists and owner is not None:
             bound.warning(
@@ -926,77 +804,7 @@ class Runner:
                 self._on_database_contact(True)
                 return result
 
-    # -- leases ----------------------------------------------------------------------
-
-    def _renew_loop(self) -> None:
-        interval = max(0.5, self.settings.lease / 3)
-        while not self._stopped.wait(interval):
-            with self._lock:
-                by_queue: dict[Queue, list[int]] = {q: [] for q in self.queues}
-                for q, item_id in self._inflight:
-                    by_queue.setdefault(q, []).append(item_id)
-            try:
-                with self.database.connection() as conn:
-                    for q, ids in by_queue.items():
-                        kept = store.renew(
-                            conn, q, owner=self.worker_id, ids=ids, lease_s=self.settings.lease
-                        )
-                        for lost in set(ids) - kept:
-                            if self._lease_taken(conn, q, lost):
-                                log.warning("lease_lost", queue=q.value, item_id=lost)
-                        # Taken again now: the pass may have waited longer than a claim's age.
-                        self._release_orphans(conn, q, self._held_ids(q), interval)
-            except DatabaseUnavailable as exc:
-                self._contact_failed(exc)
-                log.warning("lease_renewal_failed", error=str(exc))
-            except Exception as exc:  # a timeout or a read-only server must not end renewals
-                log.error("lease_renewal_failed", error=describe(exc), retry_in_s=interval)
-            else:
-                self._on_database_contact(True)
-
-    def _lease_taken(self, conn: Connection, queue: Queue, item_id: int) -> bool:
-        """True when a renewal missed an item because another claim holds it now.
-
-        The renewal's UPDATE also misses an item whose settle committed a moment ago (the
-        slot has not untracked it yet): that item's row is gone, and nothing was lost.
-        """
-        with self._lock:
-            item = self._inflight.get((queue, item_id))
-        if item is None:
-            return False  # settled meanwhile
-        exists, owner = store.lease_owner(conn, item)
-        return exists and owner != self.worker_id
-
-    def _release_orphans(
-        self, conn: Connection, queue: Queue, keep: list[int], older_than_s: float
-    ) -> None:
-        orphans = store.release_orphans(
-            conn,
-            queue,
-            owner=self.worker_id,
-            keep=keep,
-            lease_s=self.settings.lease,
-            older_than_s=older_than_s,
-        )
-        if orphans:
-            log.warning(
-                "orphaned_leases_released",
-                queue=queue.value,
-                item_ids=orphans,
-                hint="claimed when a connection dropped before the answer; attempt given back",
-            )
-            self.wake(notified=False)
-
-    def _held_ids(self, queue: Queue) -> list[int]:
-        """The items of ``queue`` whose lease this process knows it holds: running, adopted,
-        or left leased after a settle that could not be written (those expire by themselves,
-        so entries older than the lease are forgotten)."""
-        horizon = time.monotonic() - 2 * self.settings.lease
-        with self._lock:
-            for key in [k for k, at in self._left_leased.items() if at < horizon]:
-                del self._left_leased[key]
-            keys = {*self._inflight, *self._adopted, *self._left_leased}
-        return [item_id for q, item_id in keys if q is queue]
+    # -- give-backs ------------------------------------------------------------------
 
     def _release(
         self, items: list[Item], on: Connection | None = None, *, count_given_back: bool = False

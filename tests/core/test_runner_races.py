@@ -90,7 +90,7 @@ def test_a_claim_landing_between_give_back_and_untrack_is_run_not_leaked(
     database.close()
     assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (1, "test")
     # The new claim (its attempt counted) goes to a slot, tracked and renewed like any other.
-    assert runner.inflight_count() == 1 and not runner._adopted
+    assert runner.inflight_count() == 1 and not runner._inflight._adopted
     handed = runner._handoff.get_nowait()
     assert handed is not None and (handed.id, handed.attempt) == (item_id, 1)
 

@@ -163,7 +163,7 @@ def test_a_claim_that_waited_behind_a_lock_still_reserves_the_item_for_the_lease
     )
     # Without the renewer (every lease/3), the lease the claim itself granted is what is
     # looked at: with SOKRATOS_LEASE=5m it first comes round up to 100 s after the claim.
-    monkeypatch.setattr(runner, "_renew_loop", lambda: None)
+    monkeypatch.setattr(runner._renewer, "run", lambda: None)
     with psycopg.connect(database_url) as locker:
         locker.execute("LOCK TABLE pending_triage IN EXCLUSIVE MODE")
         runner.start()
