@@ -1,9 +1,12 @@
-"""The ``sokratos-worker`` command: argument parsing and wiring; the work lives elsewhere.
+"""The ``sokratos-worker`` command: the parser, :func:`main` and errors mapped to exit codes.
 
-Logs go to stderr; stdout carries only a command's own output. Exit codes: 0 success,
-1 anything else, 75 database unreachable past SOKRATOS_STARTUP_TIMEOUT (or, for ``run --once``,
-a drain cut short by an unreachable backend or database, or by a queue table another session
-kept locked), 78 bad configuration.
+The commands live in :mod:`.cli_commands`, :mod:`.cli_enqueue` and :mod:`.cli_failed`, the
+database a command holds in :mod:`.command_database`; the names callers imported from here
+are re-exported. Logs go to stderr; stdout carries only a command's own output. Exit codes
+(:mod:`.exit_codes`): 0 success, 1 anything else, 75 database unreachable past
+SOKRATOS_STARTUP_TIMEOUT (or, for ``run --once``, a drain cut short by an unreachable backend
+or database, or by a queue table another session kept locked; for ``run``, a local model
+server that kept dying), 78 bad configuration.
 """
 
 from __future__ import annotations
@@ -285,7 +288,7 @@ def main(
             raise
         except KeyboardInterrupt as exc:
             # Ctrl-C, or SIGTERM/SIGHUP while the command held an embedded PostgreSQL (see
-            # database_url): the server it started is stopped by now. Exit 1, never 0: the
+            # command_database): the server it started is stopped by now. Exit 1, never 0: the
             # command did not finish (a stopped ``migrate`` must not read as done).
             code = _stopped(exc)
         _flush_stdout()  # buffered output meets the closed pipe here, not at print()

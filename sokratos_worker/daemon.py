@@ -71,7 +71,7 @@ SECOND_SIGNAL_LINE = (
 
 EXIT_OK = 0
 EXIT_SOFTWARE = 1
-EXIT_TEMPFAIL = 75  # a dependency stayed unreachable (contract §1; cli.py's too)
+EXIT_TEMPFAIL = 75  # a dependency stayed unreachable (contract §1; exit_codes.py's too)
 
 
 def new_worker_id(instance: str | None = None) -> str:
@@ -401,7 +401,9 @@ class Worker:
     # -- the whole life -----------------------------------------------------------------
 
     def serve(self) -> int:
-        """Run until SIGTERM/SIGINT/SIGHUP; then drain within the grace and exit 0."""
+        """Run until SIGTERM/SIGINT/SIGHUP or :meth:`stop_with`; then drain within the grace.
+
+        Returns :attr:`exit_code`: 0, or the code :meth:`stop_with` set."""
         faulthandler.enable()
         self.install_signals()
         metrics_server = self._start_metrics()

@@ -375,7 +375,8 @@ class Runner:
                 self.dispatcher_backend_pid = None
 
     def _track(self, item: Item) -> bool:
-        """Record a claimed item; False when a slot here is already running it."""
+        """Record one claimed item; False when a slot here is already running it, or the stop
+        came (then it is not recorded)."""
         return bool(self._track_claimed([item]))
 
     def _track_claimed(self, items: list[Item]) -> list[Item] | None:
@@ -481,7 +482,7 @@ class Runner:
             next_item, kind = self._settle_success(item, effects, bound, started)
         except Exception as exc:
             # A write the database refuses (constraint, range, dimension) is a failed attempt;
-            # it used to kill the slot thread and leave the item leased and renewed forever.
+            # escaping here, it would kill the slot thread and leave the item leased for ever.
             if _outcome_already_recorded(exc):
                 bound.error("item_id_reused", error=describe(exc), hint=_reused_id_hint(item))
             self._failed(item, started, exc, handler, bound)

