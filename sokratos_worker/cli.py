@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "migrate",
         help="apply pending database migrations and exit",
         description="Apply the numbered SQL migrations that are not yet recorded, under an"
-        " advisory lock (safe to run from several hosts at once).",
+        " advisory lock (safe to run from several hosts at once). Warns (exit 0) of a"
+        " migration recorded that only a newer sokratos-worker has, and of an applied one"
+        " whose file changed since.",
     )
 
     enqueue = commands.add_parser(
