@@ -2,10 +2,12 @@
 
 Never falls back to another model (vectors of different models are not comparable).
 Sokratos's protocol (behaviour reference §3.3): a suffix appended to every input,
-L2-normalised vectors, and a text the server calls "too large" split and embedded in parts.
-A transient failure (connection error, 408, 429, 5xx) is retried a few times with backoff
-(or after the server's Retry-After) before it counts, so one 503 while the model loads costs
-no attempt of the item.
+L2-normalised vectors, and a text the server finds too large (a body saying "too large", a
+413, a context-length error) split and embedded in parts. A transient failure (connection
+error, 408, 429, 5xx) is retried a few times with backoff (or after the server's Retry-After)
+before it counts, so one 503 while the model loads costs no attempt of the item; a 408 or 429
+that outlasts the retries gives the attempt back even when a tiny probe is served (a
+token-based rate limit refuses a large input and lets a 3-token probe through).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.http import (
     ClientPerThread,
     ProxyAuthenticationRequired,
+    context_too_long,
     excerpt,
     make_client,
     retry_after_seconds,
@@ -50,14 +53,20 @@ log = structlog.get_logger(__name__)
 TOO_LARGE = "too large"
 MIN_SPLIT_BYTES = 100
 _NUMBERS = (int, float)  # what a vector component may be (a bool is neither here)
+_BUSY = (408, 429)  # the server's load, never the input's: no probe can make them the item's
 
 
 class _Throttled(EmbeddingsUnavailable):
     """A transient answer (408, 429, 5xx) that may say when to ask again (Retry-After)."""
 
-    def __init__(self, message: str, retry_after: float | None) -> None:
+    def __init__(self, message: str, status: int, retry_after: float | None) -> None:
         super().__init__(message)
+        self.status = status
         self.retry_after = retry_after
+
+
+class _TooLarge(EmbeddingFailed):
+    """The server finds this input too large: ``embed_splitting`` embeds it in parts."""
 
 
 class _Refused(EmbeddingFailed):
@@ -146,6 +155,10 @@ class HttpEmbedder:
         except EmbeddingsUnavailable as exc:
             # A healthy server that fails only this input is the item's problem, not an outage
             # (durability.md): giving the attempt back would loop the item and pause claiming.
+            # A 408 or 429 is the server's load whatever a tiny probe gets (a tokens-per-minute
+            # limit refuses a large input only): the attempt is given back, without a probe.
+            if isinstance(exc, _Throttled) and exc.status in _BUSY:
+                raise
             if self._healthy():
                 raise EmbeddingFailed(f"{exc} (the server is healthy: this input failed)") from exc
             raise
@@ -178,8 +191,8 @@ class HttpEmbedder:
         """Embed ``text``; when the server says it is too large, embed its halves instead."""
         try:
             return [(text, self.embed([text])[0])]
-        except EmbeddingFailed as exc:
-            if TOO_LARGE not in str(exc).lower() or len(text.encode()) <= MIN_SPLIT_BYTES:
+        except _TooLarge:
+            if len(text.encode()) <= MIN_SPLIT_BYTES:
                 raise
         first, second = split_text(text)
         log.info("embedding_split", bytes=len(text.encode()))
@@ -217,14 +230,14 @@ class HttpEmbedder:
             raise EmbeddingsUnavailable(f"embedding server unreachable: {exc!r}") from exc
         duration_ms = round((time.perf_counter() - started) * 1000, 1)
         body_start = excerpt(response) if response.status_code != 200 else ""
-        if TOO_LARGE in body_start.lower():
-            # llama.cpp answers 500 for an input over its batch size: the input's problem.
+        if _too_large(response.status_code, body_start):
             log.warning("embedding_failed", status=response.status_code, reason="too_large")
-            raise EmbeddingFailed(f"embedding server returned {response.status_code}: {body_start}")
-        if response.status_code >= 500 or response.status_code in (408, 429):
+            raise _TooLarge(f"embedding server returned {response.status_code}: {body_start}")
+        if response.status_code >= 500 or response.status_code in _BUSY:
             log.warning("embedding_failed", status=response.status_code, count=len(texts))
             raise _Throttled(
                 f"embedding server returned {response.status_code}: {body_start}",
+                response.status_code,
                 retry_after_seconds(response.headers.get("Retry-After")),
             )
         if response.status_code in (401, 403, 404):
@@ -295,6 +308,13 @@ class HttpEmbedder:
             return l2_normalise([float(x) for x in vector])
         except OverflowError as exc:  # an integer of hundreds of digits
             raise EmbeddingReplyInvalid("embedding server returned a non-finite vector") from exc
+
+
+def _too_large(status: int, body_start: str) -> bool:
+    """Whether the server finds the input too large: llama.cpp's 500 "too large" (over its
+    batch size), any 413 (Hugging Face TEI: "`inputs` must have less than 512 tokens"), or
+    the context-length 400 of OpenAI and vLLM ("maximum context length")."""
+    return status == 413 or TOO_LARGE in body_start.lower() or context_too_long(status, body_start)
 
 
 def _server_message(response: httpx.Response, body_start: str) -> str:

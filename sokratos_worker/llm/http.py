@@ -46,7 +46,7 @@ def classify(status: int, body: str) -> Verdict:
         return Verdict.OK
     if 300 <= status < 400:
         return Verdict.REFUSED  # a URL the server moved (http:// to https://): configuration
-    if status in (400, 413) and _CONTEXT_PATTERNS.search(body):
+    if context_too_long(status, body):
         return Verdict.CONTEXT
     if status == 429 and "insufficient_quota" in body:
         return Verdict.REFUSED  # OpenAI: retrying an empty account never helps
@@ -55,6 +55,13 @@ def classify(status: int, body: str) -> Verdict:
     if status in (401, 403, 404):
         return Verdict.REFUSED
     return Verdict.REJECTED
+
+
+def context_too_long(status: int, body: str) -> bool:
+    """Whether a 400 or 413 says the input is over the model's context (OpenAI's
+    ``context_length_exceeded``, vLLM's "maximum context length", llama.cpp's
+    ``exceed_context_size``): for chat, shorten the input; for embeddings, split it."""
+    return status in (400, 413) and _CONTEXT_PATTERNS.search(body) is not None
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:

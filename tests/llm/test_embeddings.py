@@ -296,6 +296,47 @@ def test_too_large_error_on_a_4xx_is_split_too(servers: Servers, embedders):
     assert len(parts) == 2
 
 
+SPLIT_LIMIT = 300  # bytes the scripted server embeds in one input
+TEI_413 = Reply(
+    status=413,
+    json_body={
+        "error": "Input validation error: `inputs` must have less than 512 tokens. Given: 700",
+        "error_type": "Validation",
+    },
+)
+OPENAI_400 = Reply.error(
+    400,
+    "This model's maximum context length is 8192 tokens, however you requested 9000 tokens"
+    " (9000 in your prompt; 0 for the completion). Please reduce your prompt; or completion"
+    " length.",
+    type="invalid_request_error",
+    code="context_length_exceeded",
+)
+
+
+@pytest.mark.parametrize("refusal", [TEI_413, OPENAI_400], ids=["413-tei", "400-context-length"])
+def test_a_413_or_context_length_answer_without_too_large_is_split_too(
+    servers: Servers, embedders, refusal: Reply
+):
+    # Hugging Face TEI's 413 and the context-length 400 of OpenAI and vLLM never say "too
+    # large": they were charged to the item at every attempt and it was dead-lettered.
+    def respond(request: Request) -> Reply:
+        texts = request.body["input"]
+        if any(len(t.encode()) > SPLIT_LIMIT for t in texts):
+            return refusal
+        return Reply.embeddings([hash_embedding(t, 8) for t in texts])
+
+    srv = servers()
+    srv.on("/v1/embeddings", respond)
+    text = "\n".join(f"line {i}: my sister Ana moved to Porto in May" for i in range(16))
+    assert len(text.encode()) > SPLIT_LIMIT
+    parts = embedders(srv.url, dim=8, timeout=5.0).embed_splitting(text)
+
+    assert len(parts) >= 2
+    assert "".join(p for p, _ in parts).replace("\n", "") == text.replace("\n", "")
+    assert all(len(v) == 8 for _, v in parts)
+
+
 def test_small_text_is_not_split(servers: Servers, embedders):
     srv = servers()
     srv.on("/v1/embeddings", lambda r: Reply.error(400, "too large to process"))
