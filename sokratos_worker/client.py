@@ -2,6 +2,10 @@
 
 >>> from sokratos_worker.client import enqueue_triage
 >>> enqueue_triage(conninfo, "user: I moved to Lisbon\\nassistant: Noted!", key="msg-42")
+
+Where a conninfo goes, an open psycopg connection may go instead: the enqueue then runs in the
+caller's transaction (committed or rolled back by the caller, never by the client), as the SQL
+functions do, and nothing is spooled.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked
@@ -27,6 +32,10 @@ log = structlog.get_logger(__name__)
 _SPOOLED_UNTIL_RELEASED = (
     "spooled instead: the worker imports it at a tick once the lock is released"
 )
+
+
+# A conninfo string, or the caller's open connection (the enqueue joins its transaction).
+Target = str | psycopg.Connection[Any]
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ def triage_payload(
 
 
 def enqueue(
-    conninfo: str,
+    conninfo: Target,
     queue: Queue,
     payload: dict[str, Any],
     *,
@@ -71,12 +80,26 @@ def enqueue(
     (a migration, a transaction left open) counts as unreachable too: spooled, or
     :class:`TableLocked` naming the session. Without it the enqueue waits for the lock.
 
+    Given an open connection instead of a conninfo, the enqueue runs in the caller's
+    transaction (the workers are woken at its commit); the client neither commits nor rolls
+    back, and ``spool_dir`` / ``lock_timeout_ms`` are refused (the caller's transaction and
+    session settings decide).
+
     Raises :class:`InvalidPayload` naming the field when the payload is malformed or ``key``
-    is blank, and psycopg's own errors for what the database refuses otherwise (missing
-    migrations or privileges).
+    is blank or holds what PostgreSQL cannot store (NUL, a lone surrogate), and psycopg's own
+    errors for what the database refuses otherwise (missing migrations or privileges).
     """
-    _refuse_blank_key(key)
+    _refuse_bad_key(key)
     clean = storable_payload(payload)
+    if isinstance(conninfo, psycopg.Connection):
+        if spool_dir is not None or lock_timeout_ms is not None:
+            raise TypeError(
+                "spool_dir and lock_timeout_ms need a conninfo: on a connection of yours, your"
+                " transaction decides (a failed enqueue is yours to retry or roll back)"
+            )
+        with translated():  # no commit, no rollback: the caller's transaction decides
+            item_id = store.enqueue(conninfo, queue, clean, idempotency_key=key, source=source)
+        return Enqueued(item_id=item_id)
     if key is None and spool_dir is not None:
         # A connection lost mid-call counts as unreachable and is spooled; the spooled copy
         # carries the key the database saw, so a COMMIT that did land is not enqueued twice.
@@ -109,7 +132,7 @@ def spool(
     spool_for: str | None = None,
 ) -> Enqueued:
     """Write the enqueue to the spool, sanitized and checked as the database would check it."""
-    _refuse_blank_key(key)
+    _refuse_bad_key(key)
     clean = storable_payload(payload)
     _validate_offline(queue, clean, source)
     return Enqueued(
@@ -119,10 +142,23 @@ def spool(
     )
 
 
-def _refuse_blank_key(key: str | None) -> None:
-    """A blank key would be taken once for good: every later item with it silently dropped."""
-    if key is not None and not key.strip():
+def _refuse_bad_key(key: str | None) -> None:
+    """A blank key would be taken once for good: every later item with it silently dropped;
+    a NUL or a lone surrogate cannot be stored in PostgreSQL's text (nor imported if spooled)."""
+    if key is None:
+        return
+    if not key.strip():
         raise InvalidPayload("key", "is blank: pass the item's idempotency key, or None")
+    if "\x00" in key:
+        raise InvalidPayload("key", "contains a NUL character, which PostgreSQL cannot store")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidPayload(
+            "key",
+            f"contains a lone surrogate ({key[exc.start]!r} at {exc.start}), which is not"
+            " valid UTF-8: decode the key's bytes strictly",
+        ) from exc
 
 
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
@@ -142,7 +178,7 @@ def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None)
 
 
 def enqueue_triage(
-    conninfo: str,
+    conninfo: Target,
     exchange: str,
     *,
     tools_used: bool = False,
@@ -152,10 +188,12 @@ def enqueue_triage(
     spool_dir: Path | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
-    """Enqueue a conversation exchange for triage (the arguments as for :func:`enqueue`)."""
+    """Enqueue a conversation exchange for triage (the arguments as for :func:`enqueue`),
+    checked first as the worker checks it (:func:`check_triage`)."""
     payload = triage_payload(
         exchange, tools_used=tools_used, pipeline_id=pipeline_id, occurred_at=occurred_at
     )
+    check_triage(payload)
     return enqueue(
         conninfo,
         Queue.TRIAGE,
@@ -166,12 +204,30 @@ def enqueue_triage(
     )
 
 
-def check_distillation(payload: dict[str, Any]) -> None:
+def check_triage(payload: dict[str, Any]) -> None:
+    """InvalidPayload now for the conversation fields the triage pipeline would refuse at its
+    first claim (a dead letter), read by the pipeline's own field checks."""
+    from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
+
+    try:
+        fields.required_str(payload, "exchange")
+        fields.optional_bool(payload, "tools_used")
+        fields.optional_int(payload, "pipeline_id")
+        fields.optional_iso_datetime(payload, "occurred_at")
+    except InvalidPayload as exc:
+        raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
+
+
+def check_distillation(payload: Any) -> None:
     """InvalidPayload now for what the worker would dead-letter at its first claim, the field
     named as the database's own check names it (``payload.messages``): the CLI and
-    :func:`enqueue_distillation` refuse it instead of queueing a certain failure."""
+    :func:`enqueue_distillation` refuse it instead of queueing a certain failure.
+
+    The payload is checked as it is stored (NUL and lone surrogates escaped: a NUL is six
+    characters there); one that is not an object is refused as ``payload``."""
+    stored = storable_payload(payload)
     try:
-        _distillable(payload)
+        _distillable(stored)
     except InvalidPayload as exc:
         raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
 
@@ -196,7 +252,7 @@ def _distillable(payload: dict[str, Any]) -> None:
 
 
 def enqueue_distillation(
-    conninfo: str,
+    conninfo: Target,
     payload: dict[str, Any],
     *,
     key: str | None = None,

@@ -150,9 +150,7 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
             # A file refused for what it holds must not hold up the files after it; any other
             # database error (no migrations, no privilege) blames no file and is raised.
-            if isinstance(exc, psycopg.Error) and not (exc.sqlstate or "").startswith(
-                _REFUSED_CONTENT
-            ):
+            if isinstance(exc, psycopg.Error) and not _blames_the_content(exc):
                 raise
             _reject(path, database, _refusal(exc), record)
             continue
@@ -220,8 +218,18 @@ def _parse(record: Any) -> tuple[Queue, Any, str, str | None]:
     return queue, record["payload"], key, source
 
 
+def _blames_the_content(exc: psycopg.Error) -> bool:
+    """True for an error the file's values caused: SQLSTATE class 22/54, or a DataError psycopg
+    raised itself before sending anything (no SQLSTATE: a NUL in a text parameter)."""
+    if exc.sqlstate is None:
+        return isinstance(exc, psycopg.DataError)
+    return exc.sqlstate.startswith(_REFUSED_CONTENT)
+
+
 def _refusal(exc: Exception) -> str:
     """Why a file was refused, without the payload excerpt PostgreSQL's CONTEXT line quotes."""
+    if isinstance(exc, psycopg.Error) and exc.sqlstate is None:
+        return f"refused by psycopg before sending: {exc}"
     if isinstance(exc, psycopg.Error):
         detail = f": {exc.diag.message_detail}" if exc.diag.message_detail else ""
         return f"refused by the database ({exc.sqlstate}): {exc.diag.message_primary}{detail}"

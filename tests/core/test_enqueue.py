@@ -9,7 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -18,6 +20,10 @@ from structlog.testing import capture_logs
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
+from sokratos_worker.pipelines import payload as fields
+from sokratos_worker.pipelines.archive import archive_from_payload
+from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES
+from sokratos_worker.pipelines.text import byte_len
 from sokratos_worker.spool import import_spool, pending_elsewhere, spool_enqueue, spool_problems
 from sokratos_worker.status import render_status
 from sokratos_worker.store.connection import Database
@@ -194,6 +200,45 @@ def test_a_file_postgres_refuses_does_not_block_the_later_ones(
     assert refused.item_id is None
     assert f"failed show {ids['1-nul.json']}" in refused.message
     assert "sokratos-worker enqueue" in refused.message
+
+
+def test_a_nul_key_file_does_not_hold_up_the_files_after_it(
+    tmp_path: Path, database_url: str, db: psycopg.Connection
+) -> None:
+    """psycopg refuses a NUL in a text parameter itself (DataError, no SQLSTATE): the file is
+    set aside as refused (a failed_operations row naming it), not re-raised at every tick
+    with every later file waiting behind it."""
+    spool = tmp_path / "spool"
+    # As an earlier client wrote it (enqueue_triage(..., key="msg-\x0042", spool_dir=...)).
+    bad = {
+        "queue": "pending_triage",
+        "payload": {"exchange": "user: first\nassistant: ok"},
+        "idempotency_key": "msg-\x0042",
+        "source": None,
+        "spooled_at": "2026-01-01T00:00:00+00:00",
+        "database": None,
+    }
+    _write(spool, "20260101T000000000000-00000000.json", json.dumps(bad))
+    spool_enqueue(
+        spool,
+        Queue.TRIAGE,
+        {"exchange": "user: my sister Ana moved to Porto\nassistant: noted!"},
+        idempotency_key="msg-43",
+        source=None,
+    )
+    database = Database(database_url, size=1)
+    try:
+        import_spool(spool, database)  # raised psycopg.DataError: nothing after it imported
+    finally:
+        database.close()
+    keys = {row[0] for row in db.execute("SELECT idempotency_key FROM pending_triage")}
+    assert "msg-43" in keys
+    assert not (spool / "20260101T000000000000-00000000.json").exists()  # imported or rejected
+    rows = db.execute(
+        "SELECT label, error_message FROM failed_operations WHERE op_type = 'spool_import'"
+    ).fetchall()
+    assert [r[0] for r in rows] == ["20260101T000000000000-00000000.json"]
+    assert "NUL" in rows[0][1]
 
 
 def test_a_spool_directory_the_worker_cannot_read_is_said_not_passed_over() -> None:
@@ -433,3 +478,145 @@ def test_two_importers_rejecting_the_same_files_record_each_once(
     assert not list(tmp_path.glob("*.json"))
     labels = [r[0] for r in db.execute("SELECT label FROM failed_operations").fetchall()]
     assert sorted(labels) == [f"{n:02d}-corrupt.json" for n in range(files)]
+
+
+# The client checks a payload as the worker reads it, so a certain dead letter is refused at
+# once (InvalidPayload naming the field), online and before the spool.
+
+EXCHANGE = "user: my sister Ana moved to Porto\nassistant: noted!"
+DOWN = "postgresql://x@127.0.0.1:1/none"
+
+TRIAGE_TYPE_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("tools_used", {"tools_used": "false"}),
+    ("tools_used", {"tools_used": 1}),
+    ("pipeline_id", {"pipeline_id": "42"}),
+    ("pipeline_id", {"pipeline_id": True}),
+    ("pipeline_id", {"pipeline_id": 1.5}),
+    ("pipeline_id", {"pipeline_id": 2**70}),
+]
+
+
+def _triage_pipeline_refuses(payload: dict[str, Any]) -> bool:
+    """The triage pipeline's own reads of these fields (pipelines/triage.py)."""
+    try:
+        fields.optional_bool(payload, "tools_used")
+        fields.optional_int(payload, "pipeline_id")
+    except InvalidPayload:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("field", "kwargs"), TRIAGE_TYPE_CASES)
+def test_a_triage_type_the_worker_dead_letters_is_refused_at_enqueue(
+    database_url: str, db: psycopg.Connection, field: str, kwargs: dict[str, Any]
+) -> None:
+    assert _triage_pipeline_refuses({"exchange": EXCHANGE, **kwargs})  # what the claim would do
+    with pytest.raises(InvalidPayload, match=field):
+        enqueue_triage(database_url, EXCHANGE, **kwargs)
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+@pytest.mark.parametrize(("field", "kwargs"), TRIAGE_TYPE_CASES[:3])
+def test_the_spool_does_not_hold_a_certain_triage_dead_letter_either(
+    tmp_path: Path, field: str, kwargs: dict[str, Any]
+) -> None:
+    spool = tmp_path / "spool"
+    with pytest.raises(InvalidPayload, match=field):
+        enqueue_triage(DOWN, EXCHANGE, spool_dir=spool, **kwargs)
+    assert not spool.exists() or not any(spool.iterdir())
+
+
+@pytest.mark.parametrize("payload", [["not", "an", "object"], "archive text", None])
+def test_a_distillation_payload_that_is_not_an_object_raises_invalid_payload(
+    database_url: str, payload: Any
+) -> None:
+    with pytest.raises(InvalidPayload, match="payload"):
+        enqueue_distillation(database_url, payload)
+
+
+def test_a_lone_surrogate_in_a_distillation_is_escaped_and_queued_as_in_a_triage(
+    database_url: str, db: psycopg.Connection
+) -> None:
+    text = "user: caf\udce9 in Lisbon\nassistant: noted"
+    assert enqueue_triage(database_url, text).item_id is not None  # the triage path copes
+    done = enqueue_distillation(database_url, {"archive_text": text})
+    assert done.item_id is not None
+    stored = db.execute("SELECT payload FROM pending_distillation").fetchone()
+    assert stored is not None and "\\udce9" in stored[0]["archive_text"]
+
+
+def test_nul_bytes_cannot_slip_an_oversized_archive_past_the_check(
+    database_url: str, db: psycopg.Connection
+) -> None:
+    """Each NUL is stored as the six characters \\u0000: the check measures what is stored."""
+    # 430,000 bytes raw (under 512 kB): stored, each NUL is six characters (~930 kB).
+    content = "I moved to Lisbon. " * 20_000 + "\x00" * 50_000
+    payload = {"messages": [{"role": "user", "content": content}]}
+    assert byte_len(archive_from_payload(payload, datetime.now(UTC)).text) <= MAX_ARCHIVE_BYTES
+    try:
+        enqueue_distillation(database_url, payload)
+    except InvalidPayload:
+        return  # refused at once: the producer learns it
+    row = db.execute("SELECT payload::text FROM pending_distillation").fetchone()
+    assert row is not None
+    stored = json.loads(row[0])
+    size = byte_len(archive_from_payload(stored, datetime.now(UTC)).text)
+    assert size <= MAX_ARCHIVE_BYTES, f"queued, then dead-lettered: the stored archive is {size:,} bytes"
+
+
+# Passed an open connection where the conninfo goes, the client enqueues in the caller's
+# transaction, as the SQL functions do (contract §4): visible and NOTIFYed at its commit.
+
+
+def _notified(listener: psycopg.Connection, timeout: float) -> list[str]:
+    return [n.payload for n in listener.notifies(timeout=timeout, stop_after=1)]
+
+
+def test_the_item_and_its_notify_arrive_at_the_callers_commit(
+    database_url: str, db: psycopg.Connection
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as listener, psycopg.connect(
+        database_url
+    ) as conn:
+        listener.execute("LISTEN sokratos_worker")
+        conn.execute("CREATE TEMP TABLE handled (id int)")
+        conn.execute("INSERT INTO handled VALUES (42)")
+        done = enqueue_triage(conn, EXCHANGE, key="msg-42")
+        assert done.item_id is not None
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        assert count(db, "SELECT count(*) FROM pending_triage") == 0  # not before the commit
+        assert _notified(listener, 0.3) == []
+        conn.commit()
+        assert count(db, "SELECT count(*) FROM pending_triage") == 1
+        assert _notified(listener, 2.0) == ["pending_triage"]
+
+
+def test_a_rollback_of_the_callers_transaction_leaves_nothing_queued(
+    database_url: str, db: psycopg.Connection
+) -> None:
+    with psycopg.connect(database_url) as conn:
+        enqueue_distillation(conn, {"archive_text": "user: hi"}, key="slide-7")
+        conn.rollback()
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    # The key was not taken either: the same key enqueues afresh.
+    assert enqueue_distillation(database_url, {"archive_text": "user: hi"}, key="slide-7").item_id
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 1
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+def test_the_callers_connection_stays_usable(database_url: str, autocommit: bool) -> None:
+    with psycopg.connect(database_url, autocommit=autocommit) as conn:
+        enqueue_triage(conn, EXCHANGE)
+        assert not conn.closed
+        conn.execute("SELECT 1")
+
+
+def test_a_callers_connection_is_never_spooled_for(database_url: str, tmp_path: Path) -> None:
+    """The caller's transaction decides what a failure means: no spool, no session settings."""
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(TypeError, match="spool_dir"):
+            enqueue_triage(conn, EXCHANGE, spool_dir=tmp_path / "spool")
+        with pytest.raises(TypeError, match="lock_timeout_ms"):
+            enqueue_triage(conn, EXCHANGE, lock_timeout_ms=5000)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert not (tmp_path / "spool").exists()

@@ -1,7 +1,8 @@
 """A blank idempotency key (an empty shell variable) is refused, never taken as a real key.
 
 Taken as a key, "" was accepted once for good: every later enqueue with an empty key printed
-the first item's id, exit 0, and its own text was dropped without a word.
+the first item's id, exit 0, and its own text was dropped without a word. A key PostgreSQL
+cannot store (NUL, a lone surrogate) is refused the same way, before the database or spool.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 from sokratos_worker import client
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Queue
+from sokratos_worker.spool import import_spool
+from sokratos_worker.store.connection import Database
 from tests.support.operator import cli_env, run_cli
 
 
@@ -92,3 +95,58 @@ def test_postgresql_refuses_a_blank_key_from_the_enqueue_functions_and_direct_in
         "SELECT (SELECT count(*) FROM pending_triage) + (SELECT count(*) FROM pending_distillation)"
         " + (SELECT count(*) FROM sokratos_idempotency_keys)"
     ).fetchone() == (0,)
+
+
+# A key PostgreSQL cannot store (NUL, a lone surrogate) is refused the same way, before the
+# database (DataError / UnicodeEncodeError) or the spool (a file the import would refuse).
+UNSTORABLE_KEYS = ["msg-\x0042", "msg-\udcff42"]
+EXCHANGE = "user: I start at Example GmbH on Monday\nassistant: congrats!"
+
+
+@pytest.mark.parametrize("key", UNSTORABLE_KEYS, ids=["nul", "surrogate"])
+def test_a_key_postgresql_cannot_store_raises_invalid_payload(
+    database_url: str, db: psycopg.Connection, key: str
+) -> None:
+    with pytest.raises(InvalidPayload, match="key"):
+        client.enqueue_triage(database_url, EXCHANGE, key=key)
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("key", UNSTORABLE_KEYS, ids=["nul", "surrogate"])
+def test_a_spooled_item_with_such_a_key_is_imported_not_dead_lettered(
+    tmp_path: Path, database_url: str, db: psycopg.Connection, key: str
+) -> None:
+    spool = tmp_path / "spool"
+    try:
+        done = client.enqueue_triage(
+            "postgresql://x@127.0.0.1:1/none", EXCHANGE, key=key, spool_dir=spool
+        )
+    except InvalidPayload:
+        assert not spool.exists() or not any(spool.iterdir())
+        return
+    assert done.spooled is not None  # the producer was told: safe on disk
+    database = Database(database_url, size=1)
+    try:
+        import_spool(spool, database)
+    finally:
+        database.close()
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (1,)
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"),
+    [("msg-\x0042", "contains a NUL character"), ("msg-\udcff42", "contains a lone surrogate")],
+    ids=["nul", "surrogate"],
+)
+def test_the_refusal_names_what_is_wrong_with_the_key(
+    tmp_path: Path, key: str, problem: str
+) -> None:
+    payload = client.triage_payload("user: hi\nassistant: hello")
+    with pytest.raises(InvalidPayload, match=f"key {problem}"):
+        client.enqueue(
+            "postgresql://x@127.0.0.1:1/none", Queue.TRIAGE, payload, key=key, spool_dir=tmp_path
+        )
+    with pytest.raises(InvalidPayload, match=f"key {problem}"):
+        client.spool(tmp_path, Queue.TRIAGE, payload, key=key)
+    assert list(tmp_path.iterdir()) == []
