@@ -46,11 +46,12 @@ def _wait_for(predicate: Any, timeout: float = 15.0) -> bool:
     return False
 
 
-def test_a_dispatcher_claim_blocked_at_the_stop_gives_its_items_back(
+def _stop_while_a_claim_of_two_waits(
     db: psycopg.Connection, database_url: str
-) -> None:
-    """The claim lands after the stop: its items must not stay leased to a stopped worker
-    with their attempt counted, waiting out the lease."""
+) -> tuple[Database, Runner, threading.Thread]:
+    """Two items; the dispatcher's claim waits behind a table lock (a migration, a long
+    transaction) when the stop comes, and lands once the lock ends. Returns the database, the
+    runner and the thread running its shutdown (joined for up to 15 s)."""
     enqueue_many(db, 2, behaviour="skip")
     database = Database(database_url, size=6)
     runner = Runner(
@@ -60,7 +61,6 @@ def test_a_dispatcher_claim_blocked_at_the_stop_gives_its_items_back(
         worker_id="stopped-worker",
     )
     with psycopg.connect(database_url) as locker:
-        # A migration (or a long transaction) holds the queue table: the claim waits.
         locker.execute("LOCK TABLE pending_triage IN EXCLUSIVE MODE")
         runner.start()
         assert _wait_for(lambda: _lock_waiters(db) == 1), "the dispatcher's claim never blocked"
@@ -68,8 +68,17 @@ def test_a_dispatcher_claim_blocked_at_the_stop_gives_its_items_back(
         stopper.start()  # SIGTERM: nothing in flight, so nothing to release
         assert _wait_for(runner._stop_claiming.is_set)
         time.sleep(0.3)
-        locker.commit()  # the lock ends: the claim that was sent before the stop lands
+        locker.commit()  # the lock ends: the claim sent before the stop lands (2 items)
     stopper.join(15)
+    return database, runner, stopper
+
+
+def test_a_dispatcher_claim_blocked_at_the_stop_gives_its_items_back(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The claim lands after the stop: its items must not stay leased to a stopped worker
+    with their attempt counted, waiting out the lease."""
+    database, runner, stopper = _stop_while_a_claim_of_two_waits(db, database_url)
     dispatcher = runner._threads[-1]
     dispatcher.join(15)
     assert not stopper.is_alive() and not dispatcher.is_alive()
@@ -193,24 +202,7 @@ def test_a_claim_landing_after_the_stop_is_counted_as_claimed(
 ) -> None:
     """tick_finished (run --once reports after its shutdown) must show every claim the database
     made: a claim that lands after the stop is given back, and still counted as claimed."""
-    enqueue_many(db, 2, behaviour="skip")
-    database = Database(database_url, size=6)
-    runner = Runner(
-        settings=fast_settings(concurrency=2, lease=300),
-        database=database,
-        handlers={Queue.TRIAGE: ScriptedHandler()},
-        worker_id="stopped-worker",
-    )
-    with psycopg.connect(database_url) as locker:
-        locker.execute("LOCK TABLE pending_triage IN EXCLUSIVE MODE")
-        runner.start()
-        assert _wait_for(lambda: _lock_waiters(db) == 1), "the dispatcher's claim never blocked"
-        stopper = threading.Thread(target=runner.shutdown, args=(1,), daemon=True)
-        stopper.start()
-        assert _wait_for(runner._stop_claiming.is_set)
-        time.sleep(0.3)
-        locker.commit()  # the claim sent before the stop lands: 2 items, attempts counted
-    stopper.join(15)
+    database, runner, stopper = _stop_while_a_claim_of_two_waits(db, database_url)
     runner._threads[-1].join(15)
     assert not stopper.is_alive()
     stats = runner.take_stats()
