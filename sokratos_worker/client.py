@@ -90,6 +90,7 @@ def enqueue(
     errors for what the database refuses otherwise (missing migrations or privileges).
     """
     _refuse_bad_key(key)
+    _refuse_bad_source(queue, source)
     clean = storable_payload(payload)
     if isinstance(conninfo, psycopg.Connection):
         if spool_dir is not None or lock_timeout_ms is not None:
@@ -161,11 +162,17 @@ def _refuse_bad_key(key: str | None) -> None:
         ) from exc
 
 
+def _refuse_bad_source(queue: Queue, source: str | None) -> None:
+    """A triage item's source is conversation or email; anything else (a NUL in it too, which
+    psycopg would refuse with a bare DataError) is named before the database sees it."""
+    if queue is Queue.TRIAGE and source not in (None, "conversation", "email"):
+        raise InvalidPayload("source", f"must be conversation or email, not {source!r}")
+
+
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
     """The same required fields as sokratos_check_payload, so the spool never holds junk."""
+    _refuse_bad_source(queue, source)
     if queue is Queue.TRIAGE:
-        if source not in (None, "conversation", "email"):
-            raise InvalidPayload("source", f"must be conversation or email, not {source}")
         field = "text" if source == "email" else "exchange"
         if not isinstance(payload.get(field), str):
             raise InvalidPayload(f"payload.{field}", "is required and must be a string")

@@ -150,3 +150,16 @@ def test_the_refusal_names_what_is_wrong_with_the_key(
     with pytest.raises(InvalidPayload, match=f"key {problem}"):
         client.spool(tmp_path, Queue.TRIAGE, payload, key=key)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source", ["email\x00", "chat"], ids=["nul", "unknown"])
+def test_a_source_that_is_neither_conversation_nor_email_is_named_before_the_database(
+    database_url: str, db: psycopg.Connection, source: str
+) -> None:
+    # A NUL in the source reached psycopg, which refused it with a bare DataError.
+    payload = client.triage_payload(EXCHANGE)
+    with pytest.raises(InvalidPayload, match="source must be conversation or email"):
+        client.enqueue(database_url, Queue.TRIAGE, payload, source=source)
+    with psycopg.connect(database_url) as conn, pytest.raises(InvalidPayload, match="source"):
+        client.enqueue(conn, Queue.TRIAGE, payload, source=source)
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
