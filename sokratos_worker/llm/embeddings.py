@@ -2,18 +2,22 @@
 
 Never falls back to another model (vectors of different models are not comparable).
 Sokratos's protocol (behaviour reference §3.3): a suffix appended to every input,
-L2-normalised vectors, and a text the server finds too large (a body saying "too large", a
-413, a context-length error) split and embedded in parts. A transient failure (connection
-error, 408, 429, 5xx) is retried a few times with backoff (or after the server's Retry-After)
-before it counts, so one 503 while the model loads costs no attempt of the item; a 408 or 429
-that outlasts the retries gives the attempt back even when a tiny probe is served (a
-token-based rate limit refuses a large input and lets a 3-token probe through).
+L2-normalised vectors (OpenAI's base64 form read too), and a text the server finds too
+large (a body saying "too large", a 413, a context-length error) split and embedded in parts.
+A transient failure (connection error, 408, 429, 5xx) is retried a few times with backoff (or
+after the server's Retry-After) before it counts, so one 503 while the model loads costs no
+attempt of the item; a 408 or 429 that outlasts the retries gives the attempt back even when
+a tiny probe is served (a token-based rate limit refuses a large input and lets a 3-token
+probe through).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import math
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -295,6 +299,8 @@ class HttpEmbedder:
         return [self._checked(vector) for vector in _in_index_order(raw, indices)]
 
     def _checked(self, vector: Any) -> list[float]:
+        if isinstance(vector, str):
+            vector = _from_base64(vector)
         # (type(), not isinstance(): JSON's true and false are not components)
         if not isinstance(vector, list) or not all(type(x) in _NUMBERS for x in vector):
             # llama-cpp-python's server returns per-token vectors for a chat model.
@@ -308,6 +314,22 @@ class HttpEmbedder:
             return l2_normalise([float(x) for x in vector])
         except OverflowError as exc:  # an integer of hundreds of digits
             raise EmbeddingReplyInvalid("embedding server returned a non-finite vector") from exc
+
+
+def _from_base64(encoded: str) -> list[float]:
+    """OpenAI's ``encoding_format: base64`` vector (little-endian float32s), which a server or
+    proxy defaulting to it answers even though the worker never asks for it."""
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error as exc:
+        raise EmbeddingReplyInvalid(
+            "embedding is a string but not base64 (expected a list of numbers)"
+        ) from exc
+    if len(raw) % 4:
+        raise EmbeddingReplyInvalid(
+            f"embedding is base64 of {len(raw)} bytes, not a whole number of float32s"
+        )
+    return [float(x) for x in struct.unpack(f"<{len(raw) // 4}f", raw)]
 
 
 def _too_large(status: int, body_start: str) -> bool:

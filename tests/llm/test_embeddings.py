@@ -359,3 +359,30 @@ def test_hash_embedding_is_deterministic_and_similar_for_similar_text():
     other = hash_embedding("quarterly revenue projections", 64)
     cos = lambda x, y: sum(i * j for i, j in zip(x, y, strict=True))  # noqa: E731
     assert cos(a, similar) > cos(a, other)
+
+
+def _base64_reply(*encoded: str) -> Reply:
+    data = [{"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(encoded)]
+    return Reply(json_body={"object": "list", "data": data, "model": "embed"})
+
+
+def test_a_base64_vector_is_decoded_as_openai_encodes_it(servers: Servers, embedders):
+    # A server or proxy answering OpenAI's encoding_format=base64 by default (the worker never
+    # asks for it) was refused as "not a flat list of numbers (no pooling?)".
+    import base64
+    import struct
+
+    srv = servers(embed_dim=4)
+    embedder = embedders(srv.url)
+    encoded = base64.b64encode(struct.pack("<4f", 3.0, 4.0, 0.0, 0.0)).decode()
+    srv.script(_base64_reply(encoded), path="/v1/embeddings")
+    assert embedder.embed(["x"]) == [pytest.approx([0.6, 0.8, 0.0, 0.0])]
+    for junk, message in [
+        ("not base64!", "not base64"),
+        (base64.b64encode(b"\x00" * 10).decode(), "10 bytes"),
+        (base64.b64encode(struct.pack("<3f", 1, 2, 3)).decode(), "3 dimensions"),
+        (base64.b64encode(struct.pack("<4f", float("nan"), 0, 0, 0)).decode(), "non-finite"),
+    ]:
+        srv.script(_base64_reply(junk), path="/v1/embeddings")
+        with pytest.raises(EmbeddingFailed, match=message):
+            embedder.embed(["x"])
