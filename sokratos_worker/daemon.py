@@ -101,9 +101,22 @@ class Worker:
     _signal_name: str | None = None  # the operator's signal: set by the handler, acted on
     _signal_logged: bool = False  # by the main thread; logged once
     _internal_stop: str | None = None  # stop_with's reason (never read by the handler)
+    # When each stop came (monotonic): each is written by its own side only, so which came
+    # first decides the exit code without a check-then-write race between the two threads.
+    _signal_at: float | None = None
+    _internal_at: float | None = None
+    _internal_code: int = EXIT_OK
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
-    exit_code: int = EXIT_OK  # what serve() returns; stop_with() sets another
+
+    @property
+    def exit_code(self) -> int:
+        """What serve() returns: 0, or stop_with()'s code when no operator signal came first."""
+        if self._internal_at is None:
+            return EXIT_OK
+        if self._signal_at is not None and self._signal_at <= self._internal_at:
+            return EXIT_OK
+        return self._internal_code
 
     def __post_init__(self) -> None:
         self.runner = Runner(
@@ -461,9 +474,9 @@ class Worker:
         signal (items in flight keep their grace). ``code`` is the exit code only when no
         operator signal came first: a requested stop exits 0 whatever happens meanwhile.
         """
-        if self._signal_name is None:
-            self.exit_code = code
         if self._internal_stop is None:
+            self._internal_code = code
+            self._internal_at = time.monotonic()
             self._internal_stop = reason
 
     @property
@@ -486,6 +499,7 @@ class Worker:
                 # No logger here (its lock may be held): one line straight to stderr.
                 os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
                 os._exit(EXIT_SOFTWARE)
+            self._signal_at = time.monotonic()
             self._signal_name = name
 
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

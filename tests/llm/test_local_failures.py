@@ -384,6 +384,36 @@ os._exit(0)
 )
 
 
+# The operator's signal lands while the watcher is inside stop_with (after its first line):
+# the old check-then-write saw no signal yet and wrote 75 after it, so a stop the operator
+# asked for exited 75. A trace on the watcher thread puts the signal exactly there.
+_SIGTERM_INSIDE_GIVE_UP = (
+    _GIVE_UP_PRELUDE
+    + """
+lines = []
+
+def tracer(frame, event, arg):
+    if frame.f_code.co_name != "stop_with":
+        return None
+    def on_line(frame, event, arg):
+        if event == "line":
+            lines.append(frame.f_lineno)
+            if len(lines) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)  # the main thread runs the handler meanwhile
+        return on_line
+    return on_line
+
+threading.settrace(tracer)
+give_up()
+threading.settrace(None)
+assert worker.notice_signal()
+print("exit_code", worker.exit_code, flush=True)
+os._exit(0)
+"""
+)
+
+
 def _run_give_up_script(script: str, database_url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", script, database_url],
@@ -416,3 +446,11 @@ def test_a_requested_stop_exits_0_even_if_the_model_gives_up_meanwhile(
     done = _run_give_up_script(_SIGTERM_THEN_GIVE_UP, database_url)
     assert done.returncode == 0, done.stderr[-1500:]
     assert "exit_code 0" in done.stdout, done.stdout
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_a_signal_landing_while_the_watcher_gives_up_still_exits_0(database_url: str) -> None:
+    done = _run_give_up_script(_SIGTERM_INSIDE_GIVE_UP, database_url)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "exit_code 0" in done.stdout, (done.stdout, done.stderr[-1500:])
