@@ -2,9 +2,12 @@
 
 One datagram per message to the AF_UNIX socket named in ``$NOTIFY_SOCKET``; a leading ``@``
 names the abstract namespace (a NUL byte in the address). Without ``$NOTIFY_SOCKET`` every
-method does nothing, so the daemon calls them unconditionally. A failed send is logged once
-and never raised: losing a status line must not stop the worker (a lost ``WATCHDOG=1`` is
-systemd's to judge).
+method does nothing, so the daemon calls them unconditionally. As libsystemd's sd_notify(),
+a send waits while the socket's queue is full (a busy PID 1), here for at most
+:data:`SEND_TIMEOUT_S`. A failed send is logged once and never raised: losing a status line
+must not stop the worker (a lost ``WATCHDOG=1`` is systemd's to judge), but a lost
+``READY=1`` or ``STOPPING=1`` is sent again with the next message, since each is sent once
+and systemd would otherwise wait for it until its timeout.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ log = structlog.get_logger(__name__)
 # systemd truncates nothing, but a status line is for humans: keep it to one short line.
 _MAX_STATUS = 400
 
+# How long a send waits for room in a full queue (the caller may be the watchdog's thread).
+SEND_TIMEOUT_S = 1.0
+
+# Sent once each: when lost, they go again with the next message.
+_STATE_CHANGES = ("READY=1", "STOPPING=1")
+
 
 class Notifier:
     """Sends ``READY=1``, ``STATUS=``, ``WATCHDOG=1``, ``STOPPING=1`` … to systemd.
@@ -37,6 +46,7 @@ class Notifier:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._failed = False
+        self._undelivered: list[str] = []  # state changes a failed send lost
 
     @property
     def enabled(self) -> bool:
@@ -101,19 +111,33 @@ class Notifier:
         """Send the lines as one datagram; True when sent, False when off or failed."""
         if self._address is None or not lines:
             return False
-        message = "\n".join(lines).encode("utf-8", "replace")
         with self._lock:
+            pending = [line for line in self._undelivered if line not in lines]
+            message = "\n".join([*pending, *lines]).encode("utf-8", "replace")
             try:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                    self._sock.setblocking(False)
+                    self._sock.settimeout(SEND_TIMEOUT_S)
                 self._sock.sendto(message, self._address)
-            except OSError as exc:
+            except OSError as exc:  # (a timeout too)
                 self._close_locked()
+                lost = [line for line in (*pending, *lines) if line in _STATE_CHANGES]
+                self._undelivered = list(dict.fromkeys(lost))
                 if not self._failed:
                     self._failed = True
-                    log.warning("sd_notify_failed", error=str(exc), errno=exc.errno)
+                    log.warning(
+                        "sd_notify_failed",
+                        error=str(exc) or type(exc).__name__,
+                        errno=exc.errno,
+                        hint="systemd's notify socket is full or gone; "
+                        + (
+                            f"{' and '.join(self._undelivered)} goes again with the next message"
+                            if self._undelivered
+                            else "later messages are tried as usual"
+                        ),
+                    )
                 return False
+            self._undelivered = []
         return True
 
     def close(self) -> None:

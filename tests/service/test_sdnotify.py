@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,58 @@ def test_reconnects_after_the_listener_comes_back(tmp_path: Path) -> None:
         assert sock.recv(4096) == b"WATCHDOG=1"
     finally:
         sock.close()
+
+
+def _fill(path: str) -> int:
+    """Queue datagrams until the kernel refuses more, as on a busy PID 1's socket."""
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError), sender:
+        while sent < 100_000:
+            sender.sendto(b"STATUS=another unit", path)
+            sent += 1
+    return sent
+
+
+def _drain(sock: socket.socket) -> list[bytes]:
+    sock.settimeout(0.2)
+    received: list[bytes] = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            received.append(sock.recv(4096))
+    return received
+
+
+def test_a_send_waits_for_room_in_a_full_queue(path_socket: tuple[str, socket.socket]) -> None:
+    # A non-blocking send dropped READY=1 on EAGAIN; libsystemd's sd_notify() waits instead.
+    path, sock = path_socket
+    queued = _fill(path)
+    assert queued > 0
+    notifier = Notifier({"NOTIFY_SOCKET": path})
+    reader = threading.Timer(0.2, lambda: sock.recv(4096))  # PID 1 reads one a moment later
+    reader.start()
+    try:
+        assert notifier.ready() is True
+    finally:
+        reader.join()
+    assert _drain(sock)[-1] == b"READY=1"
+
+
+def test_a_lost_ready_goes_again_with_the_next_message(
+    path_socket: tuple[str, socket.socket],
+) -> None:
+    path, sock = path_socket
+    _fill(path)
+    notifier = Notifier({"NOTIFY_SOCKET": path})
+    with capture_logs() as logs:
+        assert notifier.ready() is False  # full for longer than the send waits
+    assert "READY=1 goes again" in logs[0]["hint"]
+    _drain(sock)  # PID 1 catches up
+    assert notifier.watchdog() is True
+    assert sock.recv(4096) == b"READY=1\nWATCHDOG=1"
+    assert notifier.watchdog() is True
+    assert sock.recv(4096) == b"WATCHDOG=1"  # sent once it got through
 
 
 @pytest.mark.parametrize(
