@@ -27,8 +27,9 @@ What it does (each step only when needed):
 It never enables or starts the service and never overwrites /etc/$APP/env.
 
 Options:
-  --prefix DIR     install under DIR instead of / (a staging root: the units still refer to
-                   /opt/$APP; no root needed, systemctl is not called)
+  --prefix DIR     install under DIR instead of / (a staging root: the units and the venv's
+                   scripts refer to /opt/$APP, so they run once the tree is copied to /;
+                   no root needed, systemctl is not called)
   --python PATH    the Python (3.11 or later) that creates the venv (default: the first
                    of python3, python3.13, python3.12, python3.11 that is recent enough)
   --extras LIST    pip extras to install, e.g. "local" for the bundled demonstration model;
@@ -146,6 +147,19 @@ install_venv() {
         echo "install.sh: $VENV/bin/$APP does not run" >&2
         exit 1
     }
+    relocate_staged_venv
+}
+
+# pip writes the venv's own path into its scripts' #! lines (and activate scripts): a staged
+# venv would name the staging directory, and the unit's ExecStart fail (203/EXEC) once the
+# tree is copied to /. Point them at where the units run it.
+relocate_staged_venv() {
+    [[ -n "$PREFIX" ]] || return 0
+    local staged=$VENV live=${VENV#"$PREFIX"} file
+    while IFS= read -r -d '' file; do
+        sed -i "s|$staged|$live|g" "$file"
+    done < <(grep -rlIZF -- "$staged" "$VENV/bin" || true)
+    say "the staged venv's scripts name $live (they run once the tree is copied to /)"
 }
 
 install_units() {

@@ -159,3 +159,34 @@ def test_the_env_example_with_every_line_uncommented_can_be_sourced_by_a_shell()
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "<|endoftext|>"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_staged_venv_names_where_the_unit_runs_it(tmp_path: Path) -> None:
+    # pip wrote the staging directory into the launcher's #! line: once the staged tree was
+    # copied to /, the unit's ExecStart=/opt/sokratos-worker/venv/bin/sokratos-worker failed
+    # (203/EXEC). A real venv and pip install, from a clean copy of the checkout.
+    import sys
+
+    clone = tmp_path / "clone"
+    shutil.copytree(
+        REPO, clone, ignore=shutil.ignore_patterns("__pycache__", "_review", ".git", "*.pyc")
+    )
+    stage = tmp_path / "stage"
+    done = subprocess.run(
+        ["bash", str(clone / "deploy" / "install.sh"), "--prefix", str(stage),
+         "--python", sys.executable],
+        capture_output=True, text=True, check=False, timeout=540, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    venv_bin = stage / "opt" / "sokratos-worker" / "venv" / "bin"
+    launcher = (venv_bin / "sokratos-worker").read_text("utf-8").splitlines()[0]
+    assert launcher == "#!/opt/sokratos-worker/venv/bin/python", launcher
+    naming_stage = [p.name for p in venv_bin.iterdir()
+                    if p.is_file() and str(stage) in p.read_text("utf-8", errors="replace")]
+    assert naming_stage == [], naming_stage
+    # The venv itself still works in the staging root (its python is a link to the base's).
+    assert subprocess.run(
+        [str(venv_bin / "python"), "-c", "import sokratos_worker"], check=False, timeout=60
+    ).returncode == 0
