@@ -11,7 +11,7 @@ An item's life (``../shared/design/durability.md``)::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -112,6 +112,12 @@ class Effects:
     supersessions: tuple[Supersession, ...] = ()
     existing_memory_ids: tuple[int, ...] = ()
     backend: str | None = None
+
+    def noted(self, note: str) -> Effects:
+        """These effects with ``note`` added to the detail ("" adds nothing)."""
+        if not note:
+            return self
+        return replace(self, detail=f"{self.detail}; {note}" if self.detail else note)
 
 
 @dataclass(frozen=True)

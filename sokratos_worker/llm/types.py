@@ -27,6 +27,20 @@ class BackendAttempt:
     duration_ms: float = 0.0
 
 
+def passed_over(tried: Sequence[BackendAttempt]) -> str:
+    """What the outcome says of the backends tried before the one that answered, or "".
+
+    For example ``passed over primary (failed: http_500)``: the outcome row, not only the
+    log, shows that a fallback answered and why (durability.md).
+    """
+    names = [
+        f"{t.backend} ({t.result}: {t.reason})" if t.reason else f"{t.backend} ({t.result})"
+        for t in tried
+        if t.result != "answered"
+    ]
+    return f"passed over {', '.join(names)}" if names else ""
+
+
 @dataclass(frozen=True)
 class ChatResult(Generic[T]):
     """A validated reply, which backend gave it, and what happened on the way."""

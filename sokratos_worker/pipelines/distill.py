@@ -5,7 +5,13 @@ from __future__ import annotations
 import structlog
 
 from sokratos_worker.errors import InvalidPayload, ItemError
-from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder, EmbeddingFailed
+from sokratos_worker.llm.types import (
+    ChatClient,
+    ContextTooLong,
+    Embedder,
+    EmbeddingFailed,
+    passed_over,
+)
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
@@ -45,8 +51,8 @@ class DistillationHandler:
         if archive.empty:
             log.info("distillation_skipped", item_id=item.id, reason="empty_archive")
             return Effects(Outcome.SKIPPED, detail="empty archive")
-        facts, backend = self._distil(item, archive)
-        return self._plan(item, facts, backend, pipeline_id)
+        facts, backend, passed = self._distil(item, archive)
+        return self._plan(item, facts, backend, pipeline_id).noted(passed)
 
     def final_failure_memories(self, item: Item) -> tuple[NewMemory, ...]:
         """The raw archive as ``conversation_archive`` memories, so the conversation survives."""
@@ -78,11 +84,12 @@ class DistillationHandler:
         """True when a chat backend and, if configured, the embedding server answer."""
         return self.chat.probe() and (self.embedder is None or self.embedder.probe())
 
-    def _distil(self, item: Item, archive: Archive) -> tuple[list[Fact], str]:
+    def _distil(self, item: Item, archive: Archive) -> tuple[list[Fact], str, str]:
         """Ask for the facts of the whole archive, in windows of at most 16 kB.
 
         A longer archive is read window by window (split at line ends) rather than cut off,
-        so nothing in it goes undistilled.
+        so nothing in it goes undistilled. Returns the facts, the backend that answered last
+        and the backends passed over on the way (each named once).
         """
         windows = chunk_text(archive.text, DISTILL_MAX_BYTES, min_bytes=1)
         if len(windows) > 1:
@@ -94,12 +101,16 @@ class DistillationHandler:
             )
         facts: list[Fact] = []
         backend = ""
+        passed: dict[str, None] = {}  # (ordered, each once)
         for window in windows:
-            found, backend = self._distil_window(item, window, halve=True)
+            found, backend, passed_here = self._distil_window(item, window, halve=True)
             facts.extend(found)
-        return facts, backend
+            passed.update(dict.fromkeys(passed_here))
+        return facts, backend, "; ".join(passed)
 
-    def _distil_window(self, item: Item, text: str, *, halve: bool) -> tuple[list[Fact], str]:
+    def _distil_window(
+        self, item: Item, text: str, *, halve: bool
+    ) -> tuple[list[Fact], str, list[str]]:
         """One call; on "context too long", the window's two halves (once)."""
         try:
             result = self.chat.complete(
@@ -115,11 +126,14 @@ class DistillationHandler:
             log.info("distillation_input_halved", item_id=item.id, bytes=byte_len(text))
             facts: list[Fact] = []
             backend = ""
+            passed: list[str] = []
             for half in chunk_text(text, max(MIN_HALF_BYTES, byte_len(text) // 2), min_bytes=1):
-                found, backend = self._distil_window(item, half, halve=False)
+                found, backend, passed_here = self._distil_window(item, half, halve=False)
                 facts.extend(found)
-            return facts, backend
-        return result.value.facts, result.backend
+                passed.extend(passed_here)
+            return facts, backend, passed
+        noted = passed_over(result.tried)
+        return result.value.facts, result.backend, [noted] if noted else []
 
     def _plan(
         self, item: Item, facts: list[Fact], backend: str, pipeline_id: int | None

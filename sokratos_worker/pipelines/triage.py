@@ -8,7 +8,13 @@ from datetime import datetime
 import structlog
 
 from sokratos_worker.errors import InvalidPayload, ItemError
-from sokratos_worker.llm.types import ChatClient, ContextTooLong, Embedder, EmbeddingFailed
+from sokratos_worker.llm.types import (
+    ChatClient,
+    ContextTooLong,
+    Embedder,
+    EmbeddingFailed,
+    passed_over,
+)
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
@@ -127,7 +133,19 @@ class TriageHandler:
         key, default = request.threshold
         threshold = self.reader.adaptive_param(key, default)
         note = self._coverage_note(item, request.text)
-        verdict, backend = self._score(item, request, note)
+        verdict, backend, passed = self._score(item, request, note)
+        return self._judge(item, request, (key, threshold), verdict, backend).noted(passed)
+
+    def _judge(
+        self,
+        item: Item,
+        request: TriageRequest,
+        threshold_in_force: tuple[str, float],
+        verdict: TriageVerdict,
+        backend: str,
+    ) -> Effects:
+        """Skip or save by the verdict, against the adaptive threshold (its key and value)."""
+        key, threshold = threshold_in_force
         if request.honour_save_flag and not verdict.save:
             return self._skip(item, backend, verdict, "save=false")
         if verdict.salience_score < threshold:
@@ -194,8 +212,13 @@ class TriageHandler:
         count = self.reader.coverage_count(vec, COVERAGE_DISTANCE)
         return prompts.coverage_note(count) if count >= COVERAGE_MIN_COUNT else ""
 
-    def _score(self, item: Item, request: TriageRequest, note: str) -> tuple[TriageVerdict, str]:
-        """Ask the LLM; on "context too long" shorten the input by half and ask once more."""
+    def _score(
+        self, item: Item, request: TriageRequest, note: str
+    ) -> tuple[TriageVerdict, str, str]:
+        """Ask the LLM; on "context too long" shorten the input by half and ask once more.
+
+        Returns the verdict, the backend that gave it and the backends passed over on the way.
+        """
         limit = TRIAGE_MAX_BYTES
         for last in (False, True):
             user = _bounded(request, note, limit)
@@ -213,7 +236,7 @@ class TriageHandler:
                 log.info("triage_input_shortened", item_id=item.id, bytes=byte_len(user))
                 limit //= 2
                 continue
-            return result.value, result.backend
+            return result.value, result.backend, passed_over(result.tried)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _skip(self, item: Item, backend: str, verdict: TriageVerdict, reason: str) -> Effects:
