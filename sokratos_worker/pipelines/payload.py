@@ -50,7 +50,7 @@ def optional_int(payload: dict[str, Any], name: str) -> int | None:
 
 
 def optional_iso_datetime(payload: dict[str, Any], name: str) -> datetime | None:
-    """An ISO-8601 timestamp field; a naive one is taken as UTC."""
+    """An ISO-8601 timestamp field; a naive one is taken as UTC, Go's zero time as none."""
     value = optional_str(payload, name)
     if value is None or not value.strip():
         return None
@@ -58,7 +58,7 @@ def optional_iso_datetime(payload: dict[str, Any], name: str) -> datetime | None
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError as exc:
         raise InvalidPayload(name, "must be an ISO-8601 timestamp") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    return _unless_zero(parsed)
 
 
 def lenient_datetime(value: object) -> datetime | None:
@@ -73,4 +73,12 @@ def lenient_datetime(value: object) -> datetime | None:
             parsed = parsedate_to_datetime(text)
         except (TypeError, ValueError, IndexError):
             return None
+    return _unless_zero(parsed)
+
+
+def _unless_zero(parsed: datetime) -> datetime | None:
+    """The timestamp in UTC if naive; None for Go's zero time ("0001-01-01T00:00:00Z", what an
+    unset time.Time marshals to), which means "no date" as 0 does for an id."""
+    if parsed.year == 1:
+        return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

@@ -149,6 +149,35 @@ def test_saved_memory_has_every_column(
     assert row["superseded_by"] is None
 
 
+@pytest.mark.parametrize(
+    ("source", "payload"),
+    [
+        ("conversation", {"exchange": EXCHANGE, "pipeline_id": 0,
+                          "occurred_at": "0001-01-01T00:00:00Z"}),
+        ("email", {"text": "From: a@example.org\n\nMy new address is Rua 1, Porto",
+                   "date": "0001-01-01T00:00:00Z"}),
+    ],
+    ids=["conversation", "email"],
+)
+def test_gos_zero_values_are_stored_as_no_date_and_no_pipeline(
+    *,
+    db: psycopg.Connection,
+    database: Database,
+    chat: FakeChat,
+    embedder: FakeEmbedder,
+    source: str,
+    payload: dict[str, object],
+) -> None:
+    # An unset Go time.Time marshals as 0001-01-01T00:00:00Z: it was saved as that date.
+    chat.script(f"{source}_triage", verdict(9))
+    item = dataclasses.replace(make_item(payload, item_id=43), source=source)
+    effects = triage_handler(database, chat, embedder).handle(item)
+    assert effects.outcome is Outcome.SAVED, effects.detail
+    apply(db, effects)
+    [row] = memory_rows(db)
+    assert (row["source_date"], row["pipeline_id"]) == (None, None)
+
+
 def test_replaying_an_item_writes_nothing_twice(
     db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
 ) -> None:
