@@ -60,8 +60,11 @@ class Item:
 
     @property
     def outcome_source(self) -> str:
-        """``work_outcomes.source``: conversation, email or distillation."""
-        return "distillation" if self.queue is Queue.DISTILLATION else self.source
+        """``work_outcomes.source``: conversation, email or distillation (a triage source
+        a producer made up is recorded as conversation, as its op_type is)."""
+        if self.queue is Queue.DISTILLATION:
+            return "distillation"
+        return "email" if self.source == "email" else "conversation"
 
     def origin(self, chunk: int) -> str:
         """The stable identity of the memory chunk this item writes (replays write nothing)."""

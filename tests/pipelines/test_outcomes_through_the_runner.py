@@ -138,3 +138,30 @@ def test_a_known_fact_names_the_memory_that_holds_it(
     assert result == "skipped", detail
     assert db.execute("SELECT count(*) FROM memories").fetchone() == (1,)  # nothing written
     assert memory_ids == [existing], detail
+
+
+def test_a_made_up_source_is_recorded_as_conversation_in_the_outcome(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """contract §3: work_outcomes.source is conversation, email or distillation. A row the
+    producer inserted with another source is dead-lettered naming source (op_type
+    conversation_triage), and its outcome said that source ('telegram')."""
+    item = enqueue(
+        db,
+        "INSERT INTO pending_triage (payload, source) VALUES (%s::jsonb, 'telegram') RETURNING id",
+        json.dumps({"exchange": "user: my sister Anna just moved to Lisbon\nassistant: ok"}),
+    )
+    with ScriptedLLM(chat=_triage) as server:
+        drain(database_url, server)
+    result, _, detail = outcome(db, "pending_triage", item)
+    assert result == "failed", detail
+    row = db.execute(
+        "SELECT o.source, f.op_type, f.error_message, f.context_data->>'source'"
+        " FROM work_outcomes o JOIN failed_operations f ON f.item_id = o.item_id"
+        " WHERE o.item_id = %s",
+        (item,),
+    ).fetchone()
+    assert row is not None
+    source, op_type, error, kept = row
+    assert (source, op_type, kept) == ("conversation", "conversation_triage", "telegram")
+    assert "source must be conversation or email" in error, error
