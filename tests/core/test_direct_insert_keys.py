@@ -102,6 +102,27 @@ def test_a_direct_insert_on_conflict_do_nothing_of_a_known_key(db: psycopg.Conne
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
 
 
+@pytest.mark.parametrize("queue", ["pending_triage", "pending_distillation"])
+def test_on_conflict_naming_the_key_column_alone_skips_a_queued_key(
+    db: psycopg.Connection, queue: str
+) -> None:
+    """The plain form, without the predicate, failed with 42P10 while the key index was partial
+    (sql/0047): a conflict target infers a partial index only when it repeats the predicate."""
+    payload = (
+        PAYLOAD if queue == "pending_triage" else '{"archive_text": "user: hi\\nassistant: hello"}'
+    )
+    insert = (
+        f"INSERT INTO {queue} (payload, idempotency_key) VALUES (%s::jsonb, 'go-12')"
+        " ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
+    )
+    assert db.execute(insert, (payload,)).fetchone() is not None
+    assert db.execute(insert, (payload,)).fetchone() is None
+    without_key = f"INSERT INTO {queue} (payload) VALUES (%s::jsonb)"
+    db.execute(without_key, (payload,))
+    db.execute(without_key, (payload,))  # rows without a key never conflict
+    assert count(db, f"SELECT count(*) FROM {queue}") == 3
+
+
 def test_an_item_finishing_while_a_direct_insert_checks_its_key_lets_no_second_item_in(
     db: psycopg.Connection, database_url: str
 ) -> None:
