@@ -58,6 +58,9 @@ def option_problem(options: Mapping[str, object], *, combined: bool = True) -> s
         # libpq would report it as a host it cannot resolve: an outage (exit 75) that
         # systemd restarts for ever, instead of this configuration error.
         return "has a port that is not a number"
+    if any(p and not 1 <= int(p) <= 65535 for p in port.split(",")):
+        # libpq refuses it at every attempt ("invalid port number"): waiting cannot help.
+        return "has a port out of range (1-65535)"
     for key, choices in _CHOICES.items():
         value = options.get(key)
         if value is not None and str(value) not in choices:
@@ -190,6 +193,7 @@ _OPTION_REFUSED = (
     (re.compile(r'invalid integer value "[^"]*" for connection option "(\w+)"'), None),
     (re.compile(r'invalid "?(\w+)"? value: '), None),
     (re.compile(r"could not match \d+ port numbers"), "port"),
+    (re.compile(r'invalid port number: "[^"]*"'), "port"),  # (from a service file)
     # sslnegotiation=direct or sslrootcert=system from a service file (config_validators.py
     # checks the URL's and the variables').
     (re.compile(r'weak sslmode "[^"]*" may not be used with'), "sslmode"),

@@ -209,6 +209,8 @@ def test_a_blank_database_url_in_the_env_file_still_uses_the_database_of_the_sec
         ("PGSSLMODE", "bogus", "has an invalid sslmode 'bogus' (libpq accepts disable, allow"),
         ("PGSSLMODE", "", "has an invalid sslmode ''"),
         ("PGPORT", "notaport", "has a port that is not a number"),
+        ("PGPORT", "99999", "has a port out of range (1-65535)"),
+        ("PGPORT", "5432,0", "has a port out of range (1-65535)"),
         ("PGTARGETSESSIONATTRS", "primary-please", "invalid target_session_attrs 'primary-please'"),
         ("PGTARGETSESSIONATTRS", "standby", "target_session_attrs 'standby': sokratos-worker"),
         ("PGGSSENCMODE", "on", "invalid gssencmode 'on'"),
@@ -308,6 +310,7 @@ def test_libpq_variables_are_not_checked_for_the_embedded_postgres() -> None:
     [
         ("PGSSLMODE=bogus", "PGSSLMODE: has an invalid sslmode 'bogus'"),
         ("PGPORT=notaport", "PGPORT: has a port that is not a number"),
+        ("PGPORT=99999", "PGPORT: has a port out of range (1-65535)"),
         (
             "PGSERVICE=missing",
             'PGSERVICE: a connection option was refused (definition of service "missing" not'
@@ -427,7 +430,10 @@ def test_a_service_file_is_used_and_a_missing_or_refused_one_exits_78_naming_it(
     info = psycopg.conninfo.conninfo_to_dict(database_url)
     services = tmp_path / "pg_service.conf"
     lines = [f"{k}={v}" for k, v in info.items() if v is not None and k != "password"]
-    services.write_text("[sokratos]\n" + "\n".join(lines) + "\n[weak]\nsslrootcert=system\n")
+    services.write_text(
+        "[sokratos]\n" + "\n".join(lines) + "\n[weak]\nsslrootcert=system\n"
+        "[far]\nhost=127.0.0.1\nport=99999\n"
+    )
     password = {"PGPASSWORD": str(info["password"])} if info.get("password") else {}
     env = {
         "SOKRATOS_DATABASE_URL": "service=sokratos",
@@ -453,6 +459,10 @@ def test_a_service_file_is_used_and_a_missing_or_refused_one_exits_78_naming_it(
     weak = cli("migrate", env={**env, "SOKRATOS_DATABASE_URL": "service=weak sslmode=require"})
     assert weak.returncode == 78, weak.stderr[-2000:]
     assert 'weak sslmode "require" may not be used with sslrootcert=system' in weak.stderr
+    # libpq's own 'invalid port number', at every attempt: not an outage to wait out either.
+    far = cli("migrate", env={**env, "SOKRATOS_DATABASE_URL": "service=far"})
+    assert far.returncode == 78, far.stderr[-2000:]
+    assert 'invalid port number: "99999"' in far.stderr
 
 
 @pytest.mark.parametrize("given_as", ["PGSSLROOTCERT", "SOKRATOS_DATABASE_URL"])
