@@ -125,6 +125,16 @@ class EmailAccountConfig(BaseModel):
             raise ValueError(f'{value!r} must not carry a port: set "port": {port}')
         return value
 
+    @field_validator("mailbox")
+    @classmethod
+    def _mailbox_name(cls, value: str) -> str:
+        # Refused by the server at every check otherwise ("Invalid mailbox name"), for ever.
+        if not value.strip():
+            raise ValueError('must name a mailbox (the default is "INBOX")')
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError(f"{value!r} holds a control character, which IMAP cannot send")
+        return value
+
     @model_validator(mode="after")
     def _complete(self) -> EmailAccountConfig:
         if self.password is None and self.password_file:

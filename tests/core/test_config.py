@@ -363,6 +363,21 @@ def test_an_imap_host_that_is_not_a_host_is_refused(host: str, words: str) -> No
     assert words in error.message
 
 
+@pytest.mark.parametrize(
+    ("mailbox", "words"),
+    [("", 'must name a mailbox (the default is "INBOX")'), ("  ", "must name a mailbox"),
+     ("INBOX\r\nA1 LOGOUT", "holds a control character")],
+    ids=["empty", "blank", "crlf"],
+)
+def test_a_mailbox_name_the_server_would_refuse_at_every_check_is_refused(
+    mailbox: str, words: str
+) -> None:
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": _account(mailbox=mailbox)})
+    assert error.variable == "SOKRATOS_EMAIL_ACCOUNTS[0].mailbox"
+    assert words in error.message
+    assert load_settings({"SOKRATOS_EMAIL_ACCOUNTS": _account(mailbox="Überweisungen")})
+
+
 def test_an_ipv6_imap_host_is_accepted() -> None:
     assert load_settings({"SOKRATOS_EMAIL_ACCOUNTS": _account(host="::1")}).email_accounts
 
