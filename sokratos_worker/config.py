@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -367,12 +367,10 @@ class Settings(BaseSettings):
                 "SOKRATOS_EMBEDDING_URL is required when SOKRATOS_EMBEDDING_MODEL or"
                 " SOKRATOS_EMBEDDING_DIM is set (set all three, or none for no embeddings)"
             )
-        names = [b.name for b in self.llm_backends]
-        if len(names) != len(set(names)):
-            raise ValueError("SOKRATOS_LLM_BACKENDS: backend names must be unique")
-        accounts = [a.name for a in self.email_accounts]
-        if len(accounts) != len(set(accounts)):
-            raise ValueError("SOKRATOS_EMAIL_ACCOUNTS: account names must be unique")
+        if twice := _repeated(b.name for b in self.llm_backends):
+            raise ValueError(f"SOKRATOS_LLM_BACKENDS: backend names must be unique ({twice})")
+        if twice := _repeated(a.name for a in self.email_accounts):
+            raise ValueError(f"SOKRATOS_EMAIL_ACCOUNTS: account names must be unique ({twice})")
         if self.worker_instance and self.database_url is None:
             # Each instance has its own state directory: embedded servers would split the queues.
             raise ValueError(
@@ -516,6 +514,17 @@ def _settings_error_reason(exc: SettingsError) -> str:
     if cause is not None:
         return f"is not valid JSON ({cause})"
     return str(exc)
+
+
+def _repeated(names: Iterable[str]) -> str:
+    """The names given more than once, quoted and joined ("" when none is)."""
+    seen: set[str] = set()
+    twice: dict[str, None] = {}
+    for name in names:
+        if name in seen:
+            twice[name] = None
+        seen.add(name)
+    return ", ".join(f"{name!r} given twice" for name in twice)
 
 
 __all__ = [

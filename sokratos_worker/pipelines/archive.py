@@ -35,8 +35,10 @@ def archive_from_payload(payload: dict[str, Any], archived_at: datetime) -> Arch
     """
     has_messages = payload.get("messages") is not None
     has_text = payload.get("archive_text") is not None
-    if has_messages == has_text:
-        raise InvalidPayload("messages", "or archive_text is required (exactly one of them)")
+    if has_messages and has_text:  # (worded as the SQL enqueue check words it)
+        raise InvalidPayload("messages", "and archive_text are alternatives: send one of them")
+    if not has_messages and not has_text:
+        raise InvalidPayload("messages", "(an array) or archive_text (a string) is required")
     if has_text:
         text = payload["archive_text"]
         if not isinstance(text, str):

@@ -378,6 +378,15 @@ def test_a_mailbox_name_the_server_would_refuse_at_every_check_is_refused(
     assert load_settings({"SOKRATOS_EMAIL_ACCOUNTS": _account(mailbox="Überweisungen")})
 
 
+def test_a_repeated_backend_or_account_name_is_named() -> None:
+    backends = [{"name": "gpu", "url": f"http://127.0.0.1:{p}/v1", "model": "m"} for p in (1, 2)]
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": json.dumps(backends)})
+    assert "backend names must be unique ('gpu' given twice)" in error.message
+    accounts = json.loads(_account()) * 2
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": json.dumps(accounts)})
+    assert "account names must be unique ('a' given twice)" in error.message
+
+
 def test_an_ipv6_imap_host_is_accepted() -> None:
     assert load_settings({"SOKRATOS_EMAIL_ACCOUNTS": _account(host="::1")}).email_accounts
 

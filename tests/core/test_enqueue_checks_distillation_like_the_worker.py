@@ -24,7 +24,7 @@ from tests.support.operator import cli_env, run_cli
             "payload.messages[0].content must be a string",
         ),
         ({"archive_text": "x" * 600_000}, "payload.archive_text would make an archive of 600,0"),
-        ({"messages": [], "archive_text": "both"}, "exactly one of them"),
+        ({"messages": [], "archive_text": "both"}, "payload.messages and archive_text are alternatives"),
         ({"archive_text": "[Conversation archived]", "pipeline_id": "7"}, "payload.pipeline_id must be an integer"),
     ],
     ids=["unknown-role", "content-not-a-string", "over-512-kB", "both-shapes", "pipeline-id-text"],
