@@ -78,6 +78,16 @@ def _no_failures(conn: Any, op_type: str | None) -> str:
     return f"no failures of op_type {op_type!r} ({held})"
 
 
+def _unknown_op_type(conn: Any, op_type: str | None) -> str:
+    """For ``retry --all --op-type``: ": " and the op_types there are, when ``op_type`` has no
+    failures at all (a typo), else ""."""
+    from sokratos_worker.store.failures import op_types  # noqa: PLC0415
+
+    if op_type is None or op_type in op_types(conn):
+        return ""
+    return f": {_no_failures(conn, op_type)}"
+
+
 def _failure_document(found: dict[str, Any]) -> str:
     """The failure as indented JSON, every number as stored. A context_data Python's json
     cannot follow (nested too deeply, or a number too long) is printed as stored, on one line,
@@ -139,7 +149,7 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
                 " retry one by ID to be told what to do with it"
             )
     if not ids:
-        print("nothing to retry")
+        print(f"nothing to retry{_unknown_op_type(conn, args.op_type if args.all else None)}")
         return EXIT_OK
     code = EXIT_OK
     for done, failure_id in enumerate(ids):

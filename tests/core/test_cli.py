@@ -256,6 +256,19 @@ def test_failed_retry_all_says_what_it_leaves_out(
         " 1 spool_import): retry one by ID" in retried.stdout
     ), retried.stdout
     assert "nothing to retry" in retried.stdout
+    # A mistyped --op-type is named with the op_types there are, as `failed list` does.
+    typo = cli(
+        "failed", "retry", "--all", "--op-type", "conversation_triag",
+        env=env_for(database_url, tmp_path),
+    )
+    assert typo.stdout.strip().endswith(
+        "nothing to retry: no failures of op_type 'conversation_triag' (op_types with"
+        " failures: distillation, email_message, spool_import)"
+    ), typo.stdout
+    known = cli(
+        "failed", "retry", "--all", "--op-type", "spool_import", env=env_for(database_url, tmp_path)
+    )
+    assert known.stdout.strip().endswith("nothing to retry"), known.stdout
 
 
 def test_failed_commands_say_what_to_do_next(
