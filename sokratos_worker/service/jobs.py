@@ -65,8 +65,9 @@ def log_job_event(event: Any) -> None:
         log.warning(
             "scheduled_job_still_running",
             job=event.job_id,
-            hint="its previous run has not finished (waiting on the database: a locked table?);"
-            " this run is skipped and the next comes at its time",
+            hint="its previous run has not finished (waiting for the database: down, or a"
+            " table locked; the log around this line says which); this run is skipped and the"
+            " next comes at its time",
         )
     elif event.code == EVENT_JOB_MISSED:
         log.warning(
