@@ -165,5 +165,5 @@ def test_a_run_skipped_behind_a_stuck_one_is_said_once_in_the_workers_words(
             release.set()
             scheduler.shutdown(wait=False)
     skipped = [e for e in events if e["event"] == "scheduled_job_still_running"]
-    assert skipped[0]["job"] == "heartbeat" and "locked table" in skipped[0]["hint"]
+    assert skipped[0]["job"] == "heartbeat" and "table locked" in skipped[0]["hint"]
     assert not [r for r in caplog.records if "running instances" in r.getMessage()]
