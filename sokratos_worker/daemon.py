@@ -69,6 +69,12 @@ SECOND_SIGNAL_LINE = (
     ' "hint": "the leases of the items in flight expire and they run again"}}\n'
 )
 
+# Why a worker without handlers claims nothing: its reported state is "no backend" with this.
+NO_BACKEND_CONFIGURED = (
+    "no LLM backend configured: set SOKRATOS_LLM_BACKENDS (or SOKRATOS_LOCAL_MODEL=true) and"
+    " restart the worker; items wait in their queues"
+)
+
 EXIT_OK = 0
 EXIT_SOFTWARE = 1
 EXIT_TEMPFAIL = 75  # a dependency stayed unreachable (contract §1; exit_codes.py's too)
@@ -132,8 +138,22 @@ class Worker:
             on_database_contact=self.database_contact.report,
         )
         # The state it starts in: the gauge is otherwise set on a change, and a worker that
-        # stays running (no backend configured, say) exposed no sample at all.
-        self.metrics.set_worker_state(self.runner.state)
+        # never changes state (no backend configured, say) exposed no sample at all.
+        self.metrics.set_worker_state(self.reported_state()[0])
+
+    def reported_state(self) -> tuple[str, str]:
+        """The state and why, as the heartbeat, sd_notify and the metrics report it."""
+        return self._reported(self.runner.state, self.runner.state_detail)
+
+    def _reported(self, state: str, detail: str) -> tuple[str, str]:
+        # A runner with no handler claims nothing while "running": a monitor must not read
+        # that as healthy (contract §1: running / waiting for database / no backend).
+        if state == State.RUNNING and not self.runner.queues:
+            # With a chat configured, it is the handler factory that left the queues out.
+            if self.context.chat is not None:
+                return State.NO_BACKEND, "no queue handled: items wait in their queues"
+            return State.NO_BACKEND, NO_BACKEND_CONFIGURED
+        return state, detail
 
     # -- the tick --------------------------------------------------------------------
 
@@ -159,9 +179,12 @@ class Worker:
         return int(imported or 0)
 
     def _running_status(self) -> str:
+        state, why = self.reported_state()
+        if state == State.NO_BACKEND:
+            return f"{state}: {why}"[:200]
         if (waiting := self._lock_wait) is not None:
             return f"{State.RUNNING}: {waiting.describe()}"[:200]
-        queues = ", ".join(q.value for q in self.runner.queues) or "none (no backend configured)"
+        queues = ", ".join(q.value for q in self.runner.queues)
         busy = f"{self.runner.inflight_count()} of {self.settings.concurrency} items in flight"
         return f"{State.RUNNING}: {busy}; queues {queues}"
 
@@ -224,6 +247,7 @@ class Worker:
         return None
 
     def _record_heartbeat(self) -> None:
+        state, why = self.reported_state()
         detail = {
             "backends": [
                 {**s.detail, "name": s.name, "circuit": s.circuit} for s in self._backend_states()
@@ -234,13 +258,13 @@ class Worker:
             "heartbeat_s": self.settings.heartbeat_interval,  # (status: overdue past 3x this)
             "in_flight": self.runner.inflight_count(),
             "queues": [q.value for q in self.runner.queues],
-            "why": self.runner.state_detail,
+            "why": why,
         }
         if (waiting := self._lock_wait) is not None:
             detail["lock_wait"] = waiting.describe()  # (status: "running (claiming waits ...)")
         self._safely(
             "heartbeat",
-            lambda: self._write_heartbeat(self.runner.state, detail),
+            lambda: self._write_heartbeat(state, detail),
         )
 
     def record_stopped(self) -> None:
@@ -280,7 +304,7 @@ class Worker:
             backends=dict(stats.backends),
             spool_imported=imported,
             recent_failures=recent,
-            state=self.runner.state,
+            state=self.reported_state()[0],
         )
         self.metrics.tick_finished(time.time())
 
@@ -300,6 +324,7 @@ class Worker:
     # -- state, watchdog ---------------------------------------------------------------
 
     def _on_state(self, state: str, detail: str) -> None:
+        state, detail = self._reported(state, detail)
         text = state if not detail else f"{state}: {detail}"
         self.notifier.status(text[:200])
         self.metrics.set_worker_state(state)

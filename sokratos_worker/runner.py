@@ -391,7 +391,12 @@ class Runner:
         ran goes to a slot."""
         found, again = self._inflight.untrack(item, leave_leased=leave_leased)
         if again is not None:
-            log.info("item_runs_under_its_new_claim", queue=item.queue.value, item_id=item.id)
+            log.info(
+                "item_runs_under_its_new_claim",
+                queue=again.queue.value,
+                item_id=again.id,
+                attempt=again.attempt,
+            )
             self._handoff.put(again)
         return found
 
@@ -464,6 +469,15 @@ class Runner:
 
     def _process(self, item: Item) -> Item | None:
         """Handle and settle one item; returns the next item claimed with the settle."""
+        # Bound for this item only (reset before the next one on this slot), so that every line
+        # logged while it is handled and settled, the pipelines' and LLM client's too, names it.
+        with structlog.contextvars.bound_contextvars(
+            queue=item.queue.value, item_id=item.id, attempt=item.attempt
+        ):
+            return self._handle_and_settle(item)
+
+    def _handle_and_settle(self, item: Item) -> Item | None:
+        """:meth:`_process` within the item's log context."""
         started = time.monotonic()
         bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=item.attempt)
         handler = self.handlers[item.queue]
@@ -832,7 +846,8 @@ class Runner:
                 for item in released:
                     self._stats.add(item.queue, "given_back")
         for item in released:
-            log.info("item_released", queue=item.queue.value, item_id=item.id)
+            # Its own attempt: a slot's context names the item it settled, not this one.
+            log.info("item_released", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
         return len(released)
 
     # -- reporting -------------------------------------------------------------------

@@ -94,7 +94,7 @@ def _warn(report: dict[str, Any], *, caller_has_backend: bool) -> None:
 
 def cannot_process(worker: dict[str, Any]) -> str | None:
     """Why a live, running worker claims nothing, read from its heartbeat (None: it can)."""
-    if worker.get("overdue") or worker.get("state") != "running":
+    if worker.get("overdue") or worker.get("state") not in ("running", "no backend"):
         return None  # its state (or silence) says it already
     detail = worker.get("detail") or {}
     queues = detail.get("queues")
@@ -271,10 +271,12 @@ def _worker_state(worker: dict[str, Any]) -> str:
             f"{state}? no heartbeat for {worker['silent_s']:.0f}s (expected every"
             f" {worker['detail']['heartbeat_s']:g}s): killed without a word, or hung"
         )
-    if idle := worker.get("cannot_process") or cannot_process(worker):
-        return f"{state}, but {idle}"
+    idle = worker.get("cannot_process") or cannot_process(worker)
+    if idle and state == "running":
+        return f"{state}, but {idle}"  # a heartbeat of a worker from before "no backend" said it
     detail = worker.get("detail") or {}
     why = detail.get("why") if state != "running" else detail.get("lock_wait")
+    why = why or idle
     return f"{state} ({why})" if why else state
 
 

@@ -413,7 +413,8 @@ class FallbackChatClient:
         log.info(
             "llm_call_finished",
             backend=backend.name,
-            attempt=attempt,
+            # Not "attempt": that is the item's (contract §6), bound by the runner's slot.
+            http_attempt=attempt,
             duration_ms=_ms(started),
             prompt_tokens=answer.prompt_tokens,
             completion_tokens=answer.completion_tokens,
@@ -547,7 +548,7 @@ class FallbackChatClient:
         log.warning(
             "llm_call_failed",
             backend=backend.name,
-            attempt=attempt,
+            http_attempt=attempt,  # not "attempt": that is the item's, bound by the runner
             duration_ms=_ms(started),
             purpose=purpose,
             reason=reason,

@@ -137,7 +137,7 @@ def test_a_new_worker_exposes_its_state_before_any_change(
         scraped = generate_latest(worker.metrics.registry).decode()
     finally:
         database.close()
-    assert 'sokratos_worker_state{state="running"} 1.0' in scraped, scraped
+    assert 'sokratos_worker_state{state="no_backend"} 1.0' in scraped, scraped
 
 
 def test_a_tick_finishing_after_the_stop_does_not_list_the_worker_as_live(
@@ -208,7 +208,7 @@ def test_a_live_worker_without_a_backend_is_shown_unable_to_process(
     try:
         assert wait_until(
             lambda: (
-                count(db, "SELECT count(*) FROM worker_heartbeats WHERE state = 'running'") > 0
+                count(db, "SELECT count(*) FROM worker_heartbeats WHERE state = 'no backend'") > 0
                 or worker.poll() is not None
             ),
             timeout=60,
@@ -224,7 +224,7 @@ def test_a_live_worker_without_a_backend_is_shown_unable_to_process(
     assert human.returncode == 0, human.stderr[-500:]
     lines = human.stdout.splitlines()
     [line] = [x for x in lines if x.startswith("worker ")]
-    assert ": running, but no LLM backend configured: items wait, last tick" in line, line
+    assert ": no backend (no LLM backend configured: set SOKRATOS_LLM_BACKENDS" in line, line
     assert line.endswith("backends: none, embeddings: not configured"), line
     assert (
         "warning: no live worker can process items (none has an LLM backend configured):"
