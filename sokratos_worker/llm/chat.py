@@ -35,6 +35,7 @@ from sokratos_worker.llm.failures import (
     not_the_items_fault,
     partly_misconfigured,
     refusal,
+    transient_reason,
 )
 from sokratos_worker.llm.http import (
     ProxyAuthenticationRequired,
@@ -397,7 +398,7 @@ class FallbackChatClient:
         verdict = classify(status, excerpt(response) if status >= 300 else "")
         if verdict is Verdict.TRANSIENT:
             wait = retry_after_seconds(response.headers.get("Retry-After"))
-            reason = f"http_{status}"
+            reason = transient_reason(backend, response)
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=status)
             raise _Transient(reason, status, wait)
         if verdict is not Verdict.OK:

@@ -101,6 +101,13 @@ def refusal(backend: Backend, response: httpx.Response, verdict: Verdict) -> str
     return reason
 
 
+def transient_reason(backend: Backend, response: httpx.Response) -> str:
+    """The reason for an answer worth retrying (5xx, 408, 429): the status, and what the server
+    says about it (llama.cpp's and vLLM's 500 name a real cause: out of GPU memory, a
+    template error), so a dead letter from it tells the operator why."""
+    return f"http_{response.status_code}" + _server_says(response, backend.secrets)
+
+
 def _redirect(response: httpx.Response) -> str:
     """Where a redirect points, and the backend URL that would not be redirected."""
     location = response.headers.get("Location")
@@ -132,4 +139,5 @@ __all__ = [
     "not_the_items_fault",
     "partly_misconfigured",
     "refusal",
+    "transient_reason",
 ]

@@ -103,7 +103,7 @@ def test_fallback_order_and_why_skipped(servers: Servers, make_client: MakeClien
         ("b", "failed"),
         ("c", "answered"),
     ]
-    assert result.tried[0].reason == "http_500"
+    assert result.tried[0].reason == "http_500: boom"  # what the server said, as for a 4xx
     assert result.tried[1].reason == "http_401: bad key"  # what the server said was wrong
     # 5xx is retried up to the policy's three attempts; 401 never; c once.
     assert (a.count(), b.count(), c.count()) == (3, 1, 1)

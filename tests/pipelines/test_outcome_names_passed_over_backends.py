@@ -30,7 +30,7 @@ from tests.faults.support import (
 
 pytestmark = [pytest.mark.postgres]
 
-PASSED_OVER = "passed over primary (failed: http_500)"
+PASSED_OVER = "passed over primary (failed: http_500: CUDA out of memory)"
 
 
 def test_each_outcome_names_the_backend_passed_over_and_why(
