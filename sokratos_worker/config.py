@@ -60,6 +60,7 @@ from sokratos_worker.config_validators import (
     without_credentials,
 )
 from sokratos_worker.durations import DAY, HOUR, Duration, parse_duration, within
+from sokratos_worker.store.embedded import socket_path_problem
 
 # Each check logs in to the IMAP server: more often looks like abuse to most providers.
 _EMAIL_CHECK_SHORTEST = 30.0
@@ -323,7 +324,7 @@ class Settings(BaseSettings):
             raise ValueError(f"{str(value)!r} is a file, not a directory")
         # Only the embedded PostgreSQL needs it at once (an invalid URL is the error shown).
         if "database_url" in info.data and info.data["database_url"] is None:
-            problem = unusable_directory(value)
+            problem = unusable_directory(value) or socket_path_problem(value)
             if problem is not None:
                 raise ValueError(
                     f"{problem}; the embedded PostgreSQL keeps its data there (no database URL"

@@ -34,6 +34,27 @@ INITDB_MARKER = "postgres.initdb-pid"  # beside PGDATA: the process whose initdb
 INITDB_EXIT_WAIT_S = 30.0
 
 
+# A Unix socket's path holds at most 107 bytes on Linux (sun_path, its NUL left out).
+_SOCKET_PATH_MAX = 107
+
+
+def socket_path_problem(data_dir: Path) -> str | None:
+    """Why the embedded server's socket cannot live in its data directory, or None.
+
+    The wheel would put it in a directory it makes world-writable under /tmp instead, where
+    any local user could connect without a password (initdb --auth=trust) to every memory.
+    """
+    socket = data_dir.absolute().resolve() / "postgres" / ".s.PGSQL.65535"
+    length = len(os.fsencode(socket))
+    if length <= _SOCKET_PATH_MAX:
+        return None
+    return (
+        f"{str(data_dir)!r} is too long for the embedded PostgreSQL's socket ({length} bytes"
+        f" with its name, at most {_SOCKET_PATH_MAX}): use a path at least"
+        f" {length - _SOCKET_PATH_MAX} bytes shorter"
+    )
+
+
 @dataclass
 class EmbeddedPostgres:
     """A running embedded server; :meth:`stop` stops it if no other live process holds it."""
@@ -80,6 +101,8 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         )
 
     pgdata = data_dir / "postgres"
+    if (too_long := socket_path_problem(data_dir)) is not None:
+        raise ValueError(too_long)  # (config refuses it first; this guards every other caller)
     if data_dir.is_symlink() and not data_dir.exists():  # mkdir would say only "File exists"
         raise FileNotFoundError(
             f"{data_dir} is a symlink to {os.readlink(data_dir)}, which does not exist"

@@ -401,6 +401,26 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert load_settings({"SOKRATOS_DATA_DIR": str(not_yet)}).data_dir == not_yet
 
 
+def test_a_data_dir_too_long_for_the_embedded_servers_socket_is_refused(tmp_path: Path) -> None:
+    # The wheel moved the socket to a directory it made world-writable under /tmp, where any
+    # local user connected without a password (initdb --auth=trust).
+    long_dir = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    error = _refusal({"SOKRATOS_DATA_DIR": str(long_dir)})
+    assert error.variable == "SOKRATOS_DATA_DIR"
+    assert "too long for the embedded PostgreSQL's socket" in error.message
+    assert "bytes shorter" in error.message
+    # With a database URL the embedded server is not used: any length will do.
+    url = "postgresql://u@db.example.org/sokratos"
+    assert load_settings({"SOKRATOS_DATA_DIR": str(long_dir), "SOKRATOS_DATABASE_URL": url})
+    # A caller that starts it without the configuration is refused the same way, before the
+    # wheel runs anything.
+    from sokratos_worker.store.embedded import start_embedded
+
+    with pytest.raises(ValueError, match="too long for the embedded PostgreSQL's socket"):
+        start_embedded(long_dir)
+    assert not long_dir.exists()
+
+
 def test_an_empty_variable_means_its_default() -> None:
     """`KEY=` in an env file (a value deleted, the line kept) is the default, not an error."""
     settings = load_settings(
