@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 import structlog
 
+from sokratos_worker.child_environment import child_environment
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.errors import WorkerError
 
@@ -245,6 +246,7 @@ class LocalModelServer:
         try:
             self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                 command,
+                env=child_environment(),  # it needs none of the worker's secrets
                 stdin=lifeline_read,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,

@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker import libpq
+from sokratos_worker.child_environment import secrets_withheld
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +116,9 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     marker = data_dir / INITDB_MARKER
     _clear_interrupted_initdb(pgdata, marker, lock=PostgresServer._lock)
     try:
-        with warnings.catch_warnings():
+        # The wheel's pg_ctl inherits os.environ, and the server with it (as another OS user
+        # when the worker is root): it needs none of the worker's secrets.
+        with warnings.catch_warnings(), secrets_withheld():
             warnings.simplefilter("ignore")
             server = get_server(pgdata, cleanup_mode="stop")
     except Exception as exc:
