@@ -54,6 +54,7 @@ from sokratos_worker.email.parse import (
     truncate_bytes,
 )
 from sokratos_worker.errors import DatabaseUnavailable, WorkerError
+from sokratos_worker.logs import mask_secrets, maskable
 from sokratos_worker.model import CheckLine
 from sokratos_worker.store import email as store
 from sokratos_worker.store.sanitize import clean_text
@@ -576,9 +577,17 @@ def _failed(
     conn: store.Connection, account: EmailAccountConfig, error: str, now: datetime
 ) -> AccountReport:
     error = clean_text(error)  # an exception may quote mail bytes; last_error must be storable
+    error = _without_password(account, error)
     store.record_error(conn, account.name, account.mailbox, error, now)
     log.warning("email_check_failed", account=account.name, error=error)
     return AccountReport(name=account.name, error=error)
+
+
+def _without_password(account: EmailAccountConfig, text: str) -> str:
+    """``text`` with the account's password masked: a server or proxy may quote the LOGIN
+    command it refused, and the text is stored (last_error) and printed (status, check)."""
+    password = account.password.get_secret_value() if account.password else None
+    return mask_secrets(text, maskable(passwords=[password]))
 
 
 def _check_one(
@@ -677,7 +686,8 @@ def probe_accounts(settings: Settings, *, timeout: float = 15.0) -> list[CheckLi
             with ImapSession(account, timeout=timeout) as session:
                 state = session.examine()
         except ImapError as exc:
-            lines.append(CheckLine(component, ok=False, detail=str(exc)))
+            detail = _without_password(account, str(exc))
+            lines.append(CheckLine(component, ok=False, detail=detail))
             continue
         lines.append(
             CheckLine(
