@@ -275,11 +275,17 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
 
+# How long a connection may stay silent (a request not finished, or an idle keep-alive)
+# before the server closes it: a client that connects and sends nothing held a thread forever.
+IDLE_TIMEOUT_S = 20.0
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "sokratos-worker"
     sys_version = ""
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -321,6 +327,8 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
     def log_error(self, format: str, *args: object) -> None:
+        if format.startswith("Request timed out"):
+            return  # an idle keep-alive between two scrapes closed: nothing wrong
         log.warning("metrics_http_error", detail=format % args)
 
 

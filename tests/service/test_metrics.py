@@ -226,3 +226,26 @@ def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
 def test_parse_addr_refuses(addr: str) -> None:
     with pytest.raises(ValueError, match="host:port"):
         parse_addr(addr)
+
+
+def test_a_silent_connection_is_closed_and_scrapes_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client that connected and sent half a request held a thread forever (slowloris).
+    import socket
+    import time
+
+    from structlog.testing import capture_logs
+
+    from sokratos_worker.service import metrics
+
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    with MetricsServer("127.0.0.1:0", Metrics()) as server, capture_logs() as logs:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
+            silent.sendall(b"GET /metrics HTTP/1.1\r\n")  # a request that never ends
+            started = time.monotonic()
+            assert silent.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - started < 9
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        conn.request("GET", "/livez")
+        assert conn.getresponse().status == 200
+        conn.close()
+    assert not [e for e in logs if e["event"] == "metrics_http_error"], logs
