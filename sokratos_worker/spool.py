@@ -81,7 +81,9 @@ def spool_enqueue(
     final = spool_dir / name
     temp = spool_dir / f".{name}.tmp"
     try:
-        with temp.open("w", encoding="utf-8") as handle:
+        # 0600 whatever the umask or the directory's mode: it holds a person's conversation.
+        descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             json.dump(record, handle, ensure_ascii=False)
             handle.flush()
             os.fsync(handle.fileno())

@@ -137,9 +137,21 @@ class ImapAborted(ImapError):
     """The worker is stopping: the session was cut short (the account's fault it is not)."""
 
 
+# The accounts whose unverified TLS this process has warned of.
+_UNVERIFIED: set[str] = set()
+
+
 def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
     """System trust store, or ``ca_file``; ``tls_verify=false`` turns verification off."""
     context = ssl.create_default_context(cafile=account.ca_file)
+    if not account.tls_verify and account.security != "none" and account.name not in _UNVERIFIED:
+        _UNVERIFIED.add(account.name)  # said once per process, as for an LLM backend
+        log.warning(
+            "tls_verification_disabled",
+            account=account.name,
+            hint="tls_verify is false: the server's certificate is not checked, so the password"
+            " goes to whoever answers; set a ca_file instead for a private CA",
+        )
     if not account.tls_verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE

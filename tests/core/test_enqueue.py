@@ -94,6 +94,25 @@ def test_a_producer_with_a_lock_timeout_is_told_who_holds_the_queue(
         locker.rollback()
 
 
+def test_a_spool_file_is_private_to_its_owner_whatever_the_umask(tmp_path: Path) -> None:
+    # Written with the umask (0644), a spooled conversation was readable by every local user
+    # in a spool directory that existed already (a producer's own spool_dir=, an older one).
+    import stat
+
+    spool = tmp_path / "spool"
+    spool.mkdir(mode=0o755)
+    old = os.umask(0o022)
+    try:
+        path = spool_enqueue(
+            spool, Queue.TRIAGE, {"exchange": "user: my diagnosis is ..."},
+            idempotency_key="k-1", source="conversation",
+        )  # fmt: skip
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_text())["payload"] == {"exchange": "user: my diagnosis is ..."}
+
+
 def test_spool_enqueue_stores_only_what_postgres_accepts(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     path = spool_enqueue(
