@@ -13,11 +13,13 @@ database outage must not get a healthy worker restarted); ``/readyz`` answers 20
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from prometheus_client import (
@@ -258,6 +260,14 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# How long a request may take to arrive, and a keep-alive connection may stay idle, before
+# the server closes the connection: a client that sent half a request (or one byte now and
+# then) held a thread forever.
+IDLE_TIMEOUT_S = 20.0
+# Connections served at once; more are closed at once (each holds a thread).
+MAX_CONNECTIONS = 32
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -272,12 +282,48 @@ class _Server(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         self.metrics = metrics
         self.readiness = readiness
+        self.deadline_s = IDLE_TIMEOUT_S
+        self._deadlines: dict[socket.socket, float] = {}  # each open connection's
+        self._deadlines_lock = threading.Lock()
+        self._closed = threading.Event()
         super().__init__(address, _Handler)
+        threading.Thread(target=self._reap, name="sokratos-metrics-reaper", daemon=True).start()
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._deadlines_lock:
+            full = len(self._deadlines) >= MAX_CONNECTIONS
+            if not full:
+                self._deadlines[request] = time.monotonic() + self.deadline_s
+        if full:
+            super().shutdown_request(request)
+            return
+        super().process_request(request, client_address)
 
-# How long a connection may stay silent (a request not finished, or an idle keep-alive)
-# before the server closes it: a client that connects and sends nothing held a thread forever.
-IDLE_TIMEOUT_S = 20.0
+    def answered(self, request: socket.socket) -> None:
+        """A response went out: the connection's next request has its own time."""
+        with self._deadlines_lock:
+            if request in self._deadlines:
+                self._deadlines[request] = time.monotonic() + self.deadline_s
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(request, None)
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
+
+    def _reap(self) -> None:
+        """Shut the connections past their deadline: the blocked read returns, the thread ends.
+        (A socket timeout alone does not do it: each byte of a trickle restarts it.)"""
+        while not self._closed.wait(min(1.0, self.deadline_s / 4)):
+            now = time.monotonic()
+            with self._deadlines_lock:
+                overdue = [r for r, deadline in self._deadlines.items() if deadline < now]
+            for request in overdue:
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -285,7 +331,10 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "sokratos-worker"
     sys_version = ""
     protocol_version = "HTTP/1.1"
-    timeout = IDLE_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.deadline_s)  # each read's, besides the reaper's
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -321,6 +370,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+        self.server.answered(self.connection)
 
     def log_message(self, format: str, *args: object) -> None:
         # Scrapes every few seconds would flood the journal; errors still reach log_error.

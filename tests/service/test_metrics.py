@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -237,7 +238,7 @@ def test_a_silent_connection_is_closed_and_scrapes_go_on(monkeypatch: pytest.Mon
 
     from sokratos_worker.service import metrics
 
-    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 0.5)
     with MetricsServer("127.0.0.1:0", Metrics()) as server, capture_logs() as logs:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
             silent.sendall(b"GET /metrics HTTP/1.1\r\n")  # a request that never ends
@@ -249,3 +250,61 @@ def test_a_silent_connection_is_closed_and_scrapes_go_on(monkeypatch: pytest.Mon
         assert conn.getresponse().status == 200
         conn.close()
     assert not [e for e in logs if e["event"] == "metrics_http_error"], logs
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each byte restarted the per-read timeout: the request never ended, its thread held.
+    import socket
+    import time
+
+    from sokratos_worker.service import metrics
+
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 1.0)
+    with (
+        MetricsServer("127.0.0.1:0", Metrics()) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as trickle,
+    ):
+        started = time.monotonic()
+        closed = False
+        for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            try:
+                trickle.sendall(bytes([byte]))
+                trickle.settimeout(0.3)
+                closed = trickle.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+            if closed:
+                break
+        assert closed and time.monotonic() - started < 8
+
+
+def test_connections_past_the_limit_are_closed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from sokratos_worker.service import metrics
+
+    monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 2)
+    with MetricsServer("127.0.0.1:0", Metrics()) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        try:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
+                assert third.recv(1) == b""  # closed without a thread
+        finally:
+            for sock in held:
+                sock.close()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        for _ in range(20):  # the held ones' threads end with them
+            try:
+                conn.request("GET", "/livez")
+                assert conn.getresponse().status == 200
+                break
+            except (ConnectionError, http.client.HTTPException):
+                conn.close()
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server never served again")
+        conn.close()
