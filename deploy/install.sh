@@ -143,7 +143,9 @@ install_venv() {
     requirement=$(with_extras "$SOURCE" "$EXTRAS")
     say "installing $requirement"
     "$VENV/bin/python" -m pip install --quiet --upgrade "$requirement"
-    "$VENV/bin/$APP" --version >/dev/null || {
+    # (Through the venv's python: a staged launcher names /opt/..., which a re-run with
+    # nothing to upgrade leaves as the last run relocated it.)
+    "$VENV/bin/python" "$VENV/bin/$APP" --version >/dev/null || {
         echo "install.sh: $VENV/bin/$APP does not run" >&2
         exit 1
     }

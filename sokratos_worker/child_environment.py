@@ -18,9 +18,12 @@ _WITHHELD_NAMES = frozenset({"DATABASE_URL", "CREDENTIALS_DIRECTORY"})
 
 
 def withheld(name: str) -> bool:
-    """True for a variable a child process is not given."""
+    """True for a variable a child process is not given (proxies too: their URLs may carry a
+    password, and neither child reaches out)."""
     upper = name.upper()
-    return upper.startswith(_WITHHELD_PREFIXES) or upper in _WITHHELD_NAMES
+    return (
+        upper.startswith(_WITHHELD_PREFIXES) or upper in _WITHHELD_NAMES or upper.endswith("_PROXY")
+    )
 
 
 def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:

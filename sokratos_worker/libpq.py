@@ -54,7 +54,8 @@ def option_problem(options: Mapping[str, object], *, combined: bool = True) -> s
     sslrootcert=system needs: a PG* variable may give it (:func:`sslmode_problem`).
     Only option names and values that are not secret are quoted."""
     port = str(options.get("port") or "")
-    if not all(p.isdigit() or not p for p in port.split(",")):  # "5432,5433" too
+    # (isascii: "²" is a digit to isdigit() but not to int() nor libpq)
+    if not all((p.isascii() and p.isdigit()) or not p for p in port.split(",")):  # "5432,5433"
         # libpq would report it as a host it cannot resolve: an outage (exit 75) that
         # systemd restarts for ever, instead of this configuration error.
         return "has a port that is not a number"

@@ -45,7 +45,7 @@ def socket_path_problem(data_dir: Path) -> str | None:
     The wheel would put it in a directory it makes world-writable under /tmp instead, where
     any local user could connect without a password (initdb --auth=trust) to every memory.
     """
-    socket = data_dir.absolute().resolve() / "postgres" / ".s.PGSQL.65535"
+    socket = data_dir.absolute().resolve() / "postgres" / ".s.PGSQL.5432"  # (its only port)
     length = len(os.fsencode(socket))
     if length <= _SOCKET_PATH_MAX:
         return None

@@ -404,7 +404,10 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
 def test_a_data_dir_too_long_for_the_embedded_servers_socket_is_refused(tmp_path: Path) -> None:
     # The wheel moved the socket to a directory it made world-writable under /tmp, where any
     # local user connected without a password (initdb --auth=trust).
-    long_dir = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    # The socket is data_dir/postgres/.s.PGSQL.5432: 107 bytes fit, 108 do not.
+    fits = tmp_path / ("d" * (107 - len("/postgres/.s.PGSQL.5432") - len(str(tmp_path)) - 1))
+    assert load_settings({"SOKRATOS_DATA_DIR": str(fits)}).data_dir == fits
+    long_dir = tmp_path / ("d" * (108 - len("/postgres/.s.PGSQL.5432") - len(str(tmp_path)) - 1))
     error = _refusal({"SOKRATOS_DATA_DIR": str(long_dir)})
     assert error.variable == "SOKRATOS_DATA_DIR"
     assert "too long for the embedded PostgreSQL's socket" in error.message

@@ -211,6 +211,7 @@ def test_a_blank_database_url_in_the_env_file_still_uses_the_database_of_the_sec
         ("PGPORT", "notaport", "has a port that is not a number"),
         ("PGPORT", "99999", "has a port out of range (1-65535)"),
         ("PGPORT", "5432,0", "has a port out of range (1-65535)"),
+        ("PGPORT", "\u00b2", "has a port that is not a number"),
         ("PGTARGETSESSIONATTRS", "primary-please", "invalid target_session_attrs 'primary-please'"),
         ("PGTARGETSESSIONATTRS", "standby", "target_session_attrs 'standby': sokratos-worker"),
         ("PGGSSENCMODE", "on", "invalid gssencmode 'on'"),

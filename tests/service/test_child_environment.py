@@ -76,3 +76,21 @@ def test_embedded_postgres_does_not_inherit_the_workers_secrets(
     leaked = [s for s in (API_KEY, IMAP_PASSWORD) if s in environ]
     assert leaked == [], f"the embedded PostgreSQL's environment holds {leaked}"
     assert API_KEY in os.environ["SOKRATOS_LLM_BACKENDS"]  # the worker's own is back
+
+
+def test_proxy_variables_are_withheld_too() -> None:
+    # A proxy URL may carry a password (production.md counts it a secret); neither child
+    # reaches out.
+    from sokratos_worker.child_environment import child_environment
+
+    given = child_environment(
+        {
+            "HTTPS_PROXY": "http://u:proxy-secret@proxy:3128",
+            "all_proxy": "socks5://u:pw@proxy:1080",
+            "PGPASSWORD": "x",
+            "SOKRATOS_LLM_BACKENDS": "[]",
+            "HOME": "/root",
+            "PATH": "/usr/bin",
+        }
+    )
+    assert given == {"HOME": "/root", "PATH": "/usr/bin"}

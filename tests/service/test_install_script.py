@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,6 @@ def test_staged_install_is_idempotent(tmp_path: Path) -> None:
 )
 def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement: str) -> None:
     """`--extras local sokratos-worker==0.1.0` once asked pip for `sokratos-worker==0.1.0[local]`."""
-    import sys
 
     venv_bin = tmp_path / "opt" / "sokratos-worker" / "venv" / "bin"
     venv_bin.mkdir(parents=True)
@@ -167,7 +167,6 @@ def test_a_staged_venv_names_where_the_unit_runs_it(tmp_path: Path) -> None:
     # pip wrote the staging directory into the launcher's #! line: once the staged tree was
     # copied to /, the unit's ExecStart=/opt/sokratos-worker/venv/bin/sokratos-worker failed
     # (203/EXEC). A real venv and pip install, from a clean copy of the checkout.
-    import sys
 
     clone = tmp_path / "clone"
     shutil.copytree(
@@ -190,3 +189,27 @@ def test_a_staged_venv_names_where_the_unit_runs_it(tmp_path: Path) -> None:
     assert subprocess.run(
         [str(venv_bin / "python"), "-c", "import sokratos_worker"], check=False, timeout=60
     ).returncode == 0
+
+
+def test_a_second_staged_install_with_nothing_to_upgrade_succeeds(tmp_path: Path) -> None:
+    venv_bin = tmp_path / "opt" / "sokratos-worker" / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    # A venv whose pip has nothing to do (already satisfied): its python runs a script it is
+    # given (the launcher's --version) and exits 0, and never rewrites the scripts, as pip
+    # does not when the requirement is already installed.
+    (venv_bin / "python").write_text("#!/bin/sh\nexit 0\n")
+    # What pip wrote into the launcher in the staging root (its own venv's python).
+    (venv_bin / "sokratos-worker").write_text(f"#!{venv_bin}/python\n# launcher\n")
+    for script in venv_bin.iterdir():
+        script.chmod(0o755)
+    # (The launcher is checked through the venv's python: a re-run where pip has nothing to
+    # do left the relocated launcher naming /opt/..., which failed with "does not run".)
+    args = ("--prefix", str(tmp_path), "--python", sys.executable, "sokratos-worker==0.1.0")
+    first = _run(*args)
+    assert first.returncode == 0, first.stderr
+    # The relocation happened (what fd8f410 wants).
+    assert (venv_bin / "sokratos-worker").read_text().startswith(
+        "#!/opt/sokratos-worker/venv/bin/python"
+    )
+    second = _run(*args)
+    assert second.returncode == 0, second.stderr
