@@ -118,7 +118,10 @@ class Notifier:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     self._sock.settimeout(SEND_TIMEOUT_S)
-                self._sock.sendto(message, self._address)
+                    # Connected: only then does the wait for room sleep (unconnected, poll
+                    # reports room at once and the send loop spun a CPU for the whole wait).
+                    self._sock.connect(self._address)
+                self._sock.send(message)
             except OSError as exc:  # (a timeout too)
                 self._close_locked()
                 lost = [line for line in (*pending, *lines) if line in _STATE_CHANGES]

@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,7 +164,11 @@ def test_a_lost_ready_goes_again_with_the_next_message(
     _fill(path)
     notifier = Notifier({"NOTIFY_SOCKET": path})
     with capture_logs() as logs:
+        cpu = time.process_time()
         assert notifier.ready() is False  # full for longer than the send waits
+        cpu = time.process_time() - cpu
+    # The wait sleeps (an unconnected socket's send loop spun a CPU for the whole second).
+    assert cpu < 0.5, f"{cpu:.2f} s of CPU spent waiting for room"
     assert "READY=1 goes again" in logs[0]["hint"]
     _drain(sock)  # PID 1 catches up
     assert notifier.watchdog() is True
