@@ -147,6 +147,13 @@ def _replaced(text: str, secrets: Sequence[str]) -> str:
     return "".join(parts)
 
 
+def as_echoed_by_imap(password: str) -> list[str]:
+    """``password`` and the forms a server echoing LOGIN shows it in: IMAP's quoted string
+    (``\\`` and ``"`` escaped by a backslash) and that string inside a bytes repr."""
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+    return list(dict.fromkeys([password, quoted, quoted.replace("\\", "\\\\")]))
+
+
 def url_password(url: str | None) -> str | None:
     """The password in a URL's ``user:password@``, or None."""
     if not url or "@" not in url:
@@ -164,7 +171,9 @@ def secret_values(settings: Settings) -> list[str]:
     keys = [b.api_key.get_secret_value() for b in settings.llm_backends if b.api_key]
     passwords = [url_password(settings.embedding_url)]
     passwords += [url_password(b.url) for b in settings.llm_backends]
-    passwords += [a.password.get_secret_value() for a in settings.email_accounts if a.password]
+    for account in settings.email_accounts:
+        if account.password:
+            passwords += as_echoed_by_imap(account.password.get_secret_value())
     if settings.database_url is not None:
         passwords.append(_database_password(settings.database_url.get_secret_value()))
     passwords += [url_password(v) for k, v in os.environ.items() if k.lower().endswith("_proxy")]

@@ -54,7 +54,7 @@ from sokratos_worker.email.parse import (
     truncate_bytes,
 )
 from sokratos_worker.errors import DatabaseUnavailable, WorkerError
-from sokratos_worker.logs import mask_secrets, maskable
+from sokratos_worker.logs import as_echoed_by_imap, mask_secrets, maskable
 from sokratos_worker.model import CheckLine
 from sokratos_worker.store import email as store
 from sokratos_worker.store.sanitize import clean_text
@@ -586,8 +586,11 @@ def _failed(
 def _without_password(account: EmailAccountConfig, text: str) -> str:
     """``text`` with the account's password masked: a server or proxy may quote the LOGIN
     command it refused, and the text is stored (last_error) and printed (status, check)."""
-    password = account.password.get_secret_value() if account.password else None
-    return mask_secrets(text, maskable(passwords=[password]))
+    if account.password is None:
+        return text
+    return mask_secrets(
+        text, maskable(passwords=as_echoed_by_imap(account.password.get_secret_value()))
+    )
 
 
 def _check_one(
