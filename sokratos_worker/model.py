@@ -115,12 +115,20 @@ class Effects:
     supersessions: tuple[Supersession, ...] = ()
     existing_memory_ids: tuple[int, ...] = ()
     backend: str | None = None
+    # The backends passed over on the way to ``backend``'s answer: the recorded detail ends
+    # with it, whatever the settle does to the detail (a near-duplicate found meanwhile).
+    passed_over: str = ""
 
-    def noted(self, note: str) -> Effects:
-        """These effects with ``note`` added to the detail ("" adds nothing)."""
-        if not note:
-            return self
-        return replace(self, detail=f"{self.detail}; {note}" if self.detail else note)
+    def noted(self, passed_over: str) -> Effects:
+        """These effects with what was passed over ("" notes nothing)."""
+        return replace(self, passed_over=passed_over) if passed_over else self
+
+    def recorded_detail(self, detail: str | None = None) -> str:
+        """``detail`` (default: this detail), then what was passed over: the outcome's text."""
+        text = self.detail if detail is None else detail
+        if not self.passed_over:
+            return text
+        return f"{text}; {self.passed_over}" if text else self.passed_over
 
 
 @dataclass(frozen=True)

@@ -394,7 +394,7 @@ def _settle_plain(
         "queue": item.queue.value,
         "outcome": effects.outcome.value,
         "memory_ids": list(effects.existing_memory_ids),
-        "detail": clean_text(effects.detail),
+        "detail": clean_text(effects.recorded_detail()),
         "backend": effects.backend,
     }
     sqls = _SQL[item.queue]
@@ -430,7 +430,7 @@ def _settle_with_effects(
             "source": item.outcome_source,
             "outcome": outcome.value,
             "memory_ids": list(written.memory_ids),
-            "detail": clean_text(detail),
+            "detail": clean_text(effects.recorded_detail(detail)),
             "attempt": item.attempt,
             "backend": effects.backend,
             "replay_of": None,

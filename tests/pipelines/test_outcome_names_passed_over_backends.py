@@ -14,9 +14,12 @@ import pytest
 from sokratos_worker.config import load_settings
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.llm import build_chat_client, build_embedder
+from sokratos_worker.model import Effects, Outcome
 from sokratos_worker.pipelines import build_handlers
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
+from sokratos_worker.store.memories import Written
+from sokratos_worker.store.queue import _after_duplicates
 from sokratos_worker.testing.scripted_llm import CHAT, Reply, ScriptedLLM
 from tests.faults.support import (
     EMBED_DIM,
@@ -81,3 +84,22 @@ def test_each_outcome_names_the_backend_passed_over_and_why(
     for queue, outcome, _, detail in rows:
         assert outcome == "saved", (queue, detail)
         assert detail.endswith(f"; {PASSED_OVER}"), (queue, detail)
+
+
+@pytest.mark.parametrize(
+    ("written", "ends"),
+    [
+        (Written(memory_ids=(5,), new=0, duplicate_of=(5,)), "saved by another item meanwhile)"),
+        (Written(memory_ids=(5, 6), new=1, duplicate_of=(5,)), "meanwhile: not written"),
+    ],
+    ids=["became-a-skip", "partly-dropped"],
+)
+def test_what_was_passed_over_still_ends_a_detail_the_settle_rewrote(
+    written: Written, ends: str
+) -> None:
+    # A near-duplicate saved meanwhile replaced the detail (the note was lost) or was noted
+    # after it (the note no longer ended it).
+    effects = Effects(Outcome.SAVED, detail="salience 7 (threshold 5)").noted(PASSED_OVER)
+    _, detail = _after_duplicates(effects, written)
+    recorded = effects.recorded_detail(detail)
+    assert recorded.endswith(f"{ends}; {PASSED_OVER}"), recorded
