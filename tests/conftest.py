@@ -7,7 +7,9 @@ so tests never see each other's rows.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -105,6 +107,16 @@ def db(database_url: str) -> Iterator[psycopg.Connection]:
     """An autocommit connection to this test's database, for arranging and asserting rows."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+def short_home() -> Iterator[Path]:
+    """A HOME short enough for the embedded PostgreSQL under the default data directory: its
+    socket (~/.local/share/sokratos-worker/postgres/.s.PGSQL.5432) must fit in 107 bytes, and
+    the worker refuses a data directory where it does not; pytest's tmp_path is too deep."""
+    home = Path(tempfile.mkdtemp(prefix="sw-home-", dir="/tmp"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

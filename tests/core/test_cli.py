@@ -393,15 +393,17 @@ def test_failed_show_prints_every_digit_of_the_stored_numbers(
 
 
 @pytest.mark.subprocess
-def test_run_with_no_configuration_starts_the_embedded_postgres(tmp_path: Path) -> None:
-    env = env_for(None, tmp_path)
+def test_run_with_no_configuration_starts_the_embedded_postgres(
+    tmp_path: Path, short_home: Path
+) -> None:
+    env = env_for(None, tmp_path, HOME=str(short_home))
     proc = cli("run", "--once", env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [
         json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")
     ]
     assert "embedded_postgres_ready" in events and "tick_finished" in events
-    assert (tmp_path / "home/.local/share/sokratos-worker/postgres/PG_VERSION").exists()
+    assert (short_home / ".local/share/sokratos-worker/postgres/PG_VERSION").exists()
     # A second command attaches to (or restarts) the same data directory.
     again = cli("status", "--json", env=env, timeout=120)
     assert json.loads(again.stdout)["database"] == "ok"
@@ -659,7 +661,7 @@ def test_a_missing_ca_file_exits_78_naming_the_field_and_the_path(
         "SOKRATOS_EMAIL_ACCOUNTS": {"name": "a", "host": "h", "username": "u", "password": "p"},
     }
     value = json.dumps([{**entries[variable], "ca_file": missing}])
-    env = env_for(None, tmp_path, **{variable: value})
+    env = env_for(None, tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "data"), **{variable: value})
     for command in (["check"], ["run", "--once"]):
         proc = cli(*command, env=env)
         assert proc.returncode == 78, (command, proc.stderr)
