@@ -104,16 +104,22 @@ def enqueue(db: psycopg.Connection, sql: str, *args: Any) -> int:
     return int(row[0])
 
 
-def drain(database_url: str, server: ScriptedLLM, **env: str) -> None:
-    """Run the real runner, pipelines and chat client against ``server`` until the queues are
-    empty; one attempt per item, so a retry cannot hide a failure."""
+def drain(
+    database_url: str, server: ScriptedLLM, *fallbacks: ScriptedLLM, **env: str
+) -> None:
+    """Run the real runner, pipelines and chat client against ``server`` (then ``fallbacks``,
+    in that order) until the queues are empty; one attempt per item, so a retry cannot hide
+    a failure. One server is named "scripted", several "primary", "fallback", "third"."""
+    names = ["primary", "fallback", "third"] if fallbacks else ["scripted"]
+    backends = [
+        {"name": name, "url": s.url, "model": "scripted", "timeout": 5}
+        for name, s in zip(names, (server, *fallbacks), strict=False)
+    ]
     settings = load_settings(
         {
             "SOKRATOS_DATABASE_URL": database_url,
             "SOKRATOS_MAX_ATTEMPTS": "1",
-            "SOKRATOS_LLM_BACKENDS": json.dumps(
-                [{"name": "scripted", "url": server.url, "model": "scripted", "timeout": 5}]
-            ),
+            "SOKRATOS_LLM_BACKENDS": json.dumps(backends),
             **env,
         }
     )

@@ -3,7 +3,7 @@ and why." The primary answers every completion with a 500, the fallback answers:
 work_outcomes row names the fallback as its backend and the primary, with why, in its detail.
 
 (The outcome named only the fallback: a primary that kept failing showed only in the logs.)
-Runner in-process with the real pipelines and real PostgreSQL.
+The real runner, pipelines and chat client in-process against real PostgreSQL.
 """
 
 from __future__ import annotations
@@ -11,25 +11,19 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from sokratos_worker.config import load_settings
-from sokratos_worker.handlers import HandlerContext
-from sokratos_worker.llm import build_chat_client, build_embedder
 from sokratos_worker.model import Effects, Outcome
-from sokratos_worker.pipelines import build_handlers
-from sokratos_worker.runner import Runner
-from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import Written
 from sokratos_worker.store.queue import _after_duplicates
 from sokratos_worker.testing.scripted_llm import CHAT, Reply, ScriptedLLM
 from tests.faults.support import (
-    EMBED_DIM,
     answer,
-    backends_env,
     enqueue_distillation,
     enqueue_triage,
     exchange,
     messages_archive,
 )
+
+from .conftest import drain
 
 pytestmark = [pytest.mark.postgres]
 
@@ -41,38 +35,9 @@ def test_each_outcome_names_the_backend_passed_over_and_why(
 ) -> None:
     triage = enqueue_triage(db, exchange("tokfallback1", save=True))
     distillation = enqueue_distillation(db, messages_archive("tokfallback2"))
-    with (
-        ScriptedLLM(chat=answer) as primary,
-        ScriptedLLM(chat=answer) as fallback,
-        ScriptedLLM(embed_dim=EMBED_DIM) as embed,
-    ):
+    with ScriptedLLM(chat=answer) as primary, ScriptedLLM(chat=answer) as fallback:
         primary.on(CHAT, lambda r: Reply.error(500, "CUDA out of memory"))
-        settings = load_settings(
-            {
-                "SOKRATOS_DATABASE_URL": database_url,
-                "SOKRATOS_CONCURRENCY": "1",
-                "SOKRATOS_LLM_BACKENDS": backends_env(primary, fallback, timeout=5),
-                "SOKRATOS_EMBEDDING_URL": embed.url,
-                "SOKRATOS_EMBEDDING_MODEL": "scripted-embed",
-                "SOKRATOS_EMBEDDING_DIM": str(EMBED_DIM),
-            }
-        )
-        database = Database(database_url, size=4)
-        try:
-            context = HandlerContext(
-                settings, database, build_chat_client(settings), build_embedder(settings)
-            )
-            runner = Runner(
-                settings=settings,
-                database=database,
-                handlers=build_handlers(context),
-                worker_id="passed-over",
-            )
-            runner.start(drain_only=True)
-            assert runner.wait_drained(120)
-            runner.shutdown(1.0)
-        finally:
-            database.close()
+        drain(database_url, primary, fallback)
         assert primary.count(CHAT) >= 2  # really tried for both items
     rows = db.execute(
         "SELECT queue, outcome, backend, detail FROM work_outcomes ORDER BY queue"
