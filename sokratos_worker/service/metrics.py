@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -313,6 +314,18 @@ class _Server(ThreadingHTTPServer):
     def server_close(self) -> None:
         self._closed.set()
         super().server_close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """socketserver's default prints a traceback to stderr, outside the JSON log."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return  # the scraper went away or the reaper cut it: routine, nothing to do
+        log.warning(
+            "metrics_request_failed",
+            error=f"{type(exc).__name__}: {exc}",
+            client=str(client_address[0]) if client_address else "",
+            hint="the metrics endpoint serves on; if this repeats, report it with this line",
+        )
 
     def _reap(self) -> None:
         """Shut the connections past their deadline: the blocked read returns, the thread ends.

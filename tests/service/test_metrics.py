@@ -308,3 +308,40 @@ def test_connections_past_the_limit_are_closed_at_once(monkeypatch: pytest.Monke
         else:
             raise AssertionError("the server never served again")
         conn.close()
+
+
+def test_a_client_gone_before_the_answer_leaves_no_traceback(
+    server: MetricsServer, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A scraper that gives up (a reset right after its request) is routine: socketserver
+    printed a traceback to stderr for each, outside the JSON log."""
+    import socket
+    import struct
+
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        # Linger 0: close sends a reset, so the server's read or write meets a dead peer.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.close()
+    time.sleep(0.5)  # the server's threads meet the resets
+    assert _get(server, "/livez")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+
+
+def test_an_error_while_answering_is_one_log_line_not_a_traceback(
+    server: MetricsServer, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> bytes:
+        raise RuntimeError("collector exploded")
+
+    monkeypatch.setattr(server._server.metrics, "render", broken)  # type: ignore[union-attr]
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(server, "/metrics")
+    monkeypatch.undo()
+    assert _get(server, "/livez")[0] == 200
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err, out.err
+    assert "metrics_request_failed" in out.out + out.err
+    assert "RuntimeError: collector exploded" in out.out + out.err
