@@ -30,6 +30,7 @@ from sokratos_worker.config import (
     ConfigError,
     Settings,
     ignored_database_url,
+    ignored_secret_files,
     load_settings,
     unknown_variables,
 )
@@ -348,6 +349,13 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
             "database_url_ignored",
             hint="DATABASE_URL names another database than SOKRATOS_DATABASE_URL, which is the"
             " one used: unset DATABASE_URL for sokratos-worker, or give both the same URL",
+        )
+    if ignored := ignored_secret_files(settings):
+        log.warning(
+            "secret_file_ignored",
+            ignored=ignored,
+            hint="each is given beside the secret itself, which wins, so the file is never"
+            " read: remove one of the two",
         )
     command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:

@@ -28,6 +28,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -49,6 +50,7 @@ from sokratos_worker.config_sources import (
     SecretFilesSource,
     default_data_dir,
     read_secret_file,
+    shadowed_file_variables,
     variable_names,
 )
 from sokratos_worker.config_validators import (
@@ -92,11 +94,21 @@ class BackendConfig(BaseModel):
     ca_file: CaFile = None
     tls_verify: bool = True
 
+    # Both given: api_key wins and the file is never read, which start-up says.
+    _key_file_ignored: bool = PrivateAttr(default=False)
+
     @model_validator(mode="after")
     def _load_key_file(self) -> BackendConfig:
         if self.api_key is None and self.api_key_file:
             object.__setattr__(self, "api_key", SecretStr(read_secret_file(self.api_key_file)))
+        elif self.api_key_file:
+            self._key_file_ignored = True
         return self
+
+    @property
+    def key_file_ignored(self) -> bool:
+        """api_key_file was given beside api_key, which wins."""
+        return self._key_file_ignored
 
 
 class EmailAccountConfig(BaseModel):
@@ -136,15 +148,25 @@ class EmailAccountConfig(BaseModel):
             raise ValueError(f"{value!r} holds a control character, which IMAP cannot send")
         return value
 
+    # Both given: password wins and the file is never read, which start-up says.
+    _password_file_ignored: bool = PrivateAttr(default=False)
+
     @model_validator(mode="after")
     def _complete(self) -> EmailAccountConfig:
         if self.password is None and self.password_file:
             object.__setattr__(self, "password", SecretStr(read_secret_file(self.password_file)))
+        elif self.password_file:
+            self._password_file_ignored = True
         if self.password is None:
             raise ValueError(f"account {self.name!r} needs password or password_file")
         if self.port is None:
             object.__setattr__(self, "port", 993 if self.security == "tls" else 143)
         return self
+
+    @property
+    def password_file_ignored(self) -> bool:
+        """password_file was given beside password, which wins."""
+        return self._password_file_ignored
 
     @property
     def imap_port(self) -> int:
@@ -503,6 +525,23 @@ def ignored_database_url(settings: Settings, environ: Mapping[str, str] | None =
     other = (env.get("DATABASE_URL") or "").strip()
     used = settings.database_url.get_secret_value() if settings.database_url else None
     return bool(other) and used is not None and other != used.strip()
+
+
+def ignored_secret_files(settings: Settings) -> list[str]:
+    """Secret files given beside the secret itself, which wins: a key rotated by rewriting the
+    file would go unnoticed until the old one is refused."""
+    ignored = shadowed_file_variables(Settings.model_fields)
+    ignored += [
+        f"api_key_file of backend {backend.name!r}"
+        for backend in settings.llm_backends
+        if backend.key_file_ignored
+    ]
+    ignored += [
+        f"password_file of email account {account.name!r}"
+        for account in settings.email_accounts
+        if account.password_file_ignored
+    ]
+    return ignored
 
 
 def _settings_error_variable(text: str) -> str:

@@ -12,6 +12,7 @@ systemd ``$STATE_DIRECTORY`` default.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -164,6 +165,16 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
         if present:
             return name, path, _read_or_refuse(name, path)
     return None
+
+
+def shadowed_file_variables(field_names: Iterable[str]) -> list[str]:
+    """``X_FILE`` variables given beside a non-blank ``X``, which wins: the file is never read."""
+    shadowed = []
+    for field_name in field_names:
+        names = variable_names(field_name)
+        if any(_environment_value(name) is not None for name in names):
+            shadowed += [found[0] for n in names if (found := _environment_value(f"{n}_FILE"))]
+    return shadowed
 
 
 def _environment_value(name: str) -> tuple[str, str] | None:

@@ -847,3 +847,49 @@ def test_a_database_url_the_worker_ignores_is_named(
     alone = cli("status", env=env_for(None, tmp_path, DATABASE_URL=database_url))
     assert alone.returncode == 0 and "database_url_ignored" not in alone.stderr, alone.stderr
     assert "pending_triage" in alone.stdout, alone.stdout
+
+
+def test_a_secret_file_given_beside_its_secret_is_named(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The inline secret wins (contract.md); the file beside it was never read, without a word,
+    so a key rotated by rewriting the file went unnoticed until the old one was refused."""
+    key_file = tmp_path / "llm-key"
+    key_file.write_text("sk-from-the-file")
+    url_file = tmp_path / "database-url"
+    url_file.write_text("postgresql://nobody:elsewhere@127.0.0.1:1/other")
+    backend = {"name": "primary", "url": "http://127.0.0.1:1/v1", "model": "m"}
+    account = {"name": "home", "host": "127.0.0.1", "username": "me", "security": "none"}
+    both = cli(
+        "status",
+        env=env_for(
+            database_url,
+            tmp_path,
+            SOKRATOS_LLM_BACKENDS=json.dumps(
+                [backend | {"api_key": "sk-inline", "api_key_file": str(key_file)}]
+            ),
+            SOKRATOS_EMAIL_ACCOUNTS=json.dumps(
+                [account | {"password": "pw", "password_file": str(key_file)}]
+            ),
+            SOKRATOS_DATABASE_URL_FILE=str(url_file),
+        ),
+    )
+    assert both.returncode == 0, both.stderr
+    assert "secret_file_ignored" in both.stderr, both.stderr
+    for named in (
+        "api_key_file of backend 'primary'",
+        "password_file of email account 'home'",
+        "SOKRATOS_DATABASE_URL_FILE",
+    ):
+        assert named in both.stderr, (named, both.stderr)
+    for secret in ("sk-inline", "sk-from-the-file", "elsewhere"):
+        assert secret not in both.stderr + both.stdout
+    one = cli(
+        "status",
+        env=env_for(
+            database_url,
+            tmp_path,
+            SOKRATOS_LLM_BACKENDS=json.dumps([backend | {"api_key_file": str(key_file)}]),
+        ),
+    )
+    assert one.returncode == 0 and "secret_file_ignored" not in one.stderr, one.stderr
