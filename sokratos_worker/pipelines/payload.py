@@ -54,6 +54,8 @@ def optional_iso_datetime(payload: dict[str, Any], name: str) -> datetime | None
     value = optional_str(payload, name)
     if value is None or not value.strip():
         return None
+    if value.strip().startswith("0000-"):
+        return None  # Go's zero time shown west of UTC: year 0, which datetime cannot hold
     try:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError as exc:

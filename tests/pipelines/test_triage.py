@@ -156,8 +156,13 @@ def test_saved_memory_has_every_column(
                           "occurred_at": "0001-01-01T00:00:00Z"}),
         ("email", {"text": "From: a@example.org\n\nMy new address is Rua 1, Porto",
                    "date": "0001-01-01T00:00:00Z"}),
+        # The zero time shown in a zone west of UTC falls in year 0, which Python cannot hold.
+        ("conversation", {"exchange": EXCHANGE, "occurred_at": "0000-12-31T19:00:00-05:00"}),
+        ("email", {"text": "From: a@example.org\n\nMy new address is Rua 1, Porto",
+                   "date": "0000-12-31T16:00:00-08:00"}),
+        ("conversation", {"exchange": EXCHANGE, "occurred_at": "0001-01-01T05:30:00+05:30"}),
     ],
-    ids=["conversation", "email"],
+    ids=["conversation", "email", "conversation-west", "email-west", "conversation-east"],
 )
 def test_gos_zero_values_are_stored_as_no_date_and_no_pipeline(
     *,
