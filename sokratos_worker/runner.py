@@ -756,10 +756,10 @@ class Runner:
         """Say why a settle changed nothing, and return how the attempt really ended: the
         outcome an earlier commit of ours recorded (its answer lost with the connection),
         ``released`` when the item waits unleased (our retry or give-back landed), or
-        ``lease_lost``."""
+        ``lease_lost`` (another worker holds it, or finished it)."""
         try:
             with self.database.connection() as conn:
-                outcome = store.outcome_of(conn, item)
+                recorded = store.outcome_of(conn, item)
                 exists, owner = store.lease_owner(conn, item)
         except DatabaseUnavailable as exc:
             # Only the refusal is known: not who holds the item now, nor whether it is done.
@@ -771,7 +771,20 @@ class Runner:
                 " does finishes it, else its lease expires and it runs again",
             )
             return LEASE_LOST
-        if outcome is not None:
+        if recorded is not None:
+            outcome, by_attempt = recorded
+            if by_attempt not in (None, item.attempt):
+                # A worker that took the item over (ours was frozen or cut off past its
+                # lease) finished it: its outcome, counted by it, is not this attempt's.
+                bound.warning(
+                    "lease_lost",
+                    finished_by_attempt=by_attempt,
+                    outcome=outcome,
+                    hint="this worker held the item past its lease (frozen, suspended or cut"
+                    " off from the database) and another took it over and finished it; this"
+                    " attempt's result was dropped. If it recurs, raise SOKRATOS_LEASE",
+                )
+                return LEASE_LOST
             bound.info("item_already_settled", outcome=outcome)
             self._count(item.queue, outcome)
             return outcome

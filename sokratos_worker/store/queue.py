@@ -581,13 +581,16 @@ def _stored_payload(item: Item, payload_text: str) -> str:
     return payload_text
 
 
-def outcome_of(conn: psycopg.Connection, item: Item) -> str | None:
-    """The item's recorded outcome, if it has one (a commit that landed before a drop)."""
+def outcome_of(conn: psycopg.Connection, item: Item) -> tuple[str, int | None] | None:
+    """The item's recorded outcome and the attempt that recorded it, if it has one (ours, a
+    commit that landed before a drop; or another worker's, which took the item over)."""
     row = conn.execute(
-        "SELECT outcome FROM work_outcomes WHERE queue = %s AND item_id = %s",
+        "SELECT outcome, attempts FROM work_outcomes WHERE queue = %s AND item_id = %s",
         (item.queue.value, item.id),
     ).fetchone()
-    return str(row[0]) if row is not None else None
+    if row is None:
+        return None
+    return str(row[0]), (int(row[1]) if row[1] is not None else None)
 
 
 def lease_owner(conn: psycopg.Connection, item: Item) -> tuple[bool, str | None]:
