@@ -45,8 +45,11 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
                     retried = f" retried as {row['retried_as']}" if row["retried_at"] else ""
                     # One line each: server errors carry "\nDETAIL: ..." and tabs.
                     error = " ".join(row["error_message"].split())[:90]
+                    # The host's time and zone, as the journal shows it (the session's
+                    # TimeZone is the server's, and printed without a zone it misled).
+                    when = row["created_at"].astimezone()
                     print(
-                        f"{row['id']:>6}  {row['created_at']:%Y-%m-%d %H:%M}  "
+                        f"{row['id']:>6}  {when:%Y-%m-%d %H:%M %Z}  "
                         f"{row['op_type']:<20} {error}{retried}"
                     )
             if not rows and not args.json:

@@ -45,7 +45,8 @@ def archive_from_payload(payload: dict[str, Any], archived_at: datetime) -> Arch
             raise InvalidPayload("archive_text", f"must be a string, not {type(text).__name__}")
         return Archive(text=text, empty=_header_only(text))
     lines = format_messages(payload["messages"])
-    header = f"[Conversation archived {archived_at.strftime(_TIME_FORMAT)}]"
+    # Local time, as Sokratos writes it (the item's created_at comes in the session's zone).
+    header = f"[Conversation archived {archived_at.astimezone().strftime(_TIME_FORMAT)}]"
     return Archive(text="\n".join([header, *lines]), empty=not lines)
 
 
@@ -126,6 +127,8 @@ def _timestamp_prefix(i: int, message: dict[str, Any]) -> str:
         stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as exc:
         raise InvalidPayload(f"messages[{i}].timestamp", "must be an ISO-8601 timestamp") from exc
+    if stamp.tzinfo is not None:
+        stamp = stamp.astimezone()  # local time, as Sokratos shows it; a naive one as written
     return f"[{stamp.strftime(_TIME_FORMAT)}] "
 
 

@@ -439,3 +439,33 @@ def test_final_failure_archive_is_embedded_when_a_chunk_is_too_large_for_the_ser
     rows = memory_rows(db)
     assert [r["origin"] for r in rows] == [f"pending_distillation:3:{i}" for i in range(len(rows))]
     assert {(r["dims"], r["source"]) for r in rows} == {(8, "conversation_archive")}
+
+
+def test_archive_times_are_in_the_hosts_local_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sokratos writes the header and each message's time in local time (timefmt.DateTime);
+    the item's created_at comes in the database session's zone, often UTC."""
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    from sokratos_worker.pipelines.archive import archive_from_payload
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    try:
+        archive = archive_from_payload(
+            {
+                "messages": [
+                    {"role": "user", "content": "I moved", "timestamp": "2026-03-14T08:00:00Z"},
+                    {"role": "user", "content": "to Pune", "timestamp": "2026-03-14T08:05:00"},
+                ]
+            },
+            datetime(2026, 3, 14, 3, 30, tzinfo=timezone(timedelta(hours=-5))),
+        )
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert archive.text == (
+        "[Conversation archived 2026-03-14 14:00]\n"
+        "[2026-03-14 13:30] user: I moved\n"
+        "[2026-03-14 08:05] user: to Pune"  # naive: shown as written
+    )
