@@ -11,7 +11,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg.types.string import TextLoader
 
-from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload
+from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload, WorkerError
 from sokratos_worker.model import RETRY_KEY_SUFFIX, Queue
 from sokratos_worker.store import queue as store
 
@@ -131,8 +131,10 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     if not an_object:
         raise InvalidPayload("payload", "is not a JSON object this worker can parse")
     queue = Queue(source_queue)
-    new_key = _free_retry_key(conn, queue, key, failure_id)
-    item_id = store.call_enqueue(conn, _REPLAY[queue], {"id": failure_id, "key": new_key})
+    # Marked first: this row version's xmin is this transaction's, which tells the item the
+    # enqueue made from one it only found under the key (see _enqueued_here).
+    conn.execute("UPDATE failed_operations SET retried_at = now() WHERE id = %s", (failure_id,))
+    item_id = _enqueue_under_a_free_key(conn, queue, retry_key(key, failure_id), failure_id)
     if original is not None:
         # The link archive reuse follows (sql/0044, store/memories.py): made here, by the
         # worker, in the replay's own transaction; a producer's item never carries one.
@@ -149,19 +151,45 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
 
 
-def _free_retry_key(
-    conn: psycopg.Connection, queue: Queue, key: str | None, failure_id: int
-) -> str:
-    """``retry_key``, counted on past keys a producer recorded itself (its own
-    ``chat-42#retry-1``): under such a key the enqueue would answer with the producer's item,
-    enqueue nothing, and the replay would be lost (and link the producer's item)."""
-    candidate = retry_key(key, failure_id)
-    while conn.execute(
-        "SELECT 1 FROM sokratos_idempotency_keys WHERE queue = %s AND key = %s",
-        (queue.value, candidate),
-    ).fetchone():
+# Keys tried before giving up: each one taken means another session took it meanwhile.
+_KEY_TRIES = 100
+
+
+def _enqueue_under_a_free_key(
+    conn: psycopg.Connection, queue: Queue, candidate: str, failure_id: int
+) -> int:
+    """Enqueue the replay under ``candidate``, counted on past keys already recorded (a
+    producer's own ``chat-42#retry-1``): under such a key the enqueue would answer with that
+    item, enqueue nothing, and the replay would be lost (and link the other item). A key taken
+    by a session still running when it was looked at (another retry, a producer) is found
+    after the enqueue, which then goes again under the next key."""
+    for _ in range(_KEY_TRIES):
+        while conn.execute(
+            "SELECT 1 FROM sokratos_idempotency_keys WHERE queue = %s AND key = %s",
+            (queue.value, candidate),
+        ).fetchone():
+            candidate = retry_key(candidate, failure_id)
+        item_id = store.call_enqueue(conn, _REPLAY[queue], {"id": failure_id, "key": candidate})
+        if _enqueued_here(conn, queue, item_id, failure_id):
+            return item_id
         candidate = retry_key(candidate, failure_id)
-    return candidate
+    raise WorkerError(
+        f"failure {failure_id}: {_KEY_TRIES} retry keys in a row were taken by other sessions"
+        " while this one looked; try again"
+    )
+
+
+def _enqueued_here(conn: psycopg.Connection, queue: Queue, item_id: int, failure_id: int) -> bool:
+    """Whether this transaction inserted the item: its row shares the xmin of the failure's row,
+    updated just before (the enqueue runs no subtransaction); another session's differs."""
+    row = conn.execute(
+        sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {} AS t, failed_operations AS f"
+            " WHERE t.id = %s AND f.id = %s AND t.xmin = f.xmin)"
+        ).format(sql.Identifier(queue.value)),
+        (item_id, failure_id),
+    ).fetchone()
+    return bool(row and row[0])
 
 
 # The stored payload is copied inside PostgreSQL: exact, at any depth (a round trip through
