@@ -12,15 +12,13 @@ server that kept dying), 78 bad configuration.
 from __future__ import annotations
 
 import argparse
-import os
-import select
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import structlog
 
-from sokratos_worker import __version__, cli_commands, cli_enqueue, cli_failed
+from sokratos_worker import __version__, cli_commands, cli_enqueue, cli_failed, closed_stdout
 from sokratos_worker.command_database import (
     EmbeddedUnavailable,
     database_url,
@@ -296,10 +294,9 @@ def main(
             code = _stopped(exc)
         _flush_stdout()  # buffered output meets the closed pipe here, not at print()
     except BrokenPipeError:
-        if not _stdout_reader_gone():
+        if not closed_stdout.reader_gone():
             raise  # a socket's (an LLM backend, a mailbox): a real failure, not the reader
-        # The Python docs' recipe: interpreter shutdown would flush into the pipe again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        closed_stdout.discard_stdout()  # interpreter shutdown would flush into the pipe again
     return code
 
 
@@ -314,19 +311,6 @@ def _stopped(exc: KeyboardInterrupt) -> int:
     name = str(exc) or "SIGINT"  # Python's own Ctrl-C handler gives no name
     print(f"sokratos-worker: stopped by {name} before the command finished", file=sys.stderr)
     return EXIT_FAILURE
-
-
-def _stdout_reader_gone() -> bool:
-    """True when stdout's reader has gone, so the BrokenPipeError was stdout's."""
-    try:
-        descriptor = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (tests)
-        return False
-    if not hasattr(select, "poll"):
-        return True  # no poll to ask (Windows): the error is taken at its word
-    poller = select.poll()
-    poller.register(descriptor, 0)
-    return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in poller.poll(0))
 
 
 def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) -> int:

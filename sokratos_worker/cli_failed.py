@@ -14,6 +14,7 @@ import sys
 from decimal import Decimal
 from typing import Any
 
+from sokratos_worker import closed_stdout
 from sokratos_worker.command_database import database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import TableLocked
@@ -163,7 +164,8 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
             left = ", ".join(str(i) for i in ids[done : done + 10])
             more = f" and {len(ids) - done - 10} more" if len(ids) - done > 10 else ""
             raise TableLocked(f"{exc} (not retried: {left}{more})") from exc
-        print(f"{failure_id}: {result.message}")
+        # A reader gone (`| head -1`) must not leave the retry half done: it goes on unprinted.
+        closed_stdout.print_on(f"{failure_id}: {result.message}")
         if result.item_id is None:
             code = EXIT_FAILURE
     return code

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.support.operator import REPO, cli_env
@@ -76,3 +77,40 @@ def test_a_broken_pipe_that_is_not_stdouts_is_not_hidden(tmp_path: Path) -> None
         check=False,
     )
     assert done.returncode == 1 and "BrokenPipeError" in done.stderr, done.stderr
+
+
+def test_retry_all_into_a_reader_gone_early_still_retries_every_failure(
+    tmp_path: Path, database_url: str, db: psycopg.Connection
+) -> None:
+    """`failed retry --all | head -1`: the retry stopped at the first line that met the closed
+    pipe, most failures not retried, and exited 0 as if done. A command that changes state
+    finishes what it was asked, its remaining lines unprinted."""
+    db.execute(
+        """INSERT INTO failed_operations (op_type, label, error_message, context_data,
+                                          source_queue, item_id, idempotency_key, attempts)
+           SELECT 'conversation_triage', 'pending_triage item ' || g, 'model said no',
+                  jsonb_build_object('queue', 'pending_triage', 'item_id', g,
+                                     'source', 'conversation',
+                                     'payload', jsonb_build_object(
+                                         'exchange', 'user: item ' || g || E'\\nassistant: ok')),
+                  'pending_triage', g, 'closed-pipe-' || g, 3
+           FROM generate_series(1, 2000) g"""
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", "failed", "retry", "--all"],
+        env=cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url),
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert stderr == "", stderr
+    assert "re-enqueued as pending_triage item" in first, first
+    left = db.execute("SELECT count(*) FROM failed_operations WHERE retried_at IS NULL")
+    assert left.fetchone() == (0,)
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (2000,)
