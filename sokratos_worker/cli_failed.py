@@ -38,8 +38,9 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
         lock_waits_given_up(conn, f"failed {args.action}"),
     ):
         if args.action == "list":
-            rows = failures.list_failures(conn, op_type=args.op_type, limit=args.limit)
-            for row in rows:
+            listed = 0
+            for row in failures.list_failures(conn, op_type=args.op_type, limit=args.limit):
+                listed += 1
                 if args.json:
                     print(json.dumps(row, default=str))
                 else:
@@ -53,7 +54,7 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
                         f"{row['id']:>6}  {when:%Y-%m-%d %H:%M %Z}  "
                         f"{row['op_type']:<20} {error}{retried}"
                     )
-            if not rows and not args.json:
+            if not listed and not args.json:
                 print(_no_failures(conn, args.op_type))
             return EXIT_OK
         if args.action == "show":

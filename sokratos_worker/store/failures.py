@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,11 @@ def record_failure(
 
 def list_failures(
     conn: psycopg.Connection, *, op_type: str | None = None, limit: int = 50
-) -> list[dict[str, Any]]:
-    """Newest first, without the (possibly large) context."""
+) -> Iterator[dict[str, Any]]:
+    """Newest first, without the (possibly large) context; streamed as the server sends the
+    rows, so ``failed list --limit 1000000`` holds one row at a time, not a million."""
     with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(
+        yield from cur.stream(
             """SELECT id, op_type, label, error_message, created_at, source_queue, item_id,
                       idempotency_key, attempts, retried_at, retried_as
                FROM failed_operations
@@ -42,7 +44,6 @@ def list_failures(
                ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
             {"op": op_type, "limit": limit},
         )
-        return list(cur.fetchall())
 
 
 def get_failure(conn: psycopg.Connection, failure_id: int) -> dict[str, Any] | None:
