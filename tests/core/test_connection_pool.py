@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import psycopg
@@ -196,3 +197,42 @@ def test_connections_give_up_on_unacknowledged_data_as_keepalives_do(database_ur
     assert params["tcp_user_timeout"] == "60000"  # idle 30 s + 3 probes 10 s apart
     own = conninfo_to_dict(with_keepalives("host=db.example tcp_user_timeout=5000"))
     assert own["tcp_user_timeout"] == "5000" and own["keepalives_idle"] == "30"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_pool_reopens_its_connections_soon_after_a_long_outage(
+    database_url: str, restart_postgres: Callable[[float], None]
+) -> None:
+    """psycopg_pool's backoff doubles without a cap (1, 2, 4 ... 64 s): after a 70 s outage
+    the daemon's work resumed ~45 s after PostgreSQL was back. Capped at 5 s, it resumes
+    within a few seconds (the bound below is generous: the mechanism, not the speed)."""
+    database = Database(database_url, size=2, keep_open=2)
+    up_at: list[float] = []
+    reached: list[float] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:  # as the dispatcher does through an outage
+        while not done.is_set():
+            try:
+                with database.connection() as conn:
+                    conn.execute("SELECT 1")
+                if up_at:
+                    reached.append(time.monotonic())
+                    return
+            except DatabaseUnavailable:
+                pass
+            time.sleep(0.5)
+
+    asker = threading.Thread(target=keep_asking, daemon=True)
+    try:
+        database.pool.wait(timeout=10)
+        asker.start()
+        restart_postgres(40.0)  # the uncapped backoff's next try is then ~23 s after the restart
+        up_at.append(time.monotonic())
+        asker.join(60)
+    finally:
+        done.set()
+        database.close()
+    assert reached, "no connection within 60 s of PostgreSQL's restart"
+    assert reached[0] - up_at[0] < 15, f"{reached[0] - up_at[0]:.1f} s after the restart"
