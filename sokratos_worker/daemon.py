@@ -416,6 +416,7 @@ class Worker:
     def listen_forever(self) -> None:
         """Wake the runner on every NOTIFY; reconnect by itself and drain after reconnecting."""
         delay = 0.5
+        failures = 0  # in a row: the first is said, the rest of an outage's are debug
         while not self._stop.is_set():
             try:
                 with connect(self.database.conninfo, autocommit=True) as conn:
@@ -423,7 +424,7 @@ class Worker:
                     self.database_contact.succeeded()
                     log.info("listening", channel=NOTIFY_CHANNEL)
                     self.runner.wake(notified=False)  # whatever arrived while we were away
-                    delay = 0.5
+                    delay, failures = 0.5, 0
                     while not self._stop.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.runner.wake()
@@ -432,7 +433,14 @@ class Worker:
                     return  # the database went away because we are stopping: not news
                 # The first to know of an outage while the runner idles: /readyz says so now.
                 self.database_contact.failed()
-                log.warning("listen_reconnecting", error=str(exc).strip(), retry_in_s=delay)
+                failures += 1
+                (log.warning if failures == 1 else log.debug)(
+                    "listen_reconnecting",
+                    error=str(exc).strip(),
+                    retry_in_s=delay,
+                    hint="new work is still found at each heartbeat meanwhile; 'listening'"
+                    " says when it is back",
+                )
             self._stop.wait(delay)
             delay = min(delay * 2, 10.0)
 

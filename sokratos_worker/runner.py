@@ -58,6 +58,15 @@ CLAIM_CANCEL_TIMEOUT_S = 2.0
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
+_AWAY_HINT = (
+    "items in flight keep their leases and settle when PostgreSQL answers again; nothing is"
+    " lost. Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker check' tells)"
+)
+_LOCKED_HINT = (
+    "another session holds a queue table locked (dispatcher_waiting_for_lock names it); claiming"
+    " goes on when it lets go, and nothing is lost"
+)
+_FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
 
@@ -159,6 +168,9 @@ class Runner:
         self._notified = False
         self._paused_until = 0.0
         self._pause_delay = 5.0
+        # When the database outage in progress was first met (None: no outage), so it is
+        # said once, by whichever thread meets it, and its end with how long it lasted.
+        self._outage_since: float | None = None
         self._budget_ends = float("inf")  # run --once: no claims after SOKRATOS_TICK_BUDGET
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
@@ -264,9 +276,8 @@ class Runner:
                     asked, got = self._claim_for_idle_slots()
                     next_in = None if got or asked == 0 else self._next_ready_in()
                 except DatabaseUnavailable as exc:
-                    self._contact_failed(exc)
-                    self._set_state(State.WAITING_FOR_DATABASE, str(exc))
-                    log.warning("waiting_for_database", error=str(exc), retry_in_s=db_delay)
+                    self._database_lost(exc)
+                    log.debug("claim_waiting_for_database", error=str(exc), retry_in_s=db_delay)
                     self._wait(db_delay)
                     db_delay = min(db_delay * 2, 5.0)
                     continue
@@ -307,10 +318,7 @@ class Runner:
     def _claimed_without_error(self, asked: int) -> None:
         """The dispatcher's pass ended without a database error: leave any wait for it."""
         if asked:  # a claim was sent (none when every slot is busy): the database answered
-            self._on_database_contact(True)
-        if self.state == State.WAITING_FOR_DATABASE:
-            self._set_state(State.RUNNING, "")
-            log.info("database_reachable_again")
+            self._database_back()
 
     def _wait(self, seconds: float) -> None:
         # Wake at least every second so the watchdog sees progress.
@@ -413,9 +421,21 @@ class Runner:
             self._paused_until = time.monotonic() + self._pause_delay
             if already:
                 self._pause_delay = min(self._pause_delay * 2, 60.0)
-        if not already:
-            log.warning("claiming_paused", reason=reason, retry_in_s=self._pause_delay)
-        self._set_state(State.NO_BACKEND, reason)
+            else:  # taken under the lock: two items failing at once pause (and say it) once
+                self.state, self.state_detail = State.NO_BACKEND, reason
+        if already:
+            self._set_state(State.NO_BACKEND, reason)
+            return
+        log.warning(
+            "claiming_paused",
+            reason=reason,
+            retry_in_s=self._pause_delay,
+            hint="items wait, their attempts given back, and claiming resumes by itself when a"
+            " health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the embedding"
+            " server up? ('sokratos-worker check' probes them)",
+        )
+        if self._on_state is not None:
+            self._on_state(State.NO_BACKEND, reason)
 
     def _maybe_resume(self) -> None:
         if time.monotonic() < self._paused_until:
@@ -810,13 +830,13 @@ class Runner:
     ) -> T | None:
         """Run a settle, retrying through a database outage while the lease lasts."""
         deadline = time.monotonic() + self.settings.lease * 0.8
-        delay = 0.2
+        delay = _FIRST_SETTLE_DELAY
         while True:
             try:
                 with self.database.connection() as conn:
                     result = fn(conn)
             except DatabaseUnavailable as exc:
-                self._contact_failed(exc)
+                self._database_lost(exc)
                 if time.monotonic() + delay > deadline:
                     bound.error(
                         "settle_abandoned",
@@ -825,11 +845,14 @@ class Runner:
                     )
                     self._untrack(item, leave_leased=True)
                     return None
-                bound.warning("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
+                # The outage is said once (waiting_for_database); each item's first wait is
+                # worth a line, its every retry is not.
+                say = bound.info if delay == _FIRST_SETTLE_DELAY else bound.debug
+                say("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
             else:
-                self._on_database_contact(True)
+                self._database_back()
                 return result
 
     # -- give-backs ------------------------------------------------------------------
@@ -875,6 +898,35 @@ class Runner:
         """Report a contact that did not reach the database; a locked table did reach it."""
         if not isinstance(exc, TableLocked):
             self._on_database_contact(False)
+
+    def _database_lost(self, exc: DatabaseUnavailable) -> None:
+        """A claim or settle met the database away: the first to meet an outage says so."""
+        self._contact_failed(exc)
+        with self._lock:
+            first = self._outage_since is None
+            if first:
+                self._outage_since = time.monotonic()
+        if not first:
+            return
+        self._set_state(State.WAITING_FOR_DATABASE, str(exc))
+        log.warning(
+            "waiting_for_database",
+            error=str(exc),
+            hint=_LOCKED_HINT if isinstance(exc, TableLocked) else _AWAY_HINT,
+        )
+
+    def _database_back(self) -> None:
+        """A claim or settle reached the database: the end of an outage is said once."""
+        self._on_database_contact(True)
+        if self._outage_since is None:  # the hot path: no lock when there is no outage
+            return
+        with self._lock:
+            since, self._outage_since = self._outage_since, None
+        if since is None:
+            return
+        if self.state == State.WAITING_FOR_DATABASE:
+            self._set_state(State.RUNNING, "")
+        log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
 
     def _progress(self) -> None:
         if self._on_progress is not None:

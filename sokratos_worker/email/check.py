@@ -579,7 +579,14 @@ def _failed(
     error = clean_text(error)  # an exception may quote mail bytes; last_error must be storable
     error = _without_password(account, error)
     store.record_error(conn, account.name, account.mailbox, error, now)
-    log.warning("email_check_failed", account=account.name, error=error)
+    log.warning(
+        "email_check_failed",
+        account=account.name,
+        error=error,
+        hint="no mail is lost: the next check starts where the last good one ended; if this"
+        " repeats, check the account's host, port, security and password ('sokratos-worker"
+        " check' tries them)",
+    )
     return AccountReport(name=account.name, error=error)
 
 

@@ -342,5 +342,11 @@ class MemoryReader:
             with self.database.connection() as conn:
                 return list(conn.execute(sql, params).fetchall())
         except (psycopg.Error, DatabaseUnavailable) as exc:
-            log.warning("memory_read_failed", query=query, error=type(exc).__name__)
+            log.warning(
+                "memory_read_failed",
+                query=query,
+                error=f"{type(exc).__name__}: {str(exc).strip()}"[:300],
+                hint="the item is handled without this read (fewer memories to compare"
+                " with); a database outage is logged as waiting_for_database",
+            )
             return fallback

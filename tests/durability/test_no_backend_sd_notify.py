@@ -5,6 +5,7 @@ real daemon (scripted handlers; the item raises BackendsUnavailable every time).
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 from pathlib import Path
@@ -50,5 +51,7 @@ def test_no_backend_is_said_over_sd_notify_and_in_the_log_and_costs_no_attempt(
     assert "every backend unreachable (scripted)" in status, status
     text = log.read_text()
     assert '"claiming_paused"' in text and '"attempt_given_back"' in text
+    paused = [json.loads(line) for line in text.splitlines() if '"claiming_paused"' in line]
+    assert len(paused) == 1 and "resumes by itself" in paused[0]["hint"], paused
     assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts > 0") == 0
     assert count(db, "SELECT count(*) FROM failed_operations") == 0

@@ -548,6 +548,7 @@ def test_a_broken_account_does_not_stop_a_good_one(
     )
     failures = [e for e in logs if e["event"] == "email_check_failed"]
     assert {e["account"] for e in failures} == {"broken", "gone"}
+    assert all("no mail is lost" in e["hint"] for e in failures), failures
     assert secret not in repr(logs)
     assert secret not in repr(db.execute("SELECT * FROM email_checkpoints").fetchall())
 
