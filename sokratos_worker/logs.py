@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -46,6 +47,20 @@ _REDACTED_KEYS = frozenset(
 REPEAT_WINDOW_S = 300.0
 
 
+_OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _library_line(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A library's log record (psycopg_pool's, APScheduler's) as one of ours: a stable event
+    name to group and grep by, the library's logger, and its text on one line in ``message``."""
+    record = event.get("_record")
+    event["message"] = " ".join(str(event.get("event", "")).split())
+    event["event"] = "library_message"
+    if isinstance(record, logging.LogRecord):
+        event["logger"] = record.name
+    return event
+
+
 class RepeatedLineFilter(logging.Filter):
     """Lets each distinct text through once per ``window_s``; the next one after that says
     how many were left out in between."""
@@ -62,17 +77,19 @@ class RepeatedLineFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
+        # "discarding closed connection: <psycopg.Connection [BAD] at 0x7f…>": one per address.
+        key = _OBJECT_ADDRESS.sub("", text)
         now = self._clock()
         with self._lock:
-            last = self._last.get(text)
+            last = self._last.get(key)
             if last is not None and now - last < self.window_s:
-                self._left_out[text] = self._left_out.get(text, 0) + 1
+                self._left_out[key] = self._left_out.get(key, 0) + 1
                 return False
             if len(self._last) >= 100:  # texts carry hosts and errors: a few in practice
                 self._last.clear()
                 self._left_out.clear()
-            self._last[text] = now
-            left_out = self._left_out.pop(text, 0)
+            self._last[key] = now
+            left_out = self._left_out.pop(key, 0)
         if left_out:
             record.msg = f"{text} (and {left_out} more like it since the last one)"
             record.args = ()
@@ -390,7 +407,7 @@ def configure_logging(
                 secrets,
                 renderer,
             ],
-            foreign_pre_chain=shared,
+            foreign_pre_chain=[*shared, _library_line],
         )
     )
     root = logging.getLogger()

@@ -104,7 +104,7 @@ def test_tracebacks_are_text_and_never_show_local_variables(fmt: str) -> None:
     assert result.stderr.count("ValueError: boom") == 2, result.stderr
     if fmt == "json":
         events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
-        assert [e["event"] for e in events] == ["job raised", "ours raised"]
+        assert [e.get("message", e["event"]) for e in events] == ["job raised", "ours raised"]
         assert all("in connect" in e["exception"] for e in events)
 
 
@@ -151,6 +151,31 @@ def test_the_pool_logger_carries_the_repeat_filter() -> None:
             for _ in range(5):
                 logging.getLogger("psycopg.pool").warning("error connecting in %r: %s", "p", "x")
         lines = [json.loads(line) for line in buffer.getvalue().strip().splitlines()]
-        assert [e["event"] for e in lines] == ["error connecting in 'p': x"]
+        assert [(e["event"], e["logger"], e["message"]) for e in lines] == [
+            ("library_message", "psycopg.pool", "error connecting in 'p': x")
+        ]
+    finally:
+        structlog.reset_defaults()
+
+
+def test_a_librarys_lines_differing_only_in_an_object_address_are_one() -> None:
+    """psycopg_pool names each connection it discards by its address: one line per outage,
+    on one line, under a stable event name, not one per connection with the text as event."""
+    buffer = io.StringIO()
+    try:
+        with redirect_stderr(buffer):
+            configure_logging("info", "json")
+            for address in ("0x7fd2a1", "0x7fd2b2", "0x7fd2c3"):
+                logging.getLogger("psycopg.pool").warning(
+                    "discarding closed connection: %s",
+                    f"<psycopg.Connection [BAD] at {address}>\n\tIs the server running?",
+                )
+        lines = [json.loads(line) for line in buffer.getvalue().strip().splitlines()]
+        assert len(lines) == 1, lines
+        assert lines[0]["event"] == "library_message"
+        assert lines[0]["message"] == (
+            "discarding closed connection: <psycopg.Connection [BAD] at 0x7fd2a1>"
+            " Is the server running?"
+        )
     finally:
         structlog.reset_defaults()
