@@ -252,7 +252,12 @@ class FallbackChatClient:
         answered = True  # every backend answered (served or refused) the form asked
         for backend in self._backends:
             result = probe_answer(backend, form.model if form is not None else None)
-            if result is not Probed.DOWN:
+            if result is Probed.SERVED:
+                # It serves: closed, so the resumed items all reach it. Left half-open, one
+                # went as the trial and the rest failed at once with circuit_open, given back
+                # (a new outage logged right after circuit_closed, claiming paused again).
+                backend.breaker.record_success()
+            elif result is Probed.REFUSED:
                 backend.breaker.allow_probe_now()  # it answers: the next call may reach it
             if result is Probed.SERVED:
                 # With backends awaited (they refused the minimal request another served), only

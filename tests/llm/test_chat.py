@@ -563,3 +563,26 @@ def test_every_backend_busy_says_so_and_gives_the_attempt_back(
     assert a.count() == 3 - len(busy)  # a busy call sends nothing
     # An overloaded backend is not the item's fault: the runner gives the attempt back.
     assert after_failure(error, attempt=1, max_attempts=3).step is Step.GIVE_BACK
+
+
+def test_a_probe_the_backend_serves_closes_its_circuit_for_every_resumed_item(
+    servers: Servers, make_client: MakeClient
+):
+    """After an outage the probe that resumes claiming succeeded but only ended the circuit's
+    cool-down: the next call went as the half-open trial and the items resumed beside it
+    failed at once with circuit_open, given back, a new outage logged right after."""
+    a = servers(chat=json_responder(GOOD))
+    client = make_client(backend(a, "a"))
+    breaker = client._backends[0].breaker
+    for _ in range(breaker.threshold):
+        breaker.record_failure("connection refused")
+    assert str(breaker.state) == "open"
+    assert client.probe()
+    assert str(breaker.state) == "closed"
+    answers: list[object] = []
+    threads = [threading.Thread(target=lambda: answers.append(ask(client))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(answers) == 6 and all(x.value == Verdict(**GOOD) for x in answers), answers  # type: ignore[attr-defined]
