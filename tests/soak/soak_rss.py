@@ -44,7 +44,7 @@ MINUTES = float(os.environ.get("SOAK_MINUTES", "30"))
 PHASE_S = float(os.environ.get("SOAK_PHASE_S", "180"))
 RATE = float(os.environ.get("SOAK_RATE", "4"))
 DROP_RATE = float(os.environ.get("SOAK_DROP_RATE", "0.5"))
-CSV_PATH = Path(os.environ.get("SOAK_CSV", "tests/_review/r4/soak.csv"))
+CSV_PATH = Path(os.environ.get("SOAK_CSV", "/tmp/sokratos-soak.csv"))
 PHASES = os.environ.get("SOAK_PHASES", "healthy,dropping,refusing").split(",")
 
 
@@ -97,7 +97,7 @@ def test_soak_rss(database_url: str, tmp_path: Path) -> None:  # noqa: PLR0912
     env["SOKRATOS_LOG_LEVEL"] = os.environ.get("SOAK_LOG_LEVEL", "warning")
     env.update(json.loads(os.environ.get("SOAK_DAEMON_ENV", "{}")))
     entry = os.environ.get("SOAK_ENTRY")
-    if entry:  # e.g. tests._review.r4.inproc_entry (the daemon with tracemalloc in-process)
+    if entry:  # another entry module for the daemon (e.g. one that runs tracemalloc)
         import subprocess
         import sys
 
