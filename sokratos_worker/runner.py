@@ -171,6 +171,8 @@ class Runner:
         # When the database outage in progress was first met (None: no outage), so it is
         # said once, by whichever thread meets it, and its end with how long it lasted.
         self._outage_since: float | None = None
+        self._report_lock = threading.Lock()  # state reports go out one at a time
+        self._reported = (self.state, self.state_detail)
         self._budget_ends = float("inf")  # run --once: no claims after SOKRATOS_TICK_BUDGET
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
@@ -416,26 +418,23 @@ class Runner:
     def _pause(self, reason: str, *, probe_failed: bool = False) -> None:
         with self._lock:
             already = self.state == State.NO_BACKEND
-            if already and not probe_failed:
+            if (already and not probe_failed) or self.state == State.STOPPING:
                 return  # more items of the same outage must not escalate the probe backoff
             self._paused_until = time.monotonic() + self._pause_delay
             if already:
                 self._pause_delay = min(self._pause_delay * 2, 60.0)
-            else:  # taken under the lock: two items failing at once pause (and say it) once
-                self.state, self.state_detail = State.NO_BACKEND, reason
-        if already:
-            self._set_state(State.NO_BACKEND, reason)
-            return
-        log.warning(
-            "claiming_paused",
-            reason=reason,
-            retry_in_s=self._pause_delay,
-            hint="items wait, their attempts given back, and claiming resumes by itself when a"
-            " health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the embedding"
-            " server up? ('sokratos-worker check' probes them)",
-        )
-        if self._on_state is not None:
-            self._on_state(State.NO_BACKEND, reason)
+            # Taken under the lock: two items failing at once pause (and say it) once.
+            self.state, self.state_detail = State.NO_BACKEND, reason
+        if not already:
+            log.warning(
+                "claiming_paused",
+                reason=reason,
+                retry_in_s=self._pause_delay,
+                hint="items wait, their attempts given back, and claiming resumes by itself when"
+                " a health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the"
+                " embedding server up? ('sokratos-worker check' probes them)",
+            )
+        self._report_state()
 
     def _maybe_resume(self) -> None:
         if time.monotonic() < self._paused_until:
@@ -443,7 +442,13 @@ class Runner:
         if self._probe_while_alive():
             self._pause_delay = 5.0
             self._paused_until = 0.0
-            self._set_state(State.RUNNING, "")
+            # Back to waiting if the database went away meanwhile: its end sets running.
+            away = self._outage_since is not None
+            self._move(
+                State.WAITING_FOR_DATABASE if away else State.RUNNING,
+                "database unavailable" if away else "",
+                only_from=(State.NO_BACKEND,),
+            )
             log.info("claiming_resumed")
             self.wake(notified=False)
         else:
@@ -889,10 +894,28 @@ class Runner:
     # -- reporting -------------------------------------------------------------------
 
     def _set_state(self, state: str, detail: str) -> None:
-        changed = state != self.state or detail != self.state_detail
-        self.state, self.state_detail = state, detail
-        if changed and self._on_state is not None:
-            self._on_state(state, detail)
+        with self._lock:
+            self.state, self.state_detail = state, detail
+        self._report_state()
+
+    def _move(self, state: str, detail: str, *, only_from: tuple[str, ...]) -> None:
+        """Change to ``state`` only from one of ``only_from`` (checked and changed under the
+        lock: a settle's view of the database must not end a backend pause or a stop)."""
+        with self._lock:
+            if self.state not in only_from:
+                return
+            self.state, self.state_detail = state, detail
+        self._report_state()
+
+    def _report_state(self) -> None:
+        """Tell the daemon the state as it is now, when it changed. One report at a time, each
+        reading the state afresh, so the last report made is of the latest state."""
+        with self._report_lock:
+            now = (self.state, self.state_detail)
+            if now == self._reported or self._on_state is None:
+                return
+            self._reported = now
+            self._on_state(*now)
 
     def _contact_failed(self, exc: DatabaseUnavailable) -> None:
         """Report a contact that did not reach the database; a locked table did reach it."""
@@ -900,33 +923,35 @@ class Runner:
             self._on_database_contact(False)
 
     def _database_lost(self, exc: DatabaseUnavailable) -> None:
-        """A claim or settle met the database away: the first to meet an outage says so."""
+        """A claim or settle met the database away: the first to meet an outage says so; the
+        state turns to waiting from running only (a backend pause or a stop stays)."""
         self._contact_failed(exc)
         with self._lock:
             first = self._outage_since is None
             if first:
                 self._outage_since = time.monotonic()
-        if not first:
-            return
-        self._set_state(State.WAITING_FOR_DATABASE, str(exc))
-        log.warning(
-            "waiting_for_database",
-            error=str(exc),
-            hint=_LOCKED_HINT if isinstance(exc, TableLocked) else _AWAY_HINT,
-        )
+            if self.state == State.RUNNING:
+                self.state, self.state_detail = State.WAITING_FOR_DATABASE, str(exc)
+        if first:
+            log.warning(
+                "waiting_for_database",
+                error=str(exc),
+                hint=_LOCKED_HINT if isinstance(exc, TableLocked) else _AWAY_HINT,
+            )
+        self._report_state()
 
     def _database_back(self) -> None:
         """A claim or settle reached the database: the end of an outage is said once."""
         self._on_database_contact(True)
-        if self._outage_since is None:  # the hot path: no lock when there is no outage
-            return
+        if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
+            return  # the hot path: no lock when there is no outage
         with self._lock:
             since, self._outage_since = self._outage_since, None
-        if since is None:
-            return
-        if self.state == State.WAITING_FOR_DATABASE:
-            self._set_state(State.RUNNING, "")
-        log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
+            if self.state == State.WAITING_FOR_DATABASE:
+                self.state, self.state_detail = State.RUNNING, ""
+        if since is not None:
+            log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
+        self._report_state()
 
     def _progress(self) -> None:
         if self._on_progress is not None:

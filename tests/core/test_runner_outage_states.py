@@ -1,0 +1,124 @@
+"""The runner's state machine across a database outage and a backend pause, in the orders the
+threads meet them (the dispatcher's claims, each slot's settles, the resume probe, the stop).
+
+Each test drives the Runner's own methods in the order its threads call them; the Runner is a
+real one over a real database (nothing mocked but the order of events). A review found each
+order wrong the day settles began to report outages (2026-12-05).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+
+from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.model import Queue
+from sokratos_worker.runner import Runner, State
+from sokratos_worker.store.connection import Database
+from tests.support.handlers import ScriptedHandler, fast_settings
+
+AWAY = "connection failed: connection refused (is the server running?)"
+
+
+MakeRunner = Callable[..., Runner]
+
+
+@pytest.fixture
+def make_runner(database_url: str) -> Iterator[MakeRunner]:
+    databases: list[Database] = []
+
+    def make(states: list[tuple[str, str]], *, probe_ok: bool) -> Runner:
+        databases.append(Database(database_url, size=2))
+        return Runner(
+            settings=fast_settings(),
+            database=databases[-1],
+            handlers={Queue.TRIAGE: ScriptedHandler(probe_ok=probe_ok)},
+            worker_id="states",
+            on_state=lambda state, detail: states.append((state, detail)),
+        )
+
+    yield make
+    for database in databases:
+        database.close()
+
+
+def test_a_settle_meeting_an_outage_during_a_backend_pause_does_not_end_the_pause(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """Concurrency 2, the host's network drops: slot 1's model call fails (no backend: its
+    attempt given back, claiming paused, NO_BACKEND); slot 2's settle then meets the database
+    away (_settle_with_retry -> _database_lost) and lands when it is back (_database_back).
+
+    The settle's outage must not overwrite NO_BACKEND, nor its end set RUNNING: the pause
+    would be forgotten (_paused() is false once _paused_until passes), claiming would resume
+    with no health probe while every backend is still down."""
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=False)
+    runner._pause("no LLM backend reachable")  # slot 1, after its give-back landed
+    runner._database_lost(DatabaseUnavailable(AWAY))  # slot 2's settle meets the outage
+    runner._database_back()  # slot 2's settle retry lands
+    assert runner.state == State.NO_BACKEND, states
+    runner._paused_until = 0.0  # the pause's first 5 s are over
+    assert runner._paused(), "claiming resumed without a health probe"
+
+
+def test_a_resume_during_an_outage_leaves_the_state_waiting_for_the_database(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """The host running PostgreSQL and the model server reboots: a claim meets the database
+    away (WAITING_FOR_DATABASE), an item in flight fails for want of a backend (NO_BACKEND),
+    the model server comes back first and the resume probe succeeds (RUNNING,
+    claiming_resumed) while PostgreSQL is still away: every later claim fails.
+
+    The runner must not say 'running' (sd_notify STATUS, worker_state metric, `status`) for
+    the rest of the outage."""
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=True)
+    runner._database_lost(DatabaseUnavailable(AWAY))  # the dispatcher's claim
+    runner._pause("no LLM backend reachable")  # an item's give-back (its settle abandoned)
+    runner._paused_until = 0.0
+    runner._maybe_resume()  # the probe succeeds: claiming resumed
+    runner._database_lost(DatabaseUnavailable(AWAY))  # the next claim: still away
+    assert runner.state == State.WAITING_FOR_DATABASE, states
+
+
+def test_an_outage_ending_while_it_is_being_said_does_not_leave_the_runner_waiting(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """The dispatcher's claim times out on the pool (DatabaseUnavailable) just as a slot's
+    settle, on a connection it already had, succeeds. Had _database_lost marked the outage
+    and set WAITING_FOR_DATABASE in two steps, the settle's _database_back in between would
+    leave the state waiting with no outage marked, for good: /readyz 503 on a healthy worker.
+    (Marked and set under one lock now, the window is gone; the wrapper stays as a guard.)"""
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=True)
+    set_state = runner._set_state
+
+    def settle_lands_in_between(state: str, detail: str) -> None:
+        if state == State.WAITING_FOR_DATABASE:
+            runner._database_back()  # the other thread's settle, in the window
+        set_state(state, detail)
+
+    runner._set_state = settle_lands_in_between  # type: ignore[method-assign]
+    runner._database_lost(DatabaseUnavailable(AWAY))
+    runner._set_state = set_state  # type: ignore[method-assign]
+    # The database answers from now on: the next claims and settles land.
+    runner._database_back()
+    runner._claimed_without_error(1)
+    assert runner.state == State.RUNNING, states
+
+
+def test_a_settle_meeting_an_outage_during_shutdown_does_not_report_running(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """SIGTERM: shutdown() sets STOPPING and the items in flight finish within the grace.
+    One's settle meets the database away, then lands: the state stays STOPPING (running
+    would send sd_notify STATUS=running and write a 'running' heartbeat while it stops)."""
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=True)
+    runner._set_state(State.STOPPING, "")  # as shutdown() does first
+    runner._database_lost(DatabaseUnavailable(AWAY))  # an item's settle in the grace
+    runner._database_back()  # its retry lands
+    assert runner.state == State.STOPPING, states
