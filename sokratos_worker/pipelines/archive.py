@@ -121,12 +121,14 @@ def _optional_str(i: int, message: dict[str, Any], key: str) -> str | None:
 
 def _timestamp_prefix(i: int, message: dict[str, Any]) -> str:
     value = _optional_str(i, message, "timestamp")
-    if not value:
-        return ""
+    if not value or value.strip().startswith("0000-"):
+        return ""  # none, or Go's zero time shown west of UTC (year 0)
     try:
         stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as exc:
         raise InvalidPayload(f"messages[{i}].timestamp", "must be an ISO-8601 timestamp") from exc
+    if stamp.year == 1:
+        return ""  # Go's zero time (an unset time.Time): no time, as Sokratos writes it
     if stamp.tzinfo is not None:
         stamp = stamp.astimezone()  # local time, as Sokratos shows it; a naive one as written
     return f"[{stamp.strftime(_TIME_FORMAT)}] "
