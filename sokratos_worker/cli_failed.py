@@ -137,11 +137,13 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
     from sokratos_worker.store import failures  # noqa: PLC0415
     from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
 
+    # Every line goes through print_on: a reader gone (`| head -1`) must not leave the retry
+    # half done (or not begun); it goes on unprinted.
     ids = failures.retryable_ids(conn, op_type=args.op_type) if args.all else args.ids
     if args.all:
         invalid = failures.invalid_payload_count(conn, op_type=args.op_type)
         if invalid:
-            print(
+            closed_stdout.print_on(
                 f"skipped {invalid} failures whose payload itself was invalid (a replay fails"
                 " the same way): fix the producer, or retry one by ID after an upgrade that"
                 " accepts it"
@@ -149,7 +151,7 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
         other = failures.not_replayable_counts(conn, op_type=args.op_type)
         if other:
             kinds = ", ".join(f"{count} {kind}" for kind, count in other.items())
-            print(
+            closed_stdout.print_on(
                 f"skipped {sum(other.values())} failures that are not queue items ({kinds}):"
                 " retry one by ID to be told what to do with it"
             )
@@ -165,7 +167,6 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
             left = ", ".join(str(i) for i in ids[done : done + 10])
             more = f" and {len(ids) - done - 10} more" if len(ids) - done > 10 else ""
             raise TableLocked(f"{exc} (not retried: {left}{more})") from exc
-        # A reader gone (`| head -1`) must not leave the retry half done: it goes on unprinted.
         closed_stdout.print_on(f"{failure_id}: {result.message}")
         if result.item_id is None:
             code = EXIT_FAILURE

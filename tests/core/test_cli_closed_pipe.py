@@ -114,3 +114,48 @@ def test_retry_all_into_a_reader_gone_early_still_retries_every_failure(
     left = db.execute("SELECT count(*) FROM failed_operations WHERE retried_at IS NULL")
     assert left.fetchone() == (0,)
     assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (2000,)
+
+
+RETRYABLE = 200
+
+
+def test_retry_all_into_a_gone_reader_unbuffered_still_retries_every_failure(
+    tmp_path: Path, database_url: str, db: psycopg.Connection
+) -> None:
+    """Unbuffered (PYTHONUNBUFFERED=1, usual in container images), the "skipped ..." line
+    printed before the loop met the closed pipe first: nothing retried, exit 0, nothing said."""
+    # A failure Sokratos recorded itself (no source_queue): `--all` says it skipped it.
+    db.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message, context_data)"
+        " VALUES ('triage', 'sokratos row', 'boom', '{}'::jsonb)"
+    )
+    db.execute(
+        """INSERT INTO failed_operations (op_type, label, error_message, context_data,
+                                          source_queue, item_id, idempotency_key, attempts)
+           SELECT 'conversation_triage', 'pending_triage item ' || g, 'model said no',
+                  jsonb_build_object('queue', 'pending_triage', 'item_id', g,
+                                     'source', 'conversation',
+                                     'payload', jsonb_build_object(
+                                         'exchange', 'user: item ' || g || E'\\nassistant: ok')),
+                  'pending_triage', g, 'unbuffered-' || g, 3
+           FROM generate_series(1, %s) g""",
+        (RETRYABLE,),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", "failed", "retry", "--all"],
+        env=cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url, PYTHONUNBUFFERED="1"),
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone (`| head -0`, a pager quit at once)
+    stderr = proc.stderr.read()
+    code = proc.wait(timeout=300)
+    retried = db.execute(
+        "SELECT count(*) FROM failed_operations WHERE retried_at IS NOT NULL"
+    ).fetchone()
+    assert retried == (RETRYABLE,), (code, stderr)
+    assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (RETRYABLE,)
+    assert code == 0, stderr
