@@ -234,7 +234,11 @@ class _CappedBackoff(AttemptWithBackoff):
 
 
 class _ReconnectingPool(ConnectionPool):
-    """A pool that retries a lost connection at least every RECONNECT_DELAY_MAX_S seconds."""
+    """A pool that retries a lost connection at least every RECONNECT_DELAY_MAX_S seconds.
+
+    It overrides a private method of psycopg_pool (hence its pin below 3.4 in pyproject.toml);
+    test_the_pool_reopens_its_connections_soon_after_a_long_outage proves it still works.
+    """
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:
