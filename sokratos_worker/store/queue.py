@@ -46,6 +46,17 @@ class _QueueSql:
     settle_claim: bytes
 
 
+# A claim that takes over an expired lease records the attempt that died with its worker
+# (counted, and otherwise missing from the history a dead letter keeps).
+_DIED_ATTEMPT = sql.SQL(
+    """CASE WHEN picked.held THEN t.attempt_errors || jsonb_build_array(jsonb_build_object(
+           'at', now(), 'attempt', t.attempts,
+           'error', 'worker died during the attempt (its lease, held by '
+                    || coalesce(t.lease_owner, '?') || ', expired)'))
+       ELSE t.attempt_errors END"""
+)
+
+
 def _compose(queue: Queue) -> _QueueSql:
     return _QueueSql(**{k: v.as_bytes(None) for k, v in _composed(queue).items()})
 
@@ -133,14 +144,15 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                           SET attempts = t.attempts + 1,
                               lease_owner = %(owner)s,
                               lease_expires_at = clock_timestamp()
-                                  + make_interval(secs => %(lease)s)
+                                  + make_interval(secs => %(lease)s),
+                              attempt_errors = {died}
                           FROM picked WHERE t.id = picked.id
                           RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
                                     t.attempts, t.created_at, t.attempt_errors, picked.held)
                SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
                       c.attempts, c.created_at, c.attempt_errors, c.held
                FROM (SELECT 1) AS one LEFT JOIN c ON true"""
-        ).format(table=table, fence=fence, source=source),
+        ).format(table=table, fence=fence, source=source, died=_DIED_ATTEMPT),
     }
 
 
@@ -194,12 +206,13 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
            UPDATE {table} AS t
            SET attempts = t.attempts + 1,
                lease_owner = %(owner)s,
-               lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
+               lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
+               attempt_errors = {died}
            FROM picked WHERE t.id = picked.id
            RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
                      t.created_at, t.attempt_errors, picked.held"""
         )
-        .format(table=table, source=_source(queue), limit=sql.Literal(limit))
+        .format(table=table, source=_source(queue), limit=sql.Literal(limit), died=_DIED_ATTEMPT)
         .as_bytes(None)
     )
 
@@ -511,7 +524,10 @@ def dead_letter(
             if row is None:
                 raise _Fenced
             _, payload_text, key, source, history, now, replay_of = row
-            attempts = [*(history or []), _history_entry(attempt, error, backend, now)]
+            attempts = list(history or [])
+            # The claim that found the last attempt dead recorded it already (_DIED_ATTEMPT).
+            if not (item.took_over_lease and attempt == item.attempt - 1):
+                attempts.append(_history_entry(attempt, error, backend, now))
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
             to_write, saved = (
                 archive_already_saved(conn, item, memories, replay_of=replay_of)

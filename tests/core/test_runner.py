@@ -130,8 +130,9 @@ def test_a_worker_died_dead_letter_records_the_attempt_that_died(
     assert row is not None
     attempts, history = row
     assert attempts == 3 and count(db, "SELECT attempts FROM work_outcomes") == 3
+    # (Recorded by the claim that found it dead, naming the worker whose lease expired.)
     assert [(a["attempt"], a["error"]) for a in history] == [
-        (3, "worker died during the last attempt")
+        (3, "worker died during the attempt (its lease, held by dead, expired)")
     ]
     assert "at" in history[0]
 
