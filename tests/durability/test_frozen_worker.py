@@ -7,9 +7,7 @@ Real daemons (subprocesses), real PostgreSQL, scripted OpenAI-compatible servers
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import os
 import signal
 import threading
@@ -19,13 +17,15 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+from sokratos_worker.testing.scripted_llm import ScriptedLLM
 from tests.faults.support import (
     EMBED_DIM,
+    DelayedAnswers,
     answer,
     assert_exactly_once,
     enqueue_triage,
     exchange,
+    log_events,
     outcome_count,
     pipeline_env,
     start_worker,
@@ -37,38 +37,12 @@ from tests.support.daemon import wait_until
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 
-def _events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-class FirstCallSlow:
-    """The first triage call is answered (validly) only after ``delay`` seconds; later ones at once."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.calls = 0
-        self.lock = threading.Lock()
-
-    def __call__(self, request: Request) -> Reply:
-        with self.lock:
-            self.calls += 1
-            first = self.calls == 1
-        reply = answer(request)
-        return dataclasses.replace(reply, delay=self.delay) if first else reply
-
-
 @pytest.mark.timeout(180)
 def test_frozen_mid_item_past_its_lease_is_fenced_after_resume(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
     key = enqueue_triage(db, exchange("tokfrz1", save=True))
-    chat = FirstCallSlow(delay=9.0)
+    chat = DelayedAnswers(9.0, first_only=True)
     log_a = tmp_path / "a.log"
     log_b = tmp_path / "b.log"
     with ScriptedLLM(chat=chat) as server, ScriptedLLM(embed_dim=EMBED_DIM) as embed:
@@ -93,7 +67,7 @@ def test_frozen_mid_item_past_its_lease_is_fenced_after_resume(
                 lambda: any(
                     e.get("item_id") == key[1] and e.get("attempt") == 1 and e.get("event")
                     in ("lease_lost", "item_already_settled", "item_settled", "item_gone")
-                    for e in _events(log_a)
+                    for e in log_events(log_a)
                 ),
                 timeout=30,
             ), tail(log_a)
@@ -112,7 +86,7 @@ def test_frozen_mid_item_past_its_lease_is_fenced_after_resume(
     assert outcome is not None and outcome[0] == "saved", outcome
     assert db.execute("SELECT count(*) FROM memories").fetchone()[0] == 1
     assert db.execute("SELECT count(*) FROM failed_operations").fetchone()[0] == 0
-    events_a = _events(log_a)
+    events_a = log_events(log_a)
     errors_a = [e for e in events_a if e.get("level") in ("error", "critical")]
     assert not errors_a, errors_a
     about = [
@@ -126,7 +100,7 @@ def test_frozen_mid_item_past_its_lease_is_fenced_after_resume(
     assert not any(e[0] == "item_already_settled" for e in about), about
     # The item is counted once over both workers' tick_finished reports (and metrics).
     settled = 0
-    for events in (events_a, _events(log_b)):
+    for events in (events_a, log_events(log_b)):
         for e in events:
             if e.get("event") == "tick_finished":
                 q = (e.get("queues") or {}).get("pending_triage") or {}
@@ -175,7 +149,7 @@ def test_frozen_while_idle_resumes_quietly(
     assert code == 0, tail(log_a)
     assert row == ("someone-else", 1)
     assert_exactly_once(db, [mine])
-    after = [e for e in _events(log_a) if _ts(e) >= resumed - 0.5]
+    after = [e for e in log_events(log_a) if _ts(e) >= resumed - 0.5]
     noisy = [e for e in after if e.get("level") in ("warning", "error", "critical")]
     ticks = [e for e in after if e.get("event") == "tick_finished"]
     print("\nafter resume:", [(e.get("event"), e.get("level")) for e in after][:30])
@@ -232,7 +206,7 @@ def test_frozen_longer_than_the_stall_limit_then_resumed_is_not_called_stalled(
             reader.join(2)
             sock.close()
     assert code == 0, tail(log_a)
-    after = [e for e in _events(log_a) if _ts(e) >= resumed - 0.5]
+    after = [e for e in log_events(log_a) if _ts(e) >= resumed - 0.5]
     print("\nafter resume:", [(e.get("event"), e.get("level")) for e in after][:30])
     stalled = [e for e in after if e.get("event") == "dispatcher_stalled"]
     assert not stalled, stalled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -112,6 +113,25 @@ class Chaos:
         return answer(request)
 
 
+
+class DelayedAnswers:
+    """:func:`answer`'s replies, ``delay`` seconds late (every call's, or the first one's
+    only); counts the calls, so a test can wait until its items are in their model calls."""
+
+    def __init__(self, delay: float, *, first_only: bool = False) -> None:
+        self.delay = delay
+        self.first_only = first_only
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, request: Request) -> Reply:
+        with self._lock:
+            self.calls += 1
+            late = self.calls == 1 or not self.first_only
+        reply = answer(request)
+        return dataclasses.replace(reply, delay=self.delay) if late else reply
+
+
 def backends_env(*servers: ScriptedLLM, timeout: float = 2.0) -> str:
     """SOKRATOS_LLM_BACKENDS for the servers, in fallback order."""
     names = ["primary", "fallback", "third"]
@@ -177,6 +197,17 @@ def cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Comp
         timeout=timeout,
         check=False,
     )
+
+
+def log_events(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a daemon's log, parsed (anything else in it is left out)."""
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
 
 
 def tail(path: Path, n: int = 4000) -> str:

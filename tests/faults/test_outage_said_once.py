@@ -6,23 +6,20 @@ concurrency 8)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 
-from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+from sokratos_worker.testing.scripted_llm import ScriptedLLM
 from tests.faults.support import (
     EMBED_DIM,
-    answer,
+    DelayedAnswers,
     assert_exactly_once,
     enqueue_triage,
     exchange,
+    log_events,
     outcome_count,
     pipeline_env,
     start_worker,
@@ -37,30 +34,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.subprocess, pytest.mark.slow]
 DOWN_S = 25.0
 
 
-class SlowAnswers:
-    """Valid answers, each after ``delay`` seconds; counts the calls."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.calls = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, request: Request) -> Reply:
-        with self._lock:
-            self.calls += 1
-        return dataclasses.replace(answer(request), delay=self.delay)
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            found.append(json.loads(line))
-        except ValueError:
-            continue
-    return found
-
-
 @pytest.mark.timeout(240)
 def test_an_outage_with_every_slot_busy_is_said_once_with_its_end(
     db: psycopg.Connection,
@@ -69,7 +42,7 @@ def test_an_outage_with_every_slot_busy_is_said_once_with_its_end(
     restart_postgres: Callable[[float], None],
 ) -> None:
     keys = [enqueue_triage(db, exchange(f"tokout{i}", save=True)) for i in range(6)]
-    chat = SlowAnswers(delay=2.0)
+    chat = DelayedAnswers(2.0)
     log = tmp_path / "worker.log"
     with ScriptedLLM(chat=chat) as server, ScriptedLLM(embed_dim=EMBED_DIM) as embed:
         env = pipeline_env(
@@ -89,7 +62,7 @@ def test_an_outage_with_every_slot_busy_is_said_once_with_its_end(
                 assert_exactly_once(again, keys)
         finally:
             assert stop(proc) == 0, tail(log)
-    events = _events(log)
+    events = log_events(log)
     named = lambda name: [e for e in events if e.get("event") == name]  # noqa: E731
     [start] = named("waiting_for_database")
     assert start["level"] == "warning" and "nothing is lost" in start["hint"], start
