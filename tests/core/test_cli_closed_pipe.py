@@ -79,12 +79,8 @@ def test_a_broken_pipe_that_is_not_stdouts_is_not_hidden(tmp_path: Path) -> None
     assert done.returncode == 1 and "BrokenPipeError" in done.stderr, done.stderr
 
 
-def test_retry_all_into_a_reader_gone_early_still_retries_every_failure(
-    tmp_path: Path, database_url: str, db: psycopg.Connection
-) -> None:
-    """`failed retry --all | head -1`: the retry stopped at the first line that met the closed
-    pipe, most failures not retried, and exited 0 as if done. A command that changes state
-    finishes what it was asked, its remaining lines unprinted."""
+def _dead_letters(db: psycopg.Connection, n: int) -> None:
+    """``n`` replayable triage dead letters, as the worker writes them."""
     db.execute(
         """INSERT INTO failed_operations (op_type, label, error_message, context_data,
                                           source_queue, item_id, idempotency_key, attempts)
@@ -94,8 +90,18 @@ def test_retry_all_into_a_reader_gone_early_still_retries_every_failure(
                                      'payload', jsonb_build_object(
                                          'exchange', 'user: item ' || g || E'\\nassistant: ok')),
                   'pending_triage', g, 'closed-pipe-' || g, 3
-           FROM generate_series(1, 2000) g"""
+           FROM generate_series(1, %s) g""",
+        (n,),
     )
+
+
+def test_retry_all_into_a_reader_gone_early_still_retries_every_failure(
+    tmp_path: Path, database_url: str, db: psycopg.Connection
+) -> None:
+    """`failed retry --all | head -1`: the retry stopped at the first line that met the closed
+    pipe, most failures not retried, and exited 0 as if done. A command that changes state
+    finishes what it was asked, its remaining lines unprinted."""
+    _dead_letters(db, 2000)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sokratos_worker", "failed", "retry", "--all"],
         env=cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url),
@@ -129,18 +135,7 @@ def test_retry_all_into_a_gone_reader_unbuffered_still_retries_every_failure(
         "INSERT INTO failed_operations (op_type, label, error_message, context_data)"
         " VALUES ('triage', 'sokratos row', 'boom', '{}'::jsonb)"
     )
-    db.execute(
-        """INSERT INTO failed_operations (op_type, label, error_message, context_data,
-                                          source_queue, item_id, idempotency_key, attempts)
-           SELECT 'conversation_triage', 'pending_triage item ' || g, 'model said no',
-                  jsonb_build_object('queue', 'pending_triage', 'item_id', g,
-                                     'source', 'conversation',
-                                     'payload', jsonb_build_object(
-                                         'exchange', 'user: item ' || g || E'\\nassistant: ok')),
-                  'pending_triage', g, 'unbuffered-' || g, 3
-           FROM generate_series(1, %s) g""",
-        (RETRYABLE,),
-    )
+    _dead_letters(db, RETRYABLE)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sokratos_worker", "failed", "retry", "--all"],
         env=cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url, PYTHONUNBUFFERED="1"),
