@@ -730,6 +730,9 @@ class Runner:
                     backend=backend,
                     memories=with_memories,
                     last_attempt=self._last_attempt(item),
+                    # A claim past the limit ended the item unrun: the history already says
+                    # how its last attempt ended.
+                    ran=not (error == WORKER_DIED or error.startswith(ATTEMPTS_USED_UP)),
                 ),
                 bound,
             )
@@ -752,7 +755,8 @@ class Runner:
     def _no_attempt_left(self, item: Item) -> str:
         """Why a claim past SOKRATOS_MAX_ATTEMPTS ends the item unrun: only a claim that took
         over an expired lease found an attempt that died; otherwise none was running."""
-        if item.took_over_lease:
+        if item.took_over_lease or store.died_in(item, item.attempt - 1):
+            # (The second: the claim that took the lease over was given back since.)
             return WORKER_DIED
         limit = self.settings.max_attempts
         return (

@@ -48,13 +48,25 @@ class _QueueSql:
 
 # A claim that takes over an expired lease records the attempt that died with its worker
 # (counted, and otherwise missing from the history a dead letter keeps).
+DIED_ENTRY = "worker died during the attempt"
 _DIED_ATTEMPT = sql.SQL(
     """CASE WHEN picked.held THEN t.attempt_errors || jsonb_build_array(jsonb_build_object(
            'at', now(), 'attempt', t.attempts,
-           'error', 'worker died during the attempt (its lease, held by '
+           'error', {died} || ' (its lease, held by '
                     || coalesce(t.lease_owner, '?') || ', expired)'))
        ELSE t.attempt_errors END"""
-)
+).format(died=sql.Literal(DIED_ENTRY))
+
+
+def died_in(item: Item, attempt: int) -> bool:
+    """Whether the item's history says ``attempt`` died with its worker (a claim found its
+    lease expired)."""
+    return any(
+        isinstance(e, dict)
+        and e.get("attempt") == attempt
+        and str(e.get("error", "")).startswith(DIED_ENTRY)
+        for e in item.errors
+    )
 
 
 def _compose(queue: Queue) -> _QueueSql:
@@ -503,6 +515,7 @@ def dead_letter(
     backend: str | None = None,
     memories: tuple[NewMemory, ...] = (),
     last_attempt: int | None = None,
+    ran: bool = True,
 ) -> SettleResult:
     """failed_operations row (whole payload, every attempt's error) + outcome + delete.
 
@@ -513,7 +526,8 @@ def dead_letter(
     the failure rows. ``last_attempt`` is the
     attempt the record ends with when it is not the claim's own: a claim that only found the
     last attempt dead is not an attempt (durability.md), so the attempt that died is
-    recorded instead.
+    recorded instead. ``ran``: False when the claim found no attempt left and ran nothing
+    (the history keeps how the last attempt ended, see :func:`_history_with`).
     """
     error = clean_text(error)
     attempt = item.attempt if last_attempt is None else last_attempt
@@ -524,10 +538,9 @@ def dead_letter(
             if row is None:
                 raise _Fenced
             _, payload_text, key, source, history, now, replay_of = row
-            attempts = list(history or [])
-            # The claim that found the last attempt dead recorded it already (_DIED_ATTEMPT).
-            if not (item.took_over_lease and attempt == item.attempt - 1):
-                attempts.append(_history_entry(attempt, error, backend, now))
+            attempts = _history_with(
+                list(history or []), _history_entry(attempt, error, backend, now), ran=ran
+            )
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
             to_write, saved = (
                 archive_already_saved(conn, item, memories, replay_of=replay_of)
@@ -576,6 +589,19 @@ def dead_letter(
     return SettleResult(
         settled=True, memory_ids=memory_ids, failure_id=int(failed[0]) if failed else None
     )
+
+
+def _history_with(
+    history: list[dict[str, Any]], entry: dict[str, Any], *, ran: bool
+) -> list[dict[str, Any]]:
+    """The dead letter's history, one entry per attempt: ``entry`` added; or, when the history
+    has its attempt already, replacing it if that attempt ran to this end (a claim noted it
+    died, but this worker's run of it went on), else left as it is (the claim that found no
+    attempt left is not an attempt: the entry says how the last one ended)."""
+    others = [e for e in history if e.get("attempt") != entry["attempt"]]
+    if len(others) == len(history):
+        return [*history, entry]
+    return [*others, entry] if ran else history
 
 
 def _history_entry(attempt: int, error: str, backend: str | None, at: str) -> dict[str, Any]:
