@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -130,7 +131,10 @@ def _timestamp_prefix(i: int, message: dict[str, Any]) -> str:
     if stamp.year == 1:
         return ""  # Go's zero time (an unset time.Time): no time, as Sokratos writes it
     if stamp.tzinfo is not None:
-        stamp = stamp.astimezone()  # local time, as Sokratos shows it; a naive one as written
+        # Local time, as Sokratos shows it; a naive one as written, and one whose local time
+        # falls outside years 1-9999 too.
+        with contextlib.suppress(OverflowError, ValueError):
+            stamp = stamp.astimezone()
     return f"[{stamp.strftime(_TIME_FORMAT)}] "
 
 

@@ -1,0 +1,75 @@
+"""A distillation item from Sokratos (Go) whose messages carry Go's zero time, on a host west
+of UTC. Go marshals a message's unset time.Time as "0001-01-01T00:00:00Z" (``omitempty`` does
+not omit a struct): messages restored after a restart have no time (reference §5.2).
+
+Each message's timestamp is shown in the host's local time: year 1 at 00:00 UTC is year 0 in
+New York, which datetime cannot hold (OverflowError), and the item failed every attempt. Go's
+zero time means no time: the message is shown without one, as Sokratos shows it. At the other
+end, a time whose local time would be year 10000 is shown as written."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psycopg
+import pytest
+
+from sokratos_worker.pipelines import prompts
+from sokratos_worker.testing.scripted_llm import Reply, Request, ScriptedLLM
+from tests.pipelines.conftest import drain, enqueue, outcome
+
+LISBON = "The user moved to Lisbon in March."
+
+
+def _distilling(request: Request) -> Reply:
+    if request.messages[0]["content"].startswith(prompts.DISTILLATION[:40]):
+        return Reply.chat({"facts": [{"text": LISBON, "salience": 7, "tags": ["home"]}]})
+    return Reply.chat({"verdicts": []})
+
+
+@pytest.mark.parametrize("stamp", ["0001-01-01T00:00:00Z", "0001-01-01T00:00:00+00:00"])
+def test_a_message_with_gos_zero_time_is_distilled_on_a_host_west_of_utc(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch, stamp: str
+) -> None:
+    payload = {
+        "messages": [
+            {"role": "user", "content": "I moved to Lisbon in March.", "timestamp": stamp},
+            {"role": "assistant", "content": "Nice!", "timestamp": stamp},
+        ]
+    }
+    item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        with ScriptedLLM(chat=_distilling) as server:
+            drain(database_url, server)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    result, _, detail = outcome(db, "pending_distillation", item)
+    assert result == "saved", detail
+
+
+def test_a_message_stamped_at_the_end_of_year_9999_on_a_host_east_of_utc(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stamp = "9999-12-31T23:30:00Z"
+    payload = {
+        "messages": [
+            {"role": "user", "content": "I moved to Lisbon in March.", "timestamp": stamp},
+            {"role": "assistant", "content": "Nice!", "timestamp": stamp},
+        ]
+    }
+    item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        with ScriptedLLM(chat=_distilling) as server:
+            drain(database_url, server)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    result, _, detail = outcome(db, "pending_distillation", item)
+    # Distilled, the time shown as written (its local time would be year 10000).
+    assert result == "saved", detail
