@@ -218,8 +218,8 @@ class Runner:
 
         Returns how many items were released (their attempt given back).
         """
+        self.request_stop()  # first: the state's report may wait behind a heartbeat's write
         self._set_state(State.STOPPING, "")
-        self.request_stop()
         deadline = time.monotonic() + grace_s
         while self.inflight_count() and time.monotonic() < deadline:
             self._progress()  # items finishing within the grace is progress too
