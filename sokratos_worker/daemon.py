@@ -180,8 +180,8 @@ class Worker:
 
     def _running_status(self) -> str:
         state, why = self.reported_state()
-        if state == State.NO_BACKEND:
-            return f"{state}: {why}"[:200]
+        if state != State.RUNNING:  # read afresh: the caller's look at the state may be stale
+            return (f"{state}: {why}" if why else state)[:200]
         if (waiting := self._lock_wait) is not None:
             return f"{State.RUNNING}: {waiting.describe()}"[:200]
         queues = ", ".join(q.value for q in self.runner.queues)

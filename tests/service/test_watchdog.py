@@ -151,3 +151,24 @@ def test_a_dispatcher_stalled_outside_any_lock_wait_is_still_reported(
         worker._watchdog()
     assert not _pinged(sock)
     assert [e["event"] for e in logs] == ["dispatcher_stalled"]
+
+
+@pytest.mark.parametrize(
+    ("state", "detail", "expected"),
+    [
+        ("waiting for database", "connection refused", "STATUS=waiting for database: connection refused"),
+        ("stopping", "", "STATUS=stopping"),
+    ],
+)
+def test_a_status_line_written_after_a_lock_wait_says_the_state_as_it_is(
+    worker_and_socket: tuple[Worker, socket.socket], state: str, detail: str, expected: str
+) -> None:
+    """The end of a lock wait, and the tick, rewrite STATUS= from the running line: it said
+    "running" while the worker waited for the database or was stopping (the tick's look at
+    the state came before its write)."""
+    worker, sock = worker_and_socket
+    worker._lock_wait = object()  # type: ignore[assignment]  # a wait the next round ends
+    worker.runner.state, worker.runner.state_detail = state, detail
+    with capture_logs():
+        worker._progressed()
+    assert expected in _received(sock), state
