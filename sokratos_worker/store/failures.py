@@ -33,10 +33,16 @@ def record_failure(
 def list_failures(
     conn: psycopg.Connection, *, op_type: str | None = None, limit: int = 50
 ) -> Iterator[dict[str, Any]]:
-    """Newest first, without the (possibly large) context; streamed as the server sends the
-    rows, so ``failed list --limit 1000000`` holds one row at a time, not a million."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        yield from cur.stream(
+    """Newest first, without the (possibly large) context; fetched 1,000 rows at a time
+    through a server-side cursor, so ``failed list --limit 1000000`` holds a thousand rows,
+    not a million (a single-row stream still piled up in libpq's buffer when the reader was
+    slower than the server)."""
+    with (
+        conn.transaction(),
+        conn.cursor(name="failed_list", row_factory=dict_row) as cur,
+    ):
+        cur.itersize = 1000
+        cur.execute(
             """SELECT id, op_type, label, error_message, created_at, source_queue, item_id,
                       idempotency_key, attempts, retried_at, retried_as
                FROM failed_operations
@@ -44,6 +50,7 @@ def list_failures(
                ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
             {"op": op_type, "limit": limit},
         )
+        yield from cur
 
 
 def get_failure(conn: psycopg.Connection, failure_id: int) -> dict[str, Any] | None:

@@ -75,7 +75,8 @@ def test_configured_secrets_are_redacted_from_any_line(
     assert lines[0]["detail"] == "key [redacted]"
     assert lines[0]["errors"] == ["[redacted]"]  # the list kept, its string masked
     assert lines[0]["n"] == 3
-    assert lines[1]["event"] == "connect failed: password=[redacted]"
+    assert lines[1]["event"] == "library_message"
+    assert lines[1]["message"] == "connect failed: password=[redacted]"
 
 
 def test_the_secrets_come_from_every_credential_in_the_settings() -> None:
