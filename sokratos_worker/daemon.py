@@ -48,6 +48,8 @@ log = structlog.get_logger(__name__)
 # or for the database; one claim statement or pool checkout blocking it longer than this
 # (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
 DISPATCHER_STALL_S = 120.0
+# No look at the watchdog for this long: the process itself was stopped, not the dispatcher.
+FROZEN_GAP_S = 10.0
 # While it is stalled, PostgreSQL is asked this often whether it waits for another session's
 # lock (a migration, a long transaction): a restart would wait for the same lock.
 LOCK_LOOK_EVERY_S = 10.0
@@ -100,6 +102,7 @@ class Worker:
     runner: Runner = field(init=False)
     _last_watchdog: float = 0.0
     _last_progress: float = field(default_factory=time.monotonic)
+    _last_look: float = field(default_factory=time.monotonic)  # the last _watchdog call
     _stall_reported: bool = False
     _lock_looked_at: float = 0.0
     _lock_wait: status_store.LockWait | None = None  # what the stalled dispatcher waits for
@@ -354,6 +357,12 @@ class Worker:
     def _watchdog(self) -> None:
         """``WATCHDOG=1`` only while the dispatcher proves progress, so a hung one is restarted."""
         now = time.monotonic()
+        gap = now - self._last_look
+        self._last_look = now
+        if gap > FROZEN_GAP_S:
+            # Nothing here ran (the main loop looks every second): the whole process was
+            # stopped (SIGSTOP, a paused VM), the dispatcher too; that time is not its stall.
+            self._last_progress = min(now, self._last_progress + gap)
         stalled_s = now - self._last_progress
         if stalled_s > DISPATCHER_STALL_S and not self._waits_for_a_lock(stalled_s):
             if not self._stall_reported:

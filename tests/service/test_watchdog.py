@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def test_pings_only_while_the_dispatcher_makes_progress(
     assert _pinged(sock)
     # The main loop's once-a-second call, long after the dispatcher's last progress:
     worker._last_progress -= DISPATCHER_STALL_S + 1
+    worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
     worker._last_watchdog = 0.0
     with capture_logs() as logs:
         worker._watchdog()
@@ -103,6 +105,7 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
 
         assert wait_until(waiting_for_the_lock, timeout=10)
         worker._last_progress -= DISPATCHER_STALL_S + 1  # as if it had waited 2 minutes
+        worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
         worker._last_watchdog = 0.0
         with capture_logs() as logs:
             worker._watchdog()
@@ -146,6 +149,7 @@ def test_a_dispatcher_stalled_outside_any_lock_wait_is_still_reported(
     worker, sock = worker_and_socket
     worker.runner.dispatcher_backend_pid = None
     worker._last_progress -= DISPATCHER_STALL_S + 1
+    worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
     worker._last_watchdog = 0.0
     with capture_logs() as logs:
         worker._watchdog()
@@ -172,3 +176,20 @@ def test_a_status_line_written_after_a_lock_wait_says_the_state_as_it_is(
     with capture_logs():
         worker._progressed()
     assert expected in _received(sock), state
+
+
+def test_a_process_stopped_as_a_whole_is_not_a_stalled_dispatcher(
+    worker_and_socket: tuple[Worker, socket.socket],
+) -> None:
+    """SIGSTOP or a paused VM for longer than the stall limit: on SIGCONT the main loop's look
+    could come before the dispatcher's next round, and called it stalled (no more pings:
+    systemd restarted a worker that had only been paused). Its own look was as late."""
+    worker, sock = worker_and_socket
+    frozen = DISPATCHER_STALL_S + 5
+    worker._last_progress -= frozen
+    worker._last_look -= frozen
+    worker._last_watchdog = 0.0
+    with capture_logs() as logs:
+        worker._watchdog()
+    assert _pinged(sock)
+    assert "dispatcher_stalled" not in [e["event"] for e in logs]
