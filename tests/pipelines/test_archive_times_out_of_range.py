@@ -28,9 +28,20 @@ def _distilling(request: Request) -> Reply:
     return Reply.chat({"verdicts": []})
 
 
-@pytest.mark.parametrize("stamp", ["0001-01-01T00:00:00Z", "0001-01-01T00:00:00+00:00"])
-def test_a_message_with_gos_zero_time_is_distilled_on_a_host_west_of_utc(
-    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch, stamp: str
+@pytest.mark.parametrize(
+    ("stamp", "zone"),
+    [
+        ("0001-01-01T00:00:00Z", "America/New_York"),  # Go's zero time: year 0 locally
+        ("0001-01-01T00:00:00+00:00", "America/New_York"),
+        ("9999-12-31T23:30:00Z", "Asia/Tokyo"),  # year 10000 locally: shown as written
+    ],
+)
+def test_a_message_time_out_of_range_locally_is_still_distilled(
+    db: psycopg.Connection,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    stamp: str,
+    zone: str,
 ) -> None:
     payload = {
         "messages": [
@@ -39,7 +50,7 @@ def test_a_message_with_gos_zero_time_is_distilled_on_a_host_west_of_utc(
         ]
     }
     item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
-    monkeypatch.setenv("TZ", "America/New_York")
+    monkeypatch.setenv("TZ", zone)
     time.tzset()
     try:
         with ScriptedLLM(chat=_distilling) as server:
@@ -48,28 +59,4 @@ def test_a_message_with_gos_zero_time_is_distilled_on_a_host_west_of_utc(
         monkeypatch.undo()
         time.tzset()
     result, _, detail = outcome(db, "pending_distillation", item)
-    assert result == "saved", detail
-
-
-def test_a_message_stamped_at_the_end_of_year_9999_on_a_host_east_of_utc(
-    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stamp = "9999-12-31T23:30:00Z"
-    payload = {
-        "messages": [
-            {"role": "user", "content": "I moved to Lisbon in March.", "timestamp": stamp},
-            {"role": "assistant", "content": "Nice!", "timestamp": stamp},
-        ]
-    }
-    item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
-    monkeypatch.setenv("TZ", "Asia/Tokyo")
-    time.tzset()
-    try:
-        with ScriptedLLM(chat=_distilling) as server:
-            drain(database_url, server)
-    finally:
-        monkeypatch.undo()
-        time.tzset()
-    result, _, detail = outcome(db, "pending_distillation", item)
-    # Distilled, the time shown as written (its local time would be year 10000).
     assert result == "saved", detail
