@@ -258,7 +258,7 @@ def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
         source=str(source),
         idempotency_key=key,
         created_at=created_at,
-        errors=tuple(errors or ()),
+        errors=tuple(_as_list(errors)),
         took_over_lease=bool(held),
     )
 
@@ -539,7 +539,7 @@ def dead_letter(
                 raise _Fenced
             _, payload_text, key, source, history, now, replay_of = row
             attempts = _history_with(
-                list(history or []), _history_entry(attempt, error, backend, now), ran=ran
+                _as_list(history), _history_entry(attempt, error, backend, now), ran=ran
             )
             outcome = Outcome.ARCHIVED if memories else Outcome.FAILED
             to_write, saved = (
@@ -591,14 +591,22 @@ def dead_letter(
     )
 
 
-def _history_with(
-    history: list[dict[str, Any]], entry: dict[str, Any], *, ran: bool
-) -> list[dict[str, Any]]:
+def _as_list(history: Any) -> list[Any]:
+    """The row's ``attempt_errors`` as a list: a producer or an operator may have written a
+    value that is not an array there, which is kept as one entry rather than lost."""
+    if isinstance(history, list):
+        return history
+    return [] if history is None else [history]
+
+
+def _history_with(history: list[Any], entry: dict[str, Any], *, ran: bool) -> list[Any]:
     """The dead letter's history, one entry per attempt: ``entry`` added; or, when the history
     has its attempt already, replacing it if that attempt ran to this end (a claim noted it
     died, but this worker's run of it went on), else left as it is (the claim that found no
     attempt left is not an attempt: the entry says how the last one ended)."""
-    others = [e for e in history if e.get("attempt") != entry["attempt"]]
+    others = [
+        e for e in history if not (isinstance(e, dict) and e.get("attempt") == entry["attempt"])
+    ]
     if len(others) == len(history):
         return [*history, entry]
     return [*others, entry] if ran else history
