@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -49,11 +50,10 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
                     error = " ".join(row["error_message"].split())[:90]
                     # The host's time and zone, as the journal shows it (the session's
                     # TimeZone is the server's, and printed without a zone it misled).
-                    when = row["created_at"].astimezone()
-                    print(
-                        f"{row['id']:>6}  {when:%Y-%m-%d %H:%M %Z}  "
-                        f"{row['op_type']:<20} {error}{retried}"
-                    )
+                    when = row["created_at"]
+                    if isinstance(when, datetime):  # (else the server's text: 'infinity')
+                        when = f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+                    print(f"{row['id']:>6}  {when}  {row['op_type']:<20} {error}{retried}")
             if not listed and not args.json:
                 print(_no_failures(conn, args.op_type))
             return EXIT_OK

@@ -319,7 +319,10 @@ class Worker:
                 "op_type": r["op_type"],
                 "count": r["count"],
                 "last_error": r["last_error"],
-                "last_at": r["last_at"].isoformat(),
+                # (the server's text when no datetime holds it: 'infinity')
+                "last_at": r["last_at"]
+                if isinstance(r["last_at"], str)
+                else r["last_at"].isoformat(),
             }
             for r in rows
         ]

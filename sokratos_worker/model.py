@@ -46,7 +46,7 @@ class Item:
     attempt: int
     source: str
     idempotency_key: str | None
-    created_at: datetime
+    created_at: datetime | None  # None: the producer wrote a time no datetime can hold
     errors: tuple[dict[str, Any], ...] = ()
     # The claim took over an expired lease: an earlier attempt was running when it ended.
     took_over_lease: bool = False

@@ -28,8 +28,11 @@ class Archive:
     empty: bool
 
 
-def archive_from_payload(payload: dict[str, Any], archived_at: datetime) -> Archive:
+def archive_from_payload(payload: dict[str, Any], archived_at: datetime | None) -> Archive:
     """Either payload shape as archive text; InvalidPayload names the offending field.
+
+    ``archived_at`` is the item's ``created_at``; None (a time no datetime can hold, see
+    store/times.py) leaves the header without a time rather than invent one.
 
     A null ``messages`` or ``archive_text`` counts as absent, as in the SQL enqueue check: a Go
     struct without ``omitempty`` sends the unused field as null.
@@ -47,7 +50,8 @@ def archive_from_payload(payload: dict[str, Any], archived_at: datetime) -> Arch
         return Archive(text=text, empty=_header_only(text))
     lines = format_messages(payload["messages"])
     # Local time, as Sokratos writes it (the item's created_at comes in the session's zone).
-    header = f"[Conversation archived {archived_at.astimezone().strftime(_TIME_FORMAT)}]"
+    when = f" {archived_at.astimezone().strftime(_TIME_FORMAT)}" if archived_at else ""
+    header = f"[Conversation archived{when}]"
     return Archive(text="\n".join([header, *lines]), empty=not lines)
 
 

@@ -15,6 +15,7 @@ from psycopg.types.string import TextLoader
 from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, InvalidPayload, WorkerError
 from sokratos_worker.model import RETRY_KEY_SUFFIX, Queue
 from sokratos_worker.store import queue as store
+from sokratos_worker.store import times
 
 
 def record_failure(
@@ -42,6 +43,7 @@ def list_failures(
         conn.cursor(name="failed_list", row_factory=dict_row) as cur,
     ):
         cur.itersize = 1000
+        times.shown_as_written(cur)  # a row the Go app wrote with created_at 'infinity'
         cur.execute(
             """SELECT id, op_type, label, error_message, created_at, source_queue, item_id,
                       idempotency_key, attempts, retried_at, retried_as
@@ -58,6 +60,7 @@ def get_failure(conn: psycopg.Connection, failure_id: int) -> dict[str, Any] | N
     for the caller to parse: a payload may be nested deeper than Python's json follows."""
     with conn.cursor(row_factory=dict_row) as cur:
         cur.adapters.register_loader("jsonb", TextLoader)
+        times.shown_as_written(cur)
         cur.execute("SELECT * FROM failed_operations WHERE id = %s", (failure_id,))
         return cur.fetchone()
 
@@ -293,6 +296,7 @@ def recent_failures(
 ) -> list[dict[str, Any]]:
     """Failures grouped by op_type (Sokratos's heartbeat view): count, latest error, time."""
     with conn.cursor(row_factory=dict_row) as cur:
+        times.shown_as_written(cur)
         cur.execute(
             """SELECT op_type, count(*) AS count,
                       (array_agg(left(error_message, 120) ORDER BY created_at DESC))[1]

@@ -22,6 +22,7 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
+from sokratos_worker.store import times
 from sokratos_worker.store.connection import time_limited
 from sokratos_worker.store.memories import Written, archive_already_saved, write_effects
 from sokratos_worker.store.sanitize import clean_text
@@ -56,6 +57,14 @@ _DIED_ATTEMPT = sql.SQL(
                     || coalesce(t.lease_owner, '?') || ', expired)'))
        ELSE t.attempt_errors END"""
 ).format(died=sql.Literal(DIED_ENTRY))
+
+
+# A producer's created_at no datetime can hold (infinity, Go's zero time west of UTC) comes as
+# NULL: psycopg would fail the claim after it committed, and the batch would stall for ever.
+_CREATED_AT = sql.SQL(times.loadable("t.created_at"))
+# A producer's attempts at the int4 maximum (a "never retry" sentinel) would overflow the
+# claim's increment and stop the whole queue; held there, it is dead-lettered unrun.
+_NEXT_ATTEMPT = sql.SQL("least(t.attempts, 2147483646) + 1")
 
 
 def died_in(item: Item, attempt: int) -> bool:
@@ -153,18 +162,26 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                           LIMIT 1
                           FOR UPDATE SKIP LOCKED),
                     c AS (UPDATE {table} AS t
-                          SET attempts = t.attempts + 1,
+                          SET attempts = {next_attempt},
                               lease_owner = %(owner)s,
                               lease_expires_at = clock_timestamp()
                                   + make_interval(secs => %(lease)s),
                               attempt_errors = {died}
                           FROM picked WHERE t.id = picked.id
                           RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
-                                    t.attempts, t.created_at, t.attempt_errors, picked.held)
+                                    t.attempts, {created_at} AS created_at, t.attempt_errors,
+                                    picked.held)
                SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
                       c.attempts, c.created_at, c.attempt_errors, c.held
                FROM (SELECT 1) AS one LEFT JOIN c ON true"""
-        ).format(table=table, fence=fence, source=source, died=_DIED_ATTEMPT),
+        ).format(
+            table=table,
+            fence=fence,
+            source=source,
+            died=_DIED_ATTEMPT,
+            created_at=_CREATED_AT,
+            next_attempt=_NEXT_ATTEMPT,
+        ),
     }
 
 
@@ -216,15 +233,22 @@ def _claim_sql(queue: Queue, limit: int) -> bytes:
                LIMIT {limit}
                FOR UPDATE SKIP LOCKED)
            UPDATE {table} AS t
-           SET attempts = t.attempts + 1,
+           SET attempts = {next_attempt},
                lease_owner = %(owner)s,
                lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
                attempt_errors = {died}
            FROM picked WHERE t.id = picked.id
            RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
-                     t.created_at, t.attempt_errors, picked.held"""
+                     {created_at}, t.attempt_errors, picked.held"""
         )
-        .format(table=table, source=_source(queue), limit=sql.Literal(limit), died=_DIED_ATTEMPT)
+        .format(
+            table=table,
+            source=_source(queue),
+            limit=sql.Literal(limit),
+            died=_DIED_ATTEMPT,
+            created_at=_CREATED_AT,
+            next_attempt=_NEXT_ATTEMPT,
+        )
         .as_bytes(None)
     )
 

@@ -41,7 +41,8 @@ def queue_stats(
                          (lease_expires_at IS NULL OR lease_expires_at < now())),
                      count(*) FILTER (WHERE lease_expires_at >= now()),
                      EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE run_after <= now()
-                         AND (lease_expires_at IS NULL OR lease_expires_at < now())))
+                         AND (lease_expires_at IS NULL OR lease_expires_at < now())
+                         AND isfinite(created_at)))
                    FROM {} GROUP BY lease_owner ORDER BY lease_owner"""
             ).format(sql.Identifier(q.value))
         ).fetchall()

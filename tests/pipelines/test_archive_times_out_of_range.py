@@ -60,3 +60,21 @@ def test_a_message_time_out_of_range_locally_is_still_distilled(
         time.tzset()
     result, _, detail = outcome(db, "pending_distillation", item)
     assert result == "saved", detail
+
+
+def test_an_item_created_at_no_datetime_holds_is_archived_without_a_time(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A producer's created_at of 'infinity' (the archive header's time) came to the claim,
+    which psycopg could not load: the claim failed after committing, for ever (review,
+    2026-12-05). The header now says no time, and the conversation is kept."""
+    payload = {"messages": [{"role": "user", "content": "I moved to Lisbon in March."}]}
+    item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
+    db.execute("UPDATE pending_distillation SET created_at = 'infinity'")
+    with ScriptedLLM(chat=lambda _: Reply.chat({"not": "facts"})) as server:
+        drain(database_url, server)
+    result, memory_ids, detail = outcome(db, "pending_distillation", item)
+    assert result == "archived", detail
+    row = db.execute("SELECT summary FROM memories WHERE id = %s", (memory_ids[0],)).fetchone()
+    assert row is not None
+    assert row[0] == "[Conversation archived]\nuser: I moved to Lisbon in March.", row
