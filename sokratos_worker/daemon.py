@@ -32,6 +32,7 @@ from sokratos_worker.errors import DatabaseUnavailable, TableLocked
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
+from sokratos_worker.service.clock_steps import ClockStepWatch, run_jobs_now
 from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.reachability import DatabaseContact
@@ -484,9 +485,12 @@ class Worker:
             queues=[q.value for q in self.runner.queues],
             heartbeat_s=self.settings.heartbeat_interval,
         )
+        clock = ClockStepWatch()
         while not self.notice_signal():
             self._stop.wait(SIGNAL_POLL_S)
             self._watchdog()
+            if step := clock.stepped():
+                run_jobs_now(scheduler, step)
         self.notifier.stopping(f"{State.STOPPING}: finishing items in flight")
         log.info(
             "worker_stopping",

@@ -17,7 +17,7 @@ import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import psycopg
@@ -674,9 +674,11 @@ def check_due_accounts(
     """
     if settings.email_check_interval <= 0 or not settings.email_accounts:
         return []
-    current = now or datetime.now(UTC)
     reports: list[AccountReport] = []
     with store.connect(conninfo) as conn:
+        # The database's clock, as the checkpoints' stamps are compared with it next time:
+        # the host's stepped back an hour (NTP) would make every account wait that hour.
+        current = now or store.database_now(conn)
         for account in settings.email_accounts:
             if sessions is not None and sessions.stopping:
                 reports.append(

@@ -101,6 +101,14 @@ class Recorded:
         return None in dates or dates[0] == dates[1]
 
 
+def database_now(conn: Connection) -> datetime:
+    """The database's clock: the checkpoints' stamps are compared with the same clock."""
+    with translated():
+        row = conn.execute("SELECT now()").fetchone()
+    assert row is not None  # noqa: S101 - SELECT now() returns a row
+    return row[0]  # type: ignore[no-any-return]
+
+
 def load_checkpoint(conn: Connection, account: str, mailbox: str) -> Checkpoint | None:
     """The account's checkpoint row, or None before its first check."""
     with translated():
