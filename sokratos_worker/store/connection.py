@@ -23,7 +23,30 @@ T = TypeVar("T")
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
 # 25006: a server that takes no writes (a standby before or after a failover) is waited out.
 _READ_ONLY = "25006"
-_TRANSIENT_PREFIXES = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01", _READ_ONLY)
+# 53: the server short of a resource (53100 a full disk, 53300 too many connections) is
+# waited out, never counted against the item being settled. 57P05 and 25P03: a connection
+# the server ended for idling.
+_TRANSIENT_PREFIXES = (
+    "08",
+    "53",
+    "57P01",
+    "57P02",
+    "57P03",
+    "57P05",
+    "25P03",
+    "40001",
+    "40P01",
+    _READ_ONLY,
+)
+
+# Settings an operator may have set on the role or database for other clients, which would
+# turn waits the worker is built for into failures: pooled connections closed while idle,
+# a claim or a settle cancelled while it waits for a lock. The worker bounds its own
+# statements where it needs to (SET LOCAL). Only those the server has (PostgreSQL 14+: the
+# idle session timeout; 17+: the transaction timeout).
+_SESSION_SETTINGS = """SELECT set_config(name, '0', false) FROM pg_settings
+    WHERE name IN ('idle_session_timeout', 'statement_timeout', 'lock_timeout',
+                   'transaction_timeout')"""
 
 READ_ONLY_SERVER = (
     "the server is read-only (a standby, or default_transaction_read_only is on); the worker"
@@ -172,9 +195,15 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
     """One connection outside any pool (migrations, LISTEN, CLI commands)."""
     try:
         with translated():
-            return psycopg.connect(
+            conn = psycopg.connect(
                 with_keepalives(conninfo), autocommit=autocommit, connect_timeout=int(timeout)
             )
+            try:
+                worker_session(conn)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
     except DatabaseUnavailable as exc:
         cause = exc.__cause__
         text = str(cause or exc)
@@ -184,6 +213,13 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
         if cause is not None and any(marker in text for marker in _LOGIN_REFUSED):
             raise DatabaseLoginRefused(_fatal_line(text)) from cause
         raise
+
+
+def worker_session(conn: psycopg.Connection) -> None:
+    """Turn off the role's or database's timeouts for this session (see _SESSION_SETTINGS)."""
+    conn.execute(_SESSION_SETTINGS)
+    if not conn.autocommit:
+        conn.commit()
 
 
 def _fatal_line(text: str) -> str:
@@ -207,13 +243,19 @@ def make_pool(
     ``keep_open`` connections are opened at start (in the background) and kept; the pool
     grows beyond them one connection at a time, on demand, up to ``size``.
     """
+
+    def configure_session(conn: psycopg.Connection) -> None:
+        worker_session(conn)
+        if configure is not None:
+            configure(conn)
+
     return _ReconnectingPool(
         with_keepalives(conninfo),
         min_size=max(1, min(keep_open, size)),
         max_size=max(1, size),
         kwargs={"autocommit": True, "connect_timeout": 10},
         check=ConnectionPool.check_connection,
-        configure=configure,
+        configure=configure_session,
         name=name,
         timeout=5.0,  # past this a caller sees DatabaseUnavailable and says it is waiting
         open=True,
