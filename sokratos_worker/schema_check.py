@@ -13,6 +13,8 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
     """What would make the worker fail later, each naming the variable or command to fix it."""
     try:
         pending = pending_migrations(conn)
+    except ConfigError as exc:  # the tables are out of the search_path's reach
+        return [exc]
     except psycopg.errors.InsufficientPrivilege as exc:
         # Nothing can be judged by a role that may not read the tables (nor can it work).
         return [

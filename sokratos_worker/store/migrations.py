@@ -180,12 +180,43 @@ def _named(holders: list[dict[str, Any]]) -> str:
 
 
 def pending_migrations(conn: psycopg.Connection) -> list[str]:
-    """The migrations this version has that the database has not recorded, in order."""
+    """The migrations this version has that the database has not recorded, in order.
+
+    Raises ConfigError when the worker's tables exist only in schemas this session's
+    ``search_path`` does not reach: migrating would build a second, empty set of queues
+    that no producer sees, and "run migrate" would be the wrong advice.
+    """
     table = conn.execute("SELECT to_regclass('sokratos_worker_migrations')").fetchone()
     done: set[int] = set()
     if table is not None and table[0] is not None:
         done = {row[0] for row in conn.execute("SELECT version FROM sokratos_worker_migrations")}
+    else:
+        _refuse_tables_out_of_reach(conn)
     return [m.name for m in load_migrations() if m.version not in done]
+
+
+def _refuse_tables_out_of_reach(conn: psycopg.Connection) -> None:
+    """ConfigError naming the schemas holding the worker's tables, if any hold them."""
+    rows = conn.execute(
+        """SELECT n.nspname, current_setting('search_path'), current_user, current_database()
+           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+           WHERE c.relname = 'sokratos_worker_migrations' AND c.relkind IN ('r', 'p')
+           ORDER BY n.nspname"""
+    ).fetchall()
+    if not rows:
+        return
+    schemas = [str(r[0]) for r in rows]
+    search_path, role, database = rows[0][1], rows[0][2], rows[0][3]
+    # (public too, where the vector extension usually lives)
+    wanted = schemas[0] if schemas[0] == "public" else f"{schemas[0]}, public"
+    raise ConfigError(
+        "search_path",
+        f"is {search_path!r} for role {role}, which does not reach the worker's tables in"
+        f" schema {', '.join(schemas)}: set it with ALTER ROLE {role} IN DATABASE {database}"
+        f" SET search_path = {wanted} (or add options=-csearch_path%3D{schemas[0]}"
+        " to SOKRATOS_DATABASE_URL); migrations are not applied, as they would build a second,"
+        " empty set of queues that no producer sees",
+    )
 
 
 def history_differences(conn: psycopg.Connection) -> list[str]:

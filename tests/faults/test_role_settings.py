@@ -211,3 +211,30 @@ def test_failed_purge_of_many_rows_outlasts_a_roles_statement_timeout(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert count(db, "SELECT count(*) FROM failed_operations") == 0
+
+
+def test_a_search_path_that_misses_the_workers_tables_is_named_and_nothing_is_built(
+    db: psycopg.Connection, role_with: RoleWith, tmp_path: Path
+) -> None:
+    """The role's search_path leaves out the schema of the worker's (migrated) tables: `run`
+    said the database lacked every migration and told the operator to run `migrate`, which
+    built a second, empty set of queues in the other schema (and failed on the vector type).
+    Both now name the setting, exit 78 and build nothing."""
+    db.execute("CREATE SCHEMA elsewhere")
+    url = role_with("search_path = elsewhere")
+    env = daemon_env(url, tmp_path, SOKRATOS_STARTUP_TIMEOUT="3s")
+    for command in (["run", "--no-migrate"], ["run"], ["migrate"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "sokratos_worker", *command],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=100,
+            check=False,
+        )
+        assert done.returncode == 78, (command, done.returncode, done.stderr[-2000:])
+        assert "SET search_path = public (" in done.stderr, done.stderr
+        assert "lacks migrations" not in done.stderr, done.stderr
+    built = db.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'elsewhere'")
+    assert built.fetchone() == (0,)
