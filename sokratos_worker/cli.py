@@ -359,6 +359,8 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as exc:
+        from psycopg.errors import QueryCanceled  # noqa: PLC0415 - --help stays quick
+
         refused = _missing_privilege(exc)
         if refused is not None:
             print(
@@ -368,6 +370,17 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
                 file=sys.stderr,
             )
             return EXIT_CONFIG
+        if isinstance(exc, QueryCanceled):
+            # Not a role's statement_timeout (the worker's sessions turn it off): someone
+            # cancelled the statement (pg_cancel_backend), or a server-side limit did.
+            print(
+                f"sokratos-worker: the database cancelled the command's statement"
+                f" ({str(exc).strip()}): nothing it had not committed was changed; run it"
+                " again, and if it recurs ask who cancels it (pg_cancel_backend, a pooler's"
+                " query_timeout)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
         missing = _missing_schema(exc)
         if missing is None:
             raise
