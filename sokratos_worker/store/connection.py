@@ -44,9 +44,15 @@ _TRANSIENT_PREFIXES = (
 # a claim or a settle cancelled while it waits for a lock. The worker bounds its own
 # statements where it needs to (SET LOCAL). Only those the server has (PostgreSQL 14+: the
 # idle session timeout; 17+: the transaction timeout).
+# And a commit must be durable before the worker acts on it (a spool file is deleted after
+# its item's commit): synchronous_commit = off is raised to on; 'local' and the replica
+# levels are as durable on the primary, and kept.
 _SESSION_SETTINGS = """SELECT set_config(name, '0', false) FROM pg_settings
     WHERE name IN ('idle_session_timeout', 'statement_timeout', 'lock_timeout',
-                   'transaction_timeout')"""
+                   'transaction_timeout')
+    UNION ALL
+    SELECT set_config('synchronous_commit', 'on', false)
+    WHERE current_setting('synchronous_commit') = 'off'"""
 
 READ_ONLY_SERVER = (
     "the server is read-only (a standby, or default_transaction_read_only is on); the worker"
@@ -216,7 +222,8 @@ def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) ->
 
 
 def worker_session(conn: psycopg.Connection) -> None:
-    """Turn off the role's or database's timeouts for this session (see _SESSION_SETTINGS)."""
+    """Turn off the role's or database's timeouts for this session, and make its commits
+    durable (see _SESSION_SETTINGS)."""
     conn.execute(_SESSION_SETTINGS)
     if not conn.autocommit:
         conn.commit()
