@@ -432,7 +432,7 @@ class Worker:
         failures = 0  # in a row: the first is said, the rest of an outage's are debug
         while not self._stop.is_set():
             try:
-                with connect(self.database.conninfo, autocommit=True) as conn:
+                with connect(self.database.conninfo, worker_settings=True) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     self.database_contact.succeeded()
                     log.info("listening", channel=NOTIFY_CHANNEL)

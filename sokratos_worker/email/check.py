@@ -675,7 +675,7 @@ def check_due_accounts(
     if settings.email_check_interval <= 0 or not settings.email_accounts:
         return []
     reports: list[AccountReport] = []
-    with store.connect(conninfo) as conn:
+    with store.connect(conninfo, worker_settings=True) as conn:  # run's own (see connect)
         # The database's clock, as the checkpoints' stamps are compared with it next time:
         # the host's stepped back an hour (NTP) would make every account wait that hour.
         current = now or store.database_now(conn)

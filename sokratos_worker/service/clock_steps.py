@@ -23,7 +23,9 @@ STEP_TOLERANCE_S = 2.0
 
 
 def _offset() -> float:
-    return time.time() - time.monotonic()
+    # CLOCK_BOOTTIME goes on while the machine is suspended, as the wall clock does (the
+    # monotonic clock stops): a suspend and resume is not a step.
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class ClockStepWatch:

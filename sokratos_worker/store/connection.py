@@ -23,12 +23,15 @@ T = TypeVar("T")
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
 # 25006: a server that takes no writes (a standby before or after a failover) is waited out.
 _READ_ONLY = "25006"
-# 53: the server short of a resource (53100 a full disk, 53300 too many connections) is
-# waited out, never counted against the item being settled. 57P05 and 25P03: a connection
-# the server ended for idling.
+# 53100, 53200, 53300: the server short of a resource (a full disk, memory, connections) is
+# waited out, never counted against the item being settled (53400, a configured limit such
+# as max_locks_per_transaction, one item's statement can exceed: it stays the item's).
+# 57P05 and 25P03: a connection the server ended for idling.
 _TRANSIENT_PREFIXES = (
     "08",
-    "53",
+    "53100",
+    "53200",
+    "53300",
     "57P01",
     "57P02",
     "57P03",
@@ -197,18 +200,30 @@ def _pooler_remedy(variable: str, parameter: str, url_options: Mapping[str, obje
     )
 
 
-def connect(conninfo: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
-    """One connection outside any pool (migrations, LISTEN, CLI commands)."""
+def connect(
+    conninfo: str,
+    *,
+    autocommit: bool = True,
+    timeout: float = 10.0,
+    worker_settings: bool = False,
+) -> psycopg.Connection:
+    """One connection outside any pool (migrations, LISTEN, CLI commands).
+
+    ``worker_settings``: apply :func:`worker_session`, for the daemon's own connections only,
+    made once a transaction pooler was refused (store/sessions.py): the settings stay on the
+    server session, which such a pooler would hand on to other clients with them.
+    """
     try:
         with translated():
             conn = psycopg.connect(
                 with_keepalives(conninfo), autocommit=autocommit, connect_timeout=int(timeout)
             )
-            try:
-                worker_session(conn)
-            except BaseException:
-                conn.close()
-                raise
+            if worker_settings:
+                try:
+                    worker_session(conn)
+                except BaseException:
+                    conn.close()
+                    raise
             return conn
     except DatabaseUnavailable as exc:
         cause = exc.__cause__
@@ -245,7 +260,8 @@ def make_pool(
 ) -> ConnectionPool:
     """A pool whose connections are probed before use and replaced when broken.
 
-    ``configure`` runs on each new connection before the pool lends it out.
+    Each new connection gets :func:`worker_session` (the pool is the daemon's, made after
+    ``refuse_shared_sessions``), then ``configure``, before the pool lends it out.
 
     ``keep_open`` connections are opened at start (in the background) and kept; the pool
     grows beyond them one connection at a time, on demand, up to ``size``.

@@ -282,13 +282,25 @@ def not_replayable_counts(conn: psycopg.Connection, *, op_type: str | None) -> d
     return {str(r[0]): int(r[1]) for r in rows}
 
 
+# Rows a purge deletes per statement: on an autocommit connection each batch is committed
+# on its own, so a role's statement_timeout and the sessions waiting on the table see short
+# statements, and a purge cut short keeps what it deleted (run it again for the rest).
+PURGE_BATCH = 1000
+
+
 def purge_failures(conn: psycopg.Connection, *, older_than_days: int) -> int:
-    """Delete failures older than the given age; returns how many."""
-    cur = conn.execute(
-        "DELETE FROM failed_operations WHERE created_at < now() - make_interval(days => %s)",
-        (older_than_days,),
-    )
-    return cur.rowcount
+    """Delete failures older than the given age, PURGE_BATCH rows a statement; how many."""
+    deleted = 0
+    while True:
+        cur = conn.execute(
+            """DELETE FROM failed_operations WHERE id IN (
+                   SELECT id FROM failed_operations
+                   WHERE created_at < now() - make_interval(days => %s) LIMIT %s)""",
+            (older_than_days, PURGE_BATCH),
+        )
+        deleted += cur.rowcount
+        if cur.rowcount < PURGE_BATCH:
+            return deleted
 
 
 def recent_failures(

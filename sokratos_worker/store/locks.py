@@ -6,11 +6,13 @@ A migration's ALTER or a transaction left open by hand can hold a queue table fo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg import pq
 
 from sokratos_worker.errors import TableLocked
 from sokratos_worker.store.status import (
@@ -43,6 +45,12 @@ def lock_waits_given_up(
         yield
     except pg_errors.LockNotAvailable as exc:
         raise TableLocked(_locked_message(conn, doing, timeout_ms)) from exc
+    finally:
+        # Not left on the server session: a pooler (PgBouncer in transaction mode) hands it to
+        # its next client, whose own lock_timeout it would replace.
+        with contextlib.suppress(psycopg.Error):
+            if not conn.closed and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                conn.execute("RESET lock_timeout")
 
 
 def _locked_message(conn: psycopg.Connection, doing: str, timeout_ms: int) -> str:

@@ -95,7 +95,9 @@ def apply_migrations(conninfo: str, on_progress: Progress = _nobody_listens) -> 
     hears the same waits, and each migration as it starts, as one line each.
     """
     applied: list[str] = []
-    with connect(conninfo, autocommit=True) as conn, translated():
+    # (after refuse_shared_sessions, in `run` and `migrate`: a role's statement_timeout must
+    # not cancel a migration)
+    with connect(conninfo, autocommit=True, worker_settings=True) as conn, translated():
         # Read only, so a worker role that may not create tables starts too.
         if not pending_migrations(conn):
             return []
@@ -196,26 +198,37 @@ def pending_migrations(conn: psycopg.Connection) -> list[str]:
 
 
 def _refuse_tables_out_of_reach(conn: psycopg.Connection) -> None:
-    """ConfigError naming the schemas holding the worker's tables, if any hold them."""
+    """ConfigError naming the schemas (this role may use) holding the worker's tables, if any;
+    a schema the role may not use is another deployment's, not a missed search_path."""
     rows = conn.execute(
-        """SELECT n.nspname, current_setting('search_path'), current_user, current_database()
+        """SELECT n.nspname, current_setting('search_path'), current_user, current_database(),
+                  current_schema()
            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
            WHERE c.relname = 'sokratos_worker_migrations' AND c.relkind IN ('r', 'p')
+             AND has_schema_privilege(n.oid, 'USAGE')
            ORDER BY n.nspname"""
     ).fetchall()
     if not rows:
         return
     schemas = [str(r[0]) for r in rows]
-    search_path, role, database = rows[0][1], rows[0][2], rows[0][3]
+    search_path, role, database, here = rows[0][1], rows[0][2], rows[0][3], rows[0][4]
+    found = schemas[0]
     # (public too, where the vector extension usually lives)
-    wanted = schemas[0] if schemas[0] == "public" else f"{schemas[0]}, public"
+    wanted = found if found == "public" else f"{found}, public"
+    separate = (
+        f"; or, for a separate deployment in schema {here} on purpose, create its history"
+        f" table first: CREATE TABLE {here}.sokratos_worker_migrations"
+        f" (LIKE {found}.sokratos_worker_migrations INCLUDING ALL), then migrate"
+        if here
+        else ""
+    )
     raise ConfigError(
         "search_path",
         f"is {search_path!r} for role {role}, which does not reach the worker's tables in"
-        f" schema {', '.join(schemas)}: set it with ALTER ROLE {role} IN DATABASE {database}"
-        f" SET search_path = {wanted} (or add options=-csearch_path%3D{schemas[0]}"
-        " to SOKRATOS_DATABASE_URL); migrations are not applied, as they would build a second,"
-        " empty set of queues that no producer sees",
+        f" schema {', '.join(schemas)}: if those are the queues producers use, set it with"
+        f" ALTER ROLE {role} IN DATABASE {database} SET search_path = {wanted} (or add"
+        f" options=-csearch_path%3D{found} to SOKRATOS_DATABASE_URL){separate}. Nothing was"
+        " migrated: that would have built a second, empty set of queues no producer sees",
     )
 
 

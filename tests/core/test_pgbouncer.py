@@ -286,3 +286,33 @@ def test_check_names_transaction_pooling_and_passes_session_pooling(
     shared = sessions_line(transaction_pool)
     assert shared.startswith("FAIL"), shared
     assert "connection pooler in transaction or statement mode" in shared, shared
+
+
+def test_a_transaction_pooler_is_left_without_the_workers_session_settings(
+    db: psycopg.Connection, database_url: str, pg_server: str, tmp_path: Path
+) -> None:
+    """`run` refuses transaction pooling (exit 78) so that it leaves no session state on the
+    pooler's server connections, and the commands run through it: none may hand the next
+    client of the pool a session whose timeouts the worker turned off (review, 2026-12-05:
+    every connection set them at once, before the refusal too)."""
+    name = str(conninfo_to_dict(database_url)["dbname"])
+    db.execute(f'ALTER DATABASE "{name}" SET statement_timeout = \'17s\'')
+    db.execute(f'ALTER DATABASE "{name}" SET lock_timeout = \'7s\'')
+    with pgbouncer(pg_server, "transaction") as address:
+        url = _through(database_url, address)
+        env = env_for(url, tmp_path, SOKRATOS_STARTUP_TIMEOUT="10s")
+        assert cli("run", "--once", env=env).returncode == 78
+        assert cli("migrate", env=env).returncode == 78
+        for command in (["status"], ["failed", "list"], ["failed", "purge", "--older-than", "30"]):
+            done = cli(*command, env=env)
+            assert done.returncode == 0, (command, done.stderr[-2000:])
+        seen = set()
+        for _ in range(3):  # the next clients of the same pool, as Sokratos's app would be
+            with psycopg.connect(url, autocommit=True) as other:
+                seen.add(
+                    other.execute(
+                        "SELECT current_setting('statement_timeout'),"
+                        " current_setting('lock_timeout')"
+                    ).fetchone()
+                )
+    assert seen == {("17s", "7s")}, seen

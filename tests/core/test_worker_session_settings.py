@@ -1,4 +1,4 @@
-"""What a worker's session sets over the role's defaults (store/connection.py worker_session):
+"""What the daemon's sessions set over the role's defaults (store/connection.py worker_session):
 the timeouts off, and commits durable. A role with ``synchronous_commit = off`` let a spool
 import delete its file after a commit a server crash could still lose (review, 2026-12-05)."""
 
@@ -37,14 +37,15 @@ SHOWN = (
 )
 
 
-def test_a_command_connection_and_a_pooled_one_override_the_roles_settings(
-    role_url: str,
-) -> None:
-    with psycopg.connect(role_url) as plain:  # what the role gets by default
+def test_the_daemons_connections_override_the_roles_settings(role_url: str) -> None:
+    # A command's connection keeps the role's: a transaction pooler would hand the
+    # session on to other clients (tests/core/test_pgbouncer.py).
+    with connect(role_url) as plain:
         assert plain.execute(SHOWN).fetchone() == ("50ms", "50ms", "1s", "off")
-    with connect(role_url) as conn:
+    with connect(role_url, worker_settings=True) as conn:
         assert conn.execute(SHOWN).fetchone() == ("0", "0", "0", "on")
-    with connect(role_url, autocommit=False) as conn:  # kept past the set-up's own commit
+    # Kept past the set-up's own commit.
+    with connect(role_url, autocommit=False, worker_settings=True) as conn:
         assert conn.execute(SHOWN).fetchone() == ("0", "0", "0", "on")
     database = Database(role_url, size=2)
     try:
@@ -64,5 +65,5 @@ def test_a_stronger_or_equal_synchronous_commit_is_kept(
             sql.Identifier(str(role)), sql.SQL(level)
         )
     )
-    with connect(role_url) as conn:
+    with connect(role_url, worker_settings=True) as conn:
         assert conn.execute("SHOW synchronous_commit").fetchone() == (level,)

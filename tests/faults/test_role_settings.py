@@ -238,3 +238,85 @@ def test_a_search_path_that_misses_the_workers_tables_is_named_and_nothing_is_bu
         assert "lacks migrations" not in done.stderr, done.stderr
     built = db.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'elsewhere'")
     assert built.fetchone() == (0,)
+
+
+def test_a_configured_limit_one_item_exceeds_is_that_items_failure(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """53400 (configuration_limit_exceeded, e.g. max_locks_per_transaction) raised by one
+    item's own memory write: unlike a full disk it is the item's, so it ends in a dead letter
+    after its attempts while the other items settle (as "the server short of a resource" it
+    was waited out for ever, the worker saying the database was away; review, 2026-12-05)."""
+    bad, good = enqueue_many(db, 2)
+    db.execute(
+        f"""CREATE FUNCTION over_the_limit() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+               IF NEW.summary = 'memory of item {bad}' THEN
+                   RAISE EXCEPTION 'out of shared memory' USING ERRCODE = '53400';
+               END IF;
+               RETURN NEW;
+           END $$"""
+    )
+    db.execute(
+        "CREATE TRIGGER over_the_limit BEFORE INSERT ON memories"
+        " FOR EACH ROW EXECUTE FUNCTION over_the_limit()"
+    )
+    log = tmp_path / "worker.log"
+    env = daemon_env(database_url, tmp_path, SOKRATOS_MAX_ATTEMPTS="2")
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(
+            lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 2, timeout=60
+        ), tail(log)
+    finally:
+        _stop(proc)
+    rows = db.execute("SELECT item_id, outcome, attempts FROM work_outcomes ORDER BY item_id")
+    assert rows.fetchall() == [(bad, "failed", 2), (good, "saved", 1)], tail(log)
+    assert not any(e.get("event") == "waiting_for_database" for e in log_events(log)), tail(log)
+
+
+def test_a_separate_deployment_in_its_own_schema_is_built_as_the_refusal_says(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """Two deployments in one database, each in its own schema (pgvector in public): the
+    second's role may use the first's schema (a superuser here), so its migrate is refused as
+    a missed search_path; the refusal says how to build a separate one, and that works."""
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector SCHEMA public")
+        conn.execute("CREATE SCHEMA a")
+        conn.execute("CREATE SCHEMA b")
+    info = {k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(empty_database_url).items() if v}
+    first = psycopg.conninfo.make_conninfo(**info, options="-csearch_path=a,public")
+    second = psycopg.conninfo.make_conninfo(**info, options="-csearch_path=b,public")
+    env = daemon_env(first, tmp_path)
+
+    def migrate(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sokratos_worker", "migrate"],
+            env={**env, "SOKRATOS_DATABASE_URL": url},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=100,
+            check=False,
+        )
+
+    assert migrate(first).returncode == 0
+    refused = migrate(second)
+    assert refused.returncode == 78, refused.stderr
+    statement = (
+        "CREATE TABLE b.sokratos_worker_migrations"
+        " (LIKE a.sokratos_worker_migrations INCLUDING ALL)"
+    )
+    assert statement in refused.stderr, refused.stderr
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(statement)
+    built = migrate(second)
+    assert built.returncode == 0, built.stderr
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        tables = conn.execute(
+            "SELECT schemaname, count(*) FROM pg_tables WHERE tablename IN"
+            " ('pending_triage', 'work_outcomes', 'sokratos_worker_migrations')"
+            " GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    assert tables == [("a", 3), ("b", 3)], tables
