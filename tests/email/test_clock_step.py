@@ -10,7 +10,6 @@ stamps and the due test are on the database's clock now. Only the daemon's clock
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import psycopg
 import pytest
 from dovecot import PASSWORD, USER, Dovecot
 
-from tests.faults.support import tail
+from tests.faults.support import stop, tail
 from tests.support.daemon import daemon_env, start_daemon, wait_until
 from tests.support.faketime import stepped_env
 
@@ -61,10 +60,5 @@ def test_mail_is_fetched_after_the_wall_clock_steps_back(
         # Due 30 s after the first check, and looked for every 30 s: well within 80 s.
         fetched = wait_until(lambda: _last_uid(db) >= 2, timeout=80, interval=0.5)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
     assert fetched, f"no mail fetched 80 s after the clock stepped back: {tail(log)}"

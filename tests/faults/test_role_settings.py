@@ -25,7 +25,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.faults.support import log_events, tail
+from tests.faults.support import log_events, stop, tail
 from tests.support.daemon import ROOT, daemon_env, start_daemon, wait_until
 from tests.support.db import count, enqueue_many
 
@@ -54,14 +54,6 @@ def role_with(db: psycopg.Connection, database_url: str) -> Iterator[RoleWith]:
         db.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(40)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
 
 def _all_saved_once(db: psycopg.Connection, n: int, log: Path) -> None:
     rows = db.execute("SELECT outcome, attempts FROM work_outcomes ORDER BY item_id").fetchall()
@@ -89,7 +81,7 @@ def test_an_idle_session_timeout_neither_stalls_work_nor_fills_the_log(
             latencies.append(round(time.monotonic() - started, 2))
             assert done, (latencies, tail(log))
     finally:
-        _stop(proc)
+        stop(proc)
     _all_saved_once(db, 6, log)
     # Picked up at once (generous: a wake-up, not a pool digging through dead connections).
     assert max(latencies) < 3.0, (latencies, tail(log))
@@ -113,7 +105,7 @@ def test_a_slot_holding_its_connection_past_the_idle_timeout_settles_on_it(
             lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 4, timeout=120
         ), tail(log)
     finally:
-        _stop(proc)
+        stop(proc)
     _all_saved_once(db, 4, log)
 
 
@@ -144,7 +136,7 @@ def test_a_roles_timeout_does_not_fail_a_settle_waiting_for_a_lock(
             lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 6, timeout=60
         ), tail(log)
     finally:
-        _stop(proc)
+        stop(proc)
     _all_saved_once(db, 6, log)
 
 
@@ -183,7 +175,7 @@ def test_a_full_disk_is_waited_out_and_fails_no_item(
             lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 6, timeout=60
         ), tail(log)
     finally:
-        _stop(proc)
+        stop(proc)
     if lease == "30s":
         _all_saved_once(db, 6, log)
     rows = db.execute("SELECT outcome FROM work_outcomes").fetchall()
@@ -269,7 +261,7 @@ def test_a_configured_limit_one_item_exceeds_is_that_items_failure(
             lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 2, timeout=60
         ), tail(log)
     finally:
-        _stop(proc)
+        stop(proc)
     rows = db.execute("SELECT item_id, outcome, attempts FROM work_outcomes ORDER BY item_id")
     assert rows.fetchall() == [(bad, "failed", 2), (good, "saved", 1)], tail(log)
     assert not any(e.get("event") == "waiting_for_database" for e in log_events(log)), tail(log)

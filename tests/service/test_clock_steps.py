@@ -9,7 +9,6 @@ worker wrote no heartbeat for that hour, and ``status`` called it silent while i
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import psycopg
 import pytest
 
 from sokratos_worker.store import status as status_store
-from tests.faults.support import log_events, tail
+from tests.faults.support import log_events, stop, tail
 from tests.support.daemon import daemon_env, start_daemon, wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.faketime import stepped_env
@@ -32,14 +31,6 @@ def _ticks(log: Path) -> int:
 def _stepped(log: Path) -> list[dict[str, object]]:
     return [e for e in log_events(log) if e.get("event") == "wall_clock_stepped"]
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize("step_s", [-3600, 6 * 3600], ids=["back-1h", "forward-6h"])
@@ -62,7 +53,7 @@ def test_heartbeats_go_on_after_the_wall_clock_steps(
         assert wait_until(lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 5, timeout=60)
         workers = status_store.live_workers(db, stale_after_s=180)
     finally:
-        _stop(proc)
+        stop(proc)
     # One tick a second; a handful, not none (back) and not one per missed second (forward).
     assert 4 <= after - before <= 12, (after - before, tail(log))
     assert [w["overdue"] for w in workers] == [False], workers
