@@ -14,6 +14,7 @@ answers "OK" unless told otherwise: ``srv.on(PROBE, ...)`` makes the server look
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -188,6 +189,34 @@ def _no_script(request: Request) -> Reply:
     return Reply.error(500, f"nothing scripted for {request.path}")
 
 
+class _ClosingServer(ThreadingHTTPServer):
+    """Cuts its open connections on close: ``shutdown()`` only stops accepting, and a
+    client's kept-alive connection went on being answered by the old script (a review found
+    fault phases made with ``close()`` that never reached the worker, 2026-12-05)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def cut_connections(self) -> None:
+        with self._open_lock:
+            connections, self._open = list(self._open), set()
+        for connection in connections:
+            with contextlib.suppress(OSError):  # already gone
+                connection.shutdown(socket.SHUT_RDWR)
+
+
 class ScriptedLLM:
     """The server; use it as a context manager. ``url`` ends in ``/v1``."""
 
@@ -216,7 +245,7 @@ class ScriptedLLM:
         self._requests: list[Request] = []
         self._in_flight = 0
         self.max_in_flight = 0
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _ClosingServer | None = None
         self._thread: threading.Thread | None = None
 
     # -- scripting -------------------------------------------------------------------------
@@ -283,7 +312,7 @@ class ScriptedLLM:
     def start(self) -> ScriptedLLM:
         """Bind 127.0.0.1 on a free port and serve in a daemon thread."""
         handler = _make_handler(self)
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = _ClosingServer(("127.0.0.1", 0), handler)
         server.daemon_threads = True
         server.block_on_close = False  # hanging handlers must not block close()
         if self.ssl_context is not None:
@@ -296,11 +325,13 @@ class ScriptedLLM:
         return self
 
     def close(self) -> None:
-        """Stop serving; hanging handlers are woken and end."""
+        """Stop serving, kept-alive connections included (a server that went away answers
+        no one); hanging handlers are woken and end."""
         self._stopping.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.cut_connections()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
