@@ -55,6 +55,17 @@ def role_with(db: psycopg.Connection, database_url: str) -> Iterator[RoleWith]:
 
 
 
+def _run_until_outcomes(db: psycopg.Connection, env: dict[str, str], log: Path, n: int) -> None:
+    """The daemon, until ``n`` items have an outcome (two minutes at most), then stopped."""
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(
+            lambda: count(db, "SELECT count(*) FROM work_outcomes") >= n, timeout=120
+        ), tail(log)
+    finally:
+        stop(proc)
+
+
 def _all_saved_once(db: psycopg.Connection, n: int, log: Path) -> None:
     rows = db.execute("SELECT outcome, attempts FROM work_outcomes ORDER BY item_id").fetchall()
     assert count(db, "SELECT count(*) FROM failed_operations") == 0, (rows, tail(log))
@@ -99,13 +110,7 @@ def test_a_slot_holding_its_connection_past_the_idle_timeout_settles_on_it(
     url = role_with("idle_session_timeout = '1500ms'")
     enqueue_many(db, 4, behaviour="sleep:1.8")
     log = tmp_path / "worker.log"
-    proc = start_daemon(daemon_env(url, tmp_path, SOKRATOS_CONCURRENCY="2"), log)
-    try:
-        assert wait_until(
-            lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 4, timeout=120
-        ), tail(log)
-    finally:
-        stop(proc)
+    _run_until_outcomes(db, daemon_env(url, tmp_path, SOKRATOS_CONCURRENCY="2"), log, 4)
     _all_saved_once(db, 4, log)
 
 
@@ -254,14 +259,7 @@ def test_a_configured_limit_one_item_exceeds_is_that_items_failure(
         " FOR EACH ROW EXECUTE FUNCTION over_the_limit()"
     )
     log = tmp_path / "worker.log"
-    env = daemon_env(database_url, tmp_path, SOKRATOS_MAX_ATTEMPTS="2")
-    proc = start_daemon(env, log)
-    try:
-        assert wait_until(
-            lambda: count(db, "SELECT count(*) FROM work_outcomes") >= 2, timeout=60
-        ), tail(log)
-    finally:
-        stop(proc)
+    _run_until_outcomes(db, daemon_env(database_url, tmp_path, SOKRATOS_MAX_ATTEMPTS="2"), log, 2)
     rows = db.execute("SELECT item_id, outcome, attempts FROM work_outcomes ORDER BY item_id")
     assert rows.fetchall() == [(bad, "failed", 2), (good, "saved", 1)], tail(log)
     assert not any(e.get("event") == "waiting_for_database" for e in log_events(log)), tail(log)
