@@ -200,6 +200,10 @@ def _check_outcome(rig: Rig, key: Key) -> None:
 
 
 @pytest.mark.timeout(300)
+# When an example fails, Hypothesis replays it and renders its arguments; for a large payload
+# that rendering warns, and the project's warnings-as-errors made the warning the test's
+# error, hiding the example's own (a CI run on 2026-12-05): let the real failure through.
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
 def test_junk_payloads_each_end_in_exactly_one_outcome(rig: Rig) -> None:
     started = time.monotonic()
 
