@@ -206,6 +206,8 @@ def _refuse_tables_out_of_reach(conn: psycopg.Connection) -> None:
            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
            WHERE c.relname = 'sokratos_worker_migrations' AND c.relkind IN ('r', 'p')
              AND has_schema_privilege(n.oid, 'USAGE')
+             -- one the path reaches was created meanwhile (another migrator committed)
+             AND n.nspname <> ALL (current_schemas(true))
            ORDER BY n.nspname"""
     ).fetchall()
     if not rows:
