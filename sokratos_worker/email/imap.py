@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -85,6 +85,7 @@ __all__ = [
     "ImapAborted",
     "ImapError",
     "ImapRefused",
+    "ImapServerState",
     "ImapSession",
     "MailboxState",
     "MessageRef",
@@ -115,6 +116,10 @@ HEADER_BYTES_LIMIT = 64 * 1024
 SEARCH_WINDOW = 1000
 SEARCH_WINDOW_GROWTH = 16
 
+# Messages tried, at most, to see whether a server answering one with its state (RFC 5530)
+# returns others: the answer is then that message's.
+SERVED_TRIES = 2
+
 # A plain-IMAP server greets at once; one silent this long is asked whether it speaks TLS
 # (an implicit-TLS port never greets a client that does not start TLS first).
 GREETING_PATIENCE_S = 3.0
@@ -131,6 +136,16 @@ class ImapRefused(ImapError):
     def __init__(self, message: str, answer: str) -> None:
         super().__init__(message)
         self.answer = answer
+
+
+class ImapServerState(ImapError):
+    """A UID FETCH answered with the server's own state (an RFC 5530 code, shutting down);
+    ``closed`` when it came as a ``BYE`` that closed the connection."""
+
+    def __init__(self, message: str, answer: str, *, closed: bool) -> None:
+        super().__init__(message)
+        self.answer = answer
+        self.closed = closed
 
 
 class ImapAborted(ImapError):
@@ -182,6 +197,8 @@ class ImapSession:
         self._conn: imaplib.IMAP4 | None = None
         self._state: MailboxState | None = None
         self._logged_in_capabilities: frozenset[str] | None = None
+        # The last UID returned in this session, by headers_only: proof the server serves.
+        self._served: dict[bool, int] = {}
 
     def __enter__(self) -> ImapSession:
         self._sessions.add(self._watch)
@@ -563,6 +580,8 @@ class ImapSession:
             else f"RFC822.SIZE BODY.PEEK[]<0.{MESSAGE_BYTES_LIMIT}>"
         )
         found = fetched_messages(self._uid_fetch(uids, f"UID INTERNALDATE {section}"))
+        if found:
+            self._served[headers_only] = max(found)
         missing = [uid for uid in uids if uid not in found]
         if missing:
             self._skip_vanished(missing)
@@ -579,15 +598,17 @@ class ImapSession:
             if bye is None:
                 raise self._failure(f"UID FETCH on {self._where()} failed", exc) from None
             if server_state(bye):
-                # The server going away, not this message's fault: the check just stops.
-                raise ImapError(f"{where} failed for now: BYE {bye}") from None
+                # The server going away, or this message (fetch_each tells which).
+                raise ImapServerState(
+                    f"{where} failed for now: BYE {bye}", f"BYE {bye}", closed=True
+                ) from None
             self._reopen()  # the server closed the connection: later messages need a new one
             raise ImapRefused(f"{where} was refused: BYE {bye}", f"BYE {bye}") from None
         if typ == "NO":
             answer = f"NO {answer_text(list(data))}".strip()
             if server_state(answer):
-                # The server's state, not this message's (RFC 5530): the check just stops.
-                raise ImapError(f"{where} failed for now: {answer}")
+                # The server's state (RFC 5530), or this message (fetch_each tells which).
+                raise ImapServerState(f"{where} failed for now: {answer}", answer, closed=False)
             raise ImapRefused(f"{where} was refused: {answer}", answer)
         self._check(typ, list(data), "UID FETCH")
         return list(data)
@@ -622,12 +643,15 @@ class ImapSession:
         return found & set(uids)
 
     def fetch_each(
-        self, uids: list[int], *, headers_only: bool = False
+        self, uids: list[int], *, headers_only: bool = False, later: Sequence[int] = ()
     ) -> Iterator[FetchedMessage | Refused]:
         """The messages of one batch in UID order; a refused batch is fetched one at a time.
 
         So one message the server cannot return does not hold back the others: each refused
-        single UID is yielded as :class:`Refused` (unless it was expunged meanwhile).
+        single UID is yielded as :class:`Refused` (unless it was expunged meanwhile). So is
+        one answered with the server's state (``NO [UNAVAILABLE]``) while the server returns
+        another message (:meth:`_serves_another`); when it returns none, the check stops.
+        ``later`` are the batch's UIDs after ``uids``, candidates for that comparison.
         """
         try:
             messages = self.fetch(uids, headers_only=headers_only)
@@ -640,11 +664,64 @@ class ImapSession:
                     answer=exc.answer,
                     what_to_do="nothing: fetching its messages one at a time",
                 )
-                for uid in uids:
-                    yield from self.fetch_each([uid], headers_only=headers_only)
+                yield from self._one_at_a_time(uids, headers_only)
             elif uids[0] in self._existing(uids):
                 yield Refused(uid=uids[0], answer=exc.answer)
             else:
                 self._skip_vanished(uids)
             return
+        except ImapServerState as exc:
+            yield from self._after_server_state(exc, uids, headers_only, later)
+            return
         yield from messages
+
+    def _one_at_a_time(
+        self, uids: list[int], headers_only: bool
+    ) -> Iterator[FetchedMessage | Refused]:
+        for i, uid in enumerate(uids):
+            yield from self.fetch_each([uid], headers_only=headers_only, later=uids[i + 1 :])
+
+    def _after_server_state(
+        self, exc: ImapServerState, uids: list[int], headers_only: bool, later: Sequence[int]
+    ) -> Iterator[FetchedMessage | Refused]:
+        """A server-state answer is the server's (the check stops: raises ``exc``) unless
+        the server returns other messages meanwhile: then it is this message's, which would
+        otherwise stop every check of its account for good."""
+        if exc.closed:
+            try:
+                self._reopen()
+            except ImapError:
+                raise exc from None  # the server is really away: its own answer says why
+        if len(uids) > 1:
+            log.info(
+                "email_batch_failed_for_now",
+                account=self.account.name,
+                uids=format_uid_set(uids),
+                answer=exc.answer,
+                what_to_do="nothing: fetching its messages one at a time, to tell the"
+                " server's state from one message's",
+            )
+            yield from self._one_at_a_time(uids, headers_only)
+            return
+        uid = uids[0]
+        served = self._serves_another(uid, later, headers_only)
+        if served is None:
+            raise exc
+        if uid not in self._existing(uids):
+            self._skip_vanished(uids)
+            return
+        yield Refused(uid=uid, answer=f"{exc.answer} (while it returned UID {served})")
+
+    def _serves_another(self, uid: int, later: Sequence[int], headers_only: bool) -> int | None:
+        """A UID other than ``uid`` the server returns now (fetched the same way), or None."""
+        last = self._served.get(headers_only)
+        candidates = [c for c in (last, *later) if c is not None and c != uid]
+        for candidate in candidates[:SERVED_TRIES]:
+            try:
+                if self.fetch([candidate], headers_only=headers_only):
+                    return candidate
+            except ImapRefused:
+                continue  # another message it cannot return: tells nothing of the server
+            except ImapServerState:
+                return None
+        return None

@@ -1032,6 +1032,47 @@ def test_a_bye_for_the_servers_state_never_passes_a_message(
     assert failed == []
 
 
+@pytest.mark.parametrize(
+    ("proxy_class", "answer"),
+    [(RefusingProxy, b"[UNAVAILABLE] busy"), (ByeProxy, b"Server shutting down.")],
+    ids=["no-unavailable", "bye-shutting-down"],
+)
+def test_a_server_state_answer_for_one_message_only_is_that_messages_refusal(
+    *,
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: Any,
+    proxy_class: type[RefusingProxy],
+    answer: bytes,
+) -> None:
+    """A server that answers one message with its state (`NO [UNAVAILABLE]`, `BYE ...
+    shutting down`) on every check while it returns the others (after a reconnect for a BYE):
+    the answer is that message's, counted like a refusal and passed on the third check; it
+    stopped every check of the account for good before."""
+    for subject in ("one", "two", "three"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    refusal = "SELECT refused_uid, refused_checks FROM email_checkpoints"
+    with proxy_class(dovecot.imap_port, refused={2}, answer=answer) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(2):
+            with capture_logs() as logs:
+                [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+            assert report.error is not None and "UID 2 " in report.error, report
+            assert db.execute(refusal).fetchone() == (2, n + 1)
+            [refused] = [e for e in logs if e["event"] == "email_message_refused"]
+            # The first check returned UID 1 before it; the second starts past it, at UID 2.
+            assert f"(while it returned UID {1 + 2 * n})" in refused["answer"], refused
+        [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert report.ok, report.error
+    assert [i["payload"]["subject"] for i in items(db)] == ["one", "three"]
+    [context] = db.execute("SELECT context_data FROM failed_operations").fetchone()
+    assert (context["uid"], context["refused_checks"]) == (2, 3)
+    assert answer.decode() in context["server_answer"]
+    assert "while it returned UID" in context["server_answer"]
+
+
 def test_a_bye_for_one_message_is_counted_as_its_refusal(
     dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
 ) -> None:
