@@ -104,6 +104,7 @@ class Rig:
     conninfo: str
     db: psycopg.Connection
     keys: list[Key]
+    logs: list[dict[str, Any]]
     via_client: int = 0
     refused: int = 0
     direct: int = 0
@@ -141,8 +142,9 @@ def rig(db: psycopg.Connection, database_url: str) -> Iterator[Rig]:
         embedder = build_embedder(conf)
         try:
             handlers = build_handlers(HandlerContext(conf, database, chat, embedder))
-            with capture_logs():  # hundreds of dead-letter lines would bury the FAULTS report
-                yield Rig(conf, database, handlers, database_url, db, [])
+            # Hundreds of dead-letter lines would bury the FAULTS report; kept for a failure.
+            with capture_logs() as logs:
+                yield Rig(conf, database, handlers, database_url, db, [], logs)
         finally:
             database.close()
 
@@ -182,6 +184,20 @@ def _put(rig: Rig, queue: Queue, source: str, payload: Any) -> Key | None:
     return (queue.value, done.item_id)
 
 
+def _what_became_of(rig: Rig, key: Key, outcomes: list[Any]) -> str:
+    """The item's row (without its payload) and the log lines naming it: why it has no outcome."""
+    queue, item_id = key
+    [(row,)] = rig.db.execute(
+        f"SELECT (SELECT to_jsonb(t) - 'payload' FROM {queue} t WHERE id = %s)", (item_id,)
+    ).fetchall()
+    lines = [
+        {k: v for k, v in e.items() if k != "payload"}
+        for e in rig.logs
+        if e.get("item_id") == item_id and e.get("queue") in (queue, None)
+    ]
+    return f"{key}: outcomes {outcomes}; row {row}; log lines {lines[-20:]}"
+
+
 def _check_outcome(rig: Rig, key: Key) -> None:
     row = rig.db.execute(
         "SELECT o.outcome, f.error_message, f.context_data -> 'payload' IS NOT NULL"
@@ -190,7 +206,7 @@ def _check_outcome(rig: Rig, key: Key) -> None:
         " WHERE o.queue = %s AND o.item_id = %s",
         key,
     ).fetchall()
-    assert len(row) == 1, (key, row)
+    assert len(row) == 1, _what_became_of(rig, key, row)
     outcome, error, kept = row[0]
     if outcome == "failed":
         assert kept, key
