@@ -36,6 +36,7 @@ from sokratos_worker.inflight import InFlight
 from sokratos_worker.leases import LeaseRenewer
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Step, after_failure, describe, retry_delay
+from sokratos_worker.queue_shares import QueueShares
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Connection, Database, time_limited
 
@@ -177,6 +178,7 @@ class Runner:
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
         self._rotation = 0
+        self._shares = QueueShares(self.queues)
         # The server process of the dispatcher's statement in progress (None between them):
         # the watchdog asks PostgreSQL what it waits for when the dispatcher stops coming round.
         self.dispatcher_backend_pid: int | None = None
@@ -338,12 +340,24 @@ class Runner:
         asked, got = free, 0
         order = self.queues[self._rotation :] + self.queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self.queues))
+        # Each queue's equal share first, then what a queue left unclaimed to those that
+        # filled theirs (a queue that came short has no more).
+        plan = [*self._shares.split(free, order), *((q, None) for q in order)]
+        short: set[Queue] = set()
         try:
             with self._dispatcher_connection() as conn:
-                for q in order:
+                for q, share in plan:
+                    limit = free if share is None else min(share, free)
                     if free <= 0:
                         break
-                    items = self._claim_cancellable(conn, q, free)
+                    if limit <= 0 or q in short:
+                        continue
+                    items = self._claim_cancellable(conn, q, limit)
+                    if len(items) < limit:
+                        short.add(q)
+                        self._shares.found_empty(q)
+                    else:
+                        self._shares.found_items(q)
                     fresh = self._track_claimed(items)
                     if fresh is None:
                         self._release(items, conn, count_given_back=True)
@@ -554,8 +568,13 @@ class Runner:
         # Past the tick's budget the items in flight finish, but none is claimed after them;
         # after the stop, none either (begin_claim checks it).
         want_next = not (self._paused() or self._budget_spent()) and self._inflight.begin_claim()
+        claim_from = item.queue
+        if want_next and len(self.queues) > 1:
+            claim_from = self._shares.for_settle(item.queue, self._inflight.by_queue())
         try:
-            return self._settle_and_claim(item, effects, bound, started, want_next=want_next)
+            return self._settle_and_claim(
+                item, effects, bound, started, claim_from=claim_from if want_next else None
+            )
         finally:
             if want_next:
                 self._inflight.end_claim()
@@ -567,9 +586,10 @@ class Runner:
         bound: structlog.BoundLogger,
         started: float,
         *,
-        want_next: bool,
+        claim_from: Queue | None,
     ) -> tuple[Item | None, str]:
-        """The settle of :meth:`_settle_success`, claiming the next item if ``want_next``."""
+        """The settle of :meth:`_settle_success`, claiming the next item from ``claim_from``
+        unless it is None."""
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
             return store.settle_success(
@@ -577,7 +597,8 @@ class Runner:
                 item,
                 effects,
                 owner=self.worker_id,
-                claim_next=want_next,
+                claim_next=claim_from is not None,
+                claim_from=claim_from,
                 lease_s=self.settings.lease,
             )
 
@@ -585,6 +606,8 @@ class Runner:
         if done is None:
             return None, ABANDONED
         result, next_items = done
+        if claim_from is not None:
+            self._claimed_with_settle(claim_from, found=bool(next_items))
         if result.settled:
             outcome = (result.outcome or effects.outcome).value
             if outcome != effects.outcome.value:
@@ -612,6 +635,16 @@ class Runner:
             self._release(next_items, count_given_back=True)
             return None, kind
         return (fresh[0] if fresh else None), kind
+
+    def _claimed_with_settle(self, queue: Queue, *, found: bool) -> None:
+        """Note what a settle's claim found; when it found nothing and another queue may have
+        items, the dispatcher fills the slot (it would otherwise wait for up to 5 s)."""
+        if found:
+            self._shares.found_items(queue)
+            return
+        self._shares.found_empty(queue)
+        if len(self.queues) > 1:
+            self.wake(notified=False)
 
     def _fail(
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger

@@ -44,7 +44,7 @@ class _QueueSql:
     give_back: bytes
     renew: bytes
     settle_plain: bytes
-    settle_claim: bytes
+    settle_claim: dict[Queue, bytes]  # by the queue the next item is claimed from
 
 
 # A claim that takes over an expired lease records the attempt that died with its worker
@@ -79,7 +79,10 @@ def died_in(item: Item, attempt: int) -> bool:
 
 
 def _compose(queue: Queue) -> _QueueSql:
-    return _QueueSql(**{k: v.as_bytes(None) for k, v in _composed(queue).items()})
+    return _QueueSql(
+        **{k: v.as_bytes(None) for k, v in _composed(queue).items()},
+        settle_claim={claimed: _settle_claim(queue, claimed).as_bytes(None) for claimed in Queue},
+    )
 
 
 def _source(queue: Queue) -> sql.SQL:
@@ -133,56 +136,64 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                       %(backend)s::text
                FROM d RETURNING item_id"""
         ).format(table=table, fence=fence, source=source),
-        # The hot path under load: the fenced settle and the claim of the slot's next item in
-        # one statement, so one round trip and one commit per item. Data-modifying CTEs always
-        # run to completion; the claim never picks the item being settled (``id <>``). The
-        # row carries the settle's count; with nothing to claim its other columns are NULL.
-        # LIMIT is a constant: with a parameter there, PostgreSQL judged the generic plan too
-        # costly and planned every execution anew, which more than doubled the statement's
-        # server CPU (bench/README.md).
-        "settle_claim": sql.SQL(
-            """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
-                          RETURNING t.id, t.idempotency_key, {source} AS source),
-                    o AS (INSERT INTO work_outcomes (queue, item_id, idempotency_key, source,
-                                                     outcome, memory_ids, detail, attempts,
-                                                     backend)
-                          SELECT %(queue)s::text, d.id, d.idempotency_key, d.source,
-                                 %(outcome)s::text, %(memory_ids)s::bigint[], %(detail)s::text,
-                                 %(attempt)s::int, %(backend)s::text
-                          FROM d RETURNING item_id),
-                    picked AS (
-                          SELECT id,
-                                 lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL
-                                     AS held
-                          FROM {table}
-                          WHERE run_after <= now()
-                            AND (lease_expires_at IS NULL OR lease_expires_at < now())
-                            AND id <> %(id)s
-                          ORDER BY run_after, id
-                          LIMIT 1
-                          FOR UPDATE SKIP LOCKED),
-                    c AS (UPDATE {table} AS t
-                          SET attempts = {next_attempt},
-                              lease_owner = %(owner)s,
-                              lease_expires_at = clock_timestamp()
-                                  + make_interval(secs => %(lease)s),
-                              attempt_errors = {died}
-                          FROM picked WHERE t.id = picked.id
-                          RETURNING t.id, t.payload, t.idempotency_key, {source} AS source,
-                                    t.attempts, {created_at} AS created_at, t.attempt_errors,
-                                    picked.held)
-               SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
-                      c.attempts, c.created_at, c.attempt_errors, c.held
-               FROM (SELECT 1) AS one LEFT JOIN c ON true"""
-        ).format(
-            table=table,
-            fence=fence,
-            source=source,
-            died=_DIED_ATTEMPT,
-            created_at=_CREATED_AT,
-            next_attempt=_NEXT_ATTEMPT,
-        ),
     }
+
+
+def _settle_claim(settled: Queue, claimed: Queue) -> sql.Composed:
+    """The hot path under load: the fenced settle and the claim of the slot's next item (from
+    ``claimed``, which the runner's fair share picks) in one statement, so one round trip and
+    one commit per item. Data-modifying CTEs always run to completion; the claim never picks
+    the item being settled (``id <>``). The row carries the settle's count; with nothing to
+    claim its other columns are NULL. LIMIT is a constant: with a parameter there, PostgreSQL
+    judged the generic plan too costly and planned every execution anew, which more than
+    doubled the statement's server CPU (bench/README.md)."""
+    fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
+    return sql.SQL(
+        """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
+                      RETURNING t.id, t.idempotency_key, {source} AS source),
+                o AS (INSERT INTO work_outcomes (queue, item_id, idempotency_key, source,
+                                                 outcome, memory_ids, detail, attempts,
+                                                 backend)
+                      SELECT %(queue)s::text, d.id, d.idempotency_key, d.source,
+                             %(outcome)s::text, %(memory_ids)s::bigint[], %(detail)s::text,
+                             %(attempt)s::int, %(backend)s::text
+                      FROM d RETURNING item_id),
+                picked AS (
+                      SELECT id,
+                             lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL
+                                 AS held
+                      FROM {claim_table}
+                      WHERE run_after <= now()
+                        AND (lease_expires_at IS NULL OR lease_expires_at < now())
+                        {not_this_item}
+                      ORDER BY run_after, id
+                      LIMIT 1
+                      FOR UPDATE SKIP LOCKED),
+                c AS (UPDATE {claim_table} AS t
+                      SET attempts = {next_attempt},
+                          lease_owner = %(owner)s,
+                          lease_expires_at = clock_timestamp()
+                              + make_interval(secs => %(lease)s),
+                          attempt_errors = {died}
+                      FROM picked WHERE t.id = picked.id
+                      RETURNING t.id, t.payload, t.idempotency_key, {claimed_source} AS source,
+                                t.attempts, {created_at} AS created_at, t.attempt_errors,
+                                picked.held)
+           SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
+                  c.attempts, c.created_at, c.attempt_errors, c.held
+           FROM (SELECT 1) AS one LEFT JOIN c ON true"""
+    ).format(
+        table=sql.Identifier(settled.value),
+        claim_table=sql.Identifier(claimed.value),
+        fence=fence,
+        source=_source(settled),
+        claimed_source=_source(claimed),
+        # (an id of the other table is another item: it may be claimed)
+        not_this_item=sql.SQL("AND id <> %(id)s" if claimed is settled else ""),
+        died=_DIED_ATTEMPT,
+        created_at=_CREATED_AT,
+        next_attempt=_NEXT_ATTEMPT,
+    )
 
 
 _SQL = {queue: _compose(queue) for queue in Queue}
@@ -211,7 +222,7 @@ def warm_up(conn: psycopg.Connection) -> None:
         # stall the pool thread opening it (and a stop's pool close): skip the warm-up then.
         with time_limited(conn, WARM_UP_TIMEOUT_MS):
             for queue in Queue:
-                conn.execute(b"EXPLAIN " + _SQL[queue].settle_claim, params)
+                conn.execute(b"EXPLAIN " + _SQL[queue].settle_claim[queue], params)
     except psycopg.Error as exc:
         log.debug("connection_warm_up_skipped", error=str(exc).splitlines()[0])
 
@@ -402,24 +413,32 @@ def settle_success(
     *,
     owner: str,
     claim_next: bool = False,
+    claim_from: Queue | None = None,
     lease_s: float = 300.0,
 ) -> tuple[SettleResult, list[Item]]:
-    """Commit the effects, the outcome row and the deletion; optionally claim the next item.
+    """Commit the effects, the outcome row and the deletion; optionally claim the next item
+    (from ``claim_from``, by default the item's own queue).
 
     Claiming the next item in the same transaction saves a commit per item under load.
     Without memories to write, the settle and the claim are one statement.
     """
     next_items: list[Item] = []
+    claimed = claim_from or item.queue
     _parse_safely(conn)
     if not effects.memories and not effects.supersessions:
         return _settle_plain(
-            conn, item, effects, owner=owner, claim_next=claim_next, lease_s=lease_s
+            conn,
+            item,
+            effects,
+            owner=owner,
+            claim_from=claimed if claim_next else None,
+            lease_s=lease_s,
         )
     try:
         with conn.transaction():
             result = _settle_with_effects(conn, item, effects, owner)
             if claim_next:
-                next_items = claim(conn, item.queue, owner=owner, limit=1, lease_s=lease_s)
+                next_items = claim(conn, claimed, owner=owner, limit=1, lease_s=lease_s)
     except _Fenced:
         return SettleResult(settled=False), []
     return result, next_items
@@ -431,10 +450,11 @@ def _settle_plain(
     effects: Effects,
     *,
     owner: str,
-    claim_next: bool,
+    claim_from: Queue | None,
     lease_s: float,
 ) -> tuple[SettleResult, list[Item]]:
-    """No memories to write: one statement (autocommit: its own transaction, one round trip).
+    """No memories to write: one statement (autocommit: its own transaction, one round trip),
+    which claims the next item from ``claim_from`` unless it is None.
 
     A fenced settle changes nothing; the items claimed with it are ours all the same.
     """
@@ -448,16 +468,16 @@ def _settle_plain(
     }
     sqls = _SQL[item.queue]
     with conn.cursor(row_factory=tuple_row) as cur:
-        if not claim_next:
+        if claim_from is None:
             cur.execute(sqls.settle_plain, params)
             settled = cur.fetchone() is not None
             next_items: list[Item] = []
         else:
             params["lease"] = lease_s
-            cur.execute(sqls.settle_claim, params)
+            cur.execute(sqls.settle_claim[claim_from], params)
             rows = cur.fetchall()
             settled = bool(rows and rows[0][0])
-            next_items = [_item_from_row(item.queue, row[1:]) for row in rows if row[1] is not None]
+            next_items = [_item_from_row(claim_from, row[1:]) for row in rows if row[1] is not None]
     if not settled:
         return SettleResult(settled=False), next_items
     return SettleResult(settled=True, memory_ids=effects.existing_memory_ids), next_items

@@ -1,0 +1,117 @@
+"""Both queues get slots while both have ready items (queue_shares.py), and the pure rules."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import psycopg
+import pytest
+
+from sokratos_worker.model import Queue
+from sokratos_worker.queue_shares import EMPTY_FOR_S, QueueShares
+from sokratos_worker.runner import Runner
+from sokratos_worker.store.connection import Database
+from tests.support.handlers import ScriptedHandler, fast_settings
+
+T, D = Queue.TRIAGE, Queue.DISTILLATION
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_settle_claims_from_the_queue_with_fewest_items_in_flight() -> None:
+    shares = QueueShares([T, D], Clock())
+    # Four triage items in flight, one of them settling: distillation has none.
+    assert shares.for_settle(T, Counter({T: 4})) is D
+    # Two and two (the settling one not counted): a tie keeps the item's own queue.
+    assert shares.for_settle(T, Counter({T: 3, D: 2})) is T
+    assert shares.for_settle(D, Counter({T: 2, D: 3})) is D
+    assert shares.for_settle(T, Counter({T: 2, D: 3})) is T
+
+
+def test_a_queue_found_empty_is_left_alone_for_a_while() -> None:
+    clock = Clock()
+    shares = QueueShares([T, D], clock)
+    shares.found_empty(D)
+    assert shares.for_settle(T, Counter({T: 4})) is T
+    clock.now += EMPTY_FOR_S + 0.01
+    assert shares.for_settle(T, Counter({T: 4})) is D
+    shares.found_empty(D)
+    shares.found_items(D)  # a claim got what it asked for: more may be there
+    assert shares.for_settle(T, Counter({T: 4})) is D
+
+
+def test_one_queue_always_claims_from_itself() -> None:
+    assert QueueShares([T]).for_settle(T, Counter({T: 8})) is T
+
+
+def test_free_slots_are_split_equally_the_first_queues_taking_the_rest() -> None:
+    shares = QueueShares([T, D])
+    assert shares.split(5, [D, T]) == [(D, 3), (T, 2)]
+    assert shares.split(1, [T, D]) == [(T, 1), (D, 0)]
+    assert shares.split(0, [T, D]) == [(T, 0), (D, 0)]
+
+
+def _backlog(db: psycopg.Connection, triage: int, distillation: int) -> None:
+    """Ready items enqueued over the last week, every triage item older than any archive."""
+    db.execute(
+        """INSERT INTO pending_triage (payload, idempotency_key, created_at, run_after)
+           SELECT jsonb_build_object('exchange', 'user: t' || i || E'\\nassistant: ok',
+                                     'behaviour', 'noop'), 'fair-t-' || i, c, c
+           FROM (SELECT i, now() - interval '7 days' + i * interval '1 second' AS c
+                 FROM generate_series(1, %s) AS i) AS g""",
+        (triage,),
+    )
+    db.execute(
+        """INSERT INTO pending_distillation (payload, idempotency_key, created_at, run_after)
+           SELECT jsonb_build_object('archive_text', 'archive ' || i, 'behaviour', 'noop'),
+                  'fair-d-' || i, c, c
+           FROM (SELECT i, now() - interval '1 day' + i * interval '1 second' AS c
+                 FROM generate_series(1, %s) AS i) AS g""",
+        (distillation,),
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_triage_backlog_does_not_keep_distillation_from_every_slot(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Under load a slot claims its next item with its settle; it used to claim from its own
+    queue only, so 2,000 older triage items took all 4 slots and 200 archives got none
+    (a review's daemon run: 0 of 4,053 outcomes) until triage was empty."""
+    _backlog(db, triage=2000, distillation=200)
+    database = Database(database_url, size=6)
+    handler = ScriptedHandler()
+    runner = Runner(
+        settings=fast_settings(concurrency=4),
+        database=database,
+        handlers={T: handler, D: handler},
+        worker_id="fair",
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 90
+        done = 0
+        while done < 400 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = db.execute("SELECT count(*) FROM work_outcomes").fetchone()[0]  # type: ignore[index]
+    finally:
+        runner.request_stop()
+        runner.shutdown(5)
+        database.close()
+    by_queue = dict(db.execute("SELECT queue, count(*) FROM work_outcomes GROUP BY 1").fetchall())
+    total = sum(by_queue.values())
+    assert total >= 400, by_queue
+    # About half each while both have items; a quarter is the least a handled queue gets.
+    assert by_queue.get("pending_distillation", 0) >= total // 4, by_queue
+    # Nothing lost or doubled on the way: every item is either done or still queued.
+    left = db.execute(
+        "SELECT (SELECT count(*) FROM pending_triage) + (SELECT count(*) FROM pending_distillation)"
+    ).fetchone()[0]  # type: ignore[index]
+    assert left + total == 2200
