@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
     marker = data_dir / INITDB_MARKER
     _clear_interrupted_initdb(pgdata, marker, lock=PostgresServer._lock)
+    parents_before = _modes_of_parents(pgdata)
     try:
         # The wheel's pg_ctl inherits os.environ, and the server with it (as another OS user
         # when the worker is root): it needs none of the worker's secrets.
@@ -129,6 +131,8 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
                 f" (rm -r {pgdata}) and start again"
             ) from exc
         raise
+    finally:
+        _keep_parents_private(parents_before)
     if _marker_pid(marker) == os.getpid():
         marker.unlink(missing_ok=True)  # initdb (if it ran) finished and the server is up
     # The wheel releases at exit too (atexit) when stop() was never reached; handlers run last
@@ -137,6 +141,50 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
+
+
+def _modes_of_parents(pgdata: Path) -> dict[Path, int]:
+    """The permission bits of every directory above ``pgdata``, up to /."""
+    modes: dict[Path, int] = {}
+    for parent in pgdata.absolute().parents:
+        try:
+            modes[parent] = stat.S_IMODE(parent.stat().st_mode)
+        except OSError:
+            continue
+    return modes
+
+
+def _keep_parents_private(before: dict[Path, int]) -> None:
+    """Undo what the wheel opened above the data directory but the traverse right.
+
+    Run as root, the wheel gives group and others read and traverse rights on every
+    directory above the data directory, so that its server user reaches it: a private
+    /root became 0755, listable and readable by every local user. That user needs only to
+    traverse (others' x); the read rights are taken back, and a directory that had to be
+    opened that far is named once, with the way to avoid it.
+    """
+    opened: list[str] = []
+    for path, mode in before.items():
+        try:
+            now = stat.S_IMODE(path.stat().st_mode)
+            if now == mode:
+                continue
+            wanted = mode | (now & stat.S_IXOTH)
+            os.chmod(path, wanted)
+        except OSError:
+            continue
+        if wanted != mode:
+            opened.append(f"{path} ({oct(mode)} -> {oct(wanted)})")
+    if opened:
+        log.warning(
+            "embedded_postgres_parents_opened",
+            directories=opened,
+            why="the embedded PostgreSQL runs as its own OS user when the worker is root, and"
+            " must be able to pass through these directories to its data directory; others"
+            " may now open files in them by name (not list them)",
+            hint="to keep them private, put the data directory outside them, e.g."
+            " SOKRATOS_DATA_DIR=/var/lib/sokratos-worker (then chmod them back)",
+        )
 
 
 def _clear_interrupted_initdb(pgdata: Path, marker: Path, *, lock: Any) -> None:
