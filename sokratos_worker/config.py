@@ -508,14 +508,31 @@ def load_settings(
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """``SOKRATOS_*`` names no setting reads: most likely typos, which would be ignored."""
-    known = {"SOKRATOS_TEST_DATABASE_URL", "SOKRATOS_TEST_PGDATA_BASE"}  # the test suite's
-    for field_name in Settings.model_fields:
-        for name in variable_names(field_name):
-            known |= {name, name + "_FILE"}
+    names = {name for field_name in Settings.model_fields for name in variable_names(field_name)}
+    known = names | {name + "_FILE" for name in names}
+    known |= {"SOKRATOS_TEST_DATABASE_URL", "SOKRATOS_TEST_PGDATA_BASE"}  # the test suite's
     env = os.environ if environ is None else environ
-    return sorted(
+    unknown = [
         name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in known
-    )
+    ]
+    return sorted(unknown) + _unknown_credentials(env.get("CREDENTIALS_DIRECTORY"), names)
+
+
+def _unknown_credentials(directory: str | None, names: set[str]) -> list[str]:
+    """``$CREDENTIALS_DIRECTORY/SOKRATOS_*`` files no setting reads (systemd's LoadCredential=
+    named after the variable: a typo there left the database URL unset, so the worker ran
+    on the embedded PostgreSQL). Other names are secret files a setting names itself."""
+    if directory is None or not directory.strip():
+        return []
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return []  # reading a credential reports that directory's problem
+    return [
+        f"$CREDENTIALS_DIRECTORY/{entry}"
+        for entry in entries
+        if entry.upper().startswith(ENV_PREFIX) and entry not in names  # read as spelt
+    ]
 
 
 def ignored_database_url(settings: Settings, environ: Mapping[str, str] | None = None) -> bool:

@@ -1,0 +1,56 @@
+"""A `SOKRATOS_*` credential file (systemd LoadCredential=, named after the variable) that no
+setting reads is a typo, reported as a variable of that name is: a misnamed
+`SOKRATOS_DATABSE_URL` was ignored without a word, `check` said "configuration: valid", and
+the worker ran on the embedded PostgreSQL instead of production (review R1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.operator import cli_env, run_cli
+
+pytestmark = [pytest.mark.subprocess]
+
+
+def test_check_names_a_misspelt_sokratos_credential(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials"
+    creds.mkdir(mode=0o700)
+    (creds / "SOKRATOS_DATABSE_URL").write_text("postgresql://sokratos@db.example.org/sokratos")
+    (creds / "llm-api-key").write_text("sk-test")  # an api_key_file name: not a typo
+    env = cli_env(tmp_path, CREDENTIALS_DIRECTORY=str(creds))
+
+    result = run_cli(["check"], env)
+
+    assert "FAIL  configuration" in result.stdout, result.stdout
+    assert "SOKRATOS_DATABSE_URL" in result.stdout, result.stdout
+    assert "llm-api-key" not in result.stdout + result.stderr
+
+
+def test_other_commands_name_a_misspelt_sokratos_credential_on_stderr(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials"
+    creds.mkdir(mode=0o700)
+    (creds / "SOKRATOS_DATABSE_URL").write_text("postgresql://sokratos@db.example.org/sokratos")
+    env = cli_env(tmp_path, CREDENTIALS_DIRECTORY=str(creds))
+
+    result = run_cli(["status"], env)
+
+    assert result.returncode == 0, result.stderr[-800:]
+    assert "SOKRATOS_DATABSE_URL" in result.stderr, result.stderr[-800:]
+
+
+def test_unknown_variables_lists_credentials_after_variables(tmp_path: Path) -> None:
+    from sokratos_worker.config import unknown_variables
+
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    for name in ("SOKRATOS_DATABASE_URL", "SOKRATOS_DATABASE_URL_FILE", "sokratos_lease", "pw"):
+        (creds / name).write_text("x")
+    env = {"SOKRATOS_LEASEE": "1", "CREDENTIALS_DIRECTORY": str(creds)}
+    assert unknown_variables(env) == [
+        "SOKRATOS_LEASEE",
+        "$CREDENTIALS_DIRECTORY/SOKRATOS_DATABASE_URL_FILE",  # a credential is read as X only
+        "$CREDENTIALS_DIRECTORY/sokratos_lease",  # read under its exact name only
+    ]
+    assert unknown_variables({"CREDENTIALS_DIRECTORY": str(tmp_path / "gone")}) == []
