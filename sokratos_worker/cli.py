@@ -83,15 +83,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_FAILURE, f"{self.prog}: error: {message}\n")
 
 
-def _at_least_one(value: str) -> int:
-    """A whole number, 1 or more (0 days would purge every failure; a limit of 0 lists none)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {number}")
-    return number
+def _from_one_to(highest: int) -> Callable[[str], int]:
+    """A whole number from 1 (0 days would purge every failure; a limit of 0 lists none) to
+    ``highest`` (beyond what PostgreSQL's interval or bigint holds, it failed with a
+    traceback)."""
+
+    def whole_number(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+        if not 1 <= number <= highest:
+            raise argparse.ArgumentTypeError(f"must be from 1 to {highest}, not {number}")
+        return number
+
+    return whole_number
+
+
+PURGE_DAYS_MAX = 36500  # a century, as SOKRATOS_FAILED_OPS_TTL_DAYS
+LIST_LIMIT_MAX = 2**31 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
     flist.add_argument(
-        "--limit", type=_at_least_one, default=50, help="at most this many, 1 or more (default 50)"
+        "--limit",
+        type=_from_one_to(LIST_LIMIT_MAX),
+        default=50,
+        help="at most this many, 1 or more (default 50)",
     )
     flist.add_argument("--json", action="store_true", help="JSON lines on stdout")
     fshow = actions.add_parser(
@@ -242,10 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fpurge.add_argument(
         "--older-than",
-        type=_at_least_one,
+        type=_from_one_to(PURGE_DAYS_MAX),
         required=True,
         metavar="DAYS",
-        help="delete failures created more than DAYS days ago (1 or more)",
+        help=f"delete failures created more than DAYS days ago (1 to {PURGE_DAYS_MAX})",
     )
 
     commands.add_parser(
