@@ -22,6 +22,7 @@ from sokratos_worker import __version__, cli_commands, cli_enqueue, cli_failed, 
 from sokratos_worker.command_database import (
     EmbeddedUnavailable,
     database_url,
+    stop_signals_end_the_command,
     stops_while_starting,
 )
 from sokratos_worker.config import (
@@ -326,6 +327,20 @@ def _stopped(exc: KeyboardInterrupt) -> int:
     return EXIT_FAILURE
 
 
+def _run_command(
+    args: argparse.Namespace, settings: Settings, handler_factory: HandlerFactory | None
+) -> int:
+    """The command itself; SIGTERM and SIGHUP end any but ``run`` and the demo (which stop
+    their own way, with a report) as Ctrl-C does."""
+    if args.command == "run":
+        return cli_commands.run(args, settings, handler_factory)
+    command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
+    if args.command == "demo":
+        return command(args, settings)
+    with stop_signals_end_the_command():
+        return command(args, settings)
+
+
 def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -354,11 +369,8 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
             hint="each is given beside the secret itself, which wins, so the file is never"
             " read: remove one of the two",
         )
-    command: Callable[[argparse.Namespace, Settings], int] = _COMMANDS[args.command]
     try:
-        if args.command == "run":
-            return cli_commands.run(args, settings, handler_factory)
-        return command(args, settings)
+        return _run_command(args, settings, handler_factory)
     except ConfigError as exc:
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG

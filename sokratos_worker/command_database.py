@@ -4,8 +4,9 @@
 first, unless told not to), or else the embedded PostgreSQL under SOKRATOS_DATA_DIR, attached
 to or started for the length of the command and stopped again after; while either is held,
 SIGTERM and SIGHUP end the command as Ctrl-C does. A stop signal during the embedded server's
-start or release is held until that is done. :func:`stops_while_starting` gives ``run`` and
-the demo the same handling for their own start.
+start or release is held until that is done. :func:`stop_signals_end_the_command` does the
+same for the whole of every other command, :func:`stops_while_starting` for the start of
+``run`` and the demo.
 """
 
 from __future__ import annotations
@@ -129,6 +130,15 @@ _STOPS_WHILE_STARTING = (signal.SIGTERM, signal.SIGHUP)
 
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def stop_signals_end_the_command() -> Iterator[None]:
+    """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, for a whole command
+    other than ``run`` and the demo: one reading stdin or probing a slow backend ended on the
+    spot, silently (their default action), as one holding its database did before."""
+    with _handling_in_main_thread(_STOPS_WHILE_STARTING, _interrupt):
+        yield
 
 
 @contextmanager
