@@ -160,8 +160,8 @@ def _keep_parents_private(before: dict[Path, int]) -> None:
     Run as root, the wheel gives group and others read and traverse rights on every
     directory above the data directory, so that its server user reaches it: a private
     /root became 0755, listable and readable by every local user. That user needs only to
-    traverse (others' x); the read rights are taken back, and a directory that had to be
-    opened that far is named once, with the way to avoid it.
+    traverse (the x of others and group); the read rights are taken back, and a directory
+    that had to be opened that far is named once, with the way to avoid it.
     """
     opened: list[str] = []
     for path, mode in before.items():
@@ -169,7 +169,8 @@ def _keep_parents_private(before: dict[Path, int]) -> None:
             now = stat.S_IMODE(path.stat().st_mode)
             if now == mode:
                 continue
-            wanted = mode | (now & stat.S_IXOTH)
+            # (group too: the wheel's server commands keep root's group, gid 0)
+            wanted = mode | (now & (stat.S_IXGRP | stat.S_IXOTH))
             os.chmod(path, wanted)
         except OSError:
             continue

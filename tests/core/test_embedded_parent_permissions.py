@@ -30,17 +30,22 @@ def test_a_private_directory_above_the_data_dir_stays_unlistable(
     assert first.returncode == 0, first.stderr[-800:]
     assert "database: ok" in first.stdout, first.stdout
     # Traversable by the server's user, nothing more: not listable, not readable.
-    assert stat.S_IMODE(short_home.stat().st_mode) == 0o701
+    assert stat.S_IMODE(short_home.stat().st_mode) == 0o711
     [said] = [
         json.loads(line)
         for line in first.stderr.splitlines()
         if '"embedded_postgres_parents_opened"' in line
     ]
-    assert f"{short_home} (0o700 -> 0o701)" in said["directories"], said
+    assert f"{short_home} (0o700 -> 0o711)" in said["directories"], said
     assert "SOKRATOS_DATA_DIR=/var/lib/sokratos-worker" in said["hint"]
+
+    # The server was stopped again at the end of the command: its commands (run as its own
+    # user, with root's group) could still reach the data directory.
+    assert "Failed postgres command" not in first.stderr, first.stderr[-1500:]
 
     # The next start finds them as it left them: nothing to say, nothing opened.
     again = run_cli(["status"], env)
     assert again.returncode == 0, again.stderr[-800:]
     assert "embedded_postgres_parents_opened" not in again.stderr
-    assert stat.S_IMODE(short_home.stat().st_mode) == 0o701
+    assert "Failed postgres command" not in again.stderr, again.stderr[-1500:]
+    assert stat.S_IMODE(short_home.stat().st_mode) == 0o711
