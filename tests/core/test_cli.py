@@ -536,10 +536,10 @@ def test_enqueue_that_cannot_write_the_spool_says_so(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["failed", "purge", "--older-than", "0"], "--older-than: must be 1 or more"),
-        (["failed", "purge", "--older-than", "-3"], "--older-than: must be 1 or more"),
+        (["failed", "purge", "--older-than", "0"], "--older-than: must be from 1 to 36500"),
+        (["failed", "purge", "--older-than", "-3"], "--older-than: must be from 1 to 36500"),
         (["failed", "purge"], "--older-than"),
-        (["failed", "list", "--limit", "-1"], "--limit: must be 1 or more"),
+        (["failed", "list", "--limit", "-1"], "--limit: must be from 1 to "),
         (["failed", "retry"], "name the failure IDs to retry"),
         (["failed", "retry", "3", "--all"], "not both"),
         (["failed", "retry", "3", "--op-type", "distillation"], "--op-type only with --all"),
@@ -563,7 +563,7 @@ def test_help_explains_the_failed_and_status_options() -> None:
         return " ".join(_subparser(build_parser(), *args).format_help().split())
 
     assert "ID " in help_of("failed", "show") and "one failure" in help_of("failed", "show")
-    assert "days" in help_of("failed", "purge") and "1 or more" in help_of("failed", "purge")
+    assert "days" in help_of("failed", "purge") and "1 to 36500" in help_of("failed", "purge")
     retry = help_of("failed", "retry")
     assert "--all" in retry and "not both" in retry
     status = help_of("status")
