@@ -4,7 +4,8 @@ Under load a slot claims its next item in the settle of its last one (runner.py)
 itself it would stay on its item's queue, and a backlog in one queue would keep every slot
 from the other for as long as it lasts: archived conversations waiting for days behind
 triage after an outage. So a settle claims from the queue with the fewest items in flight
-here, unless that queue was found empty within the last :data:`EMPTY_FOR_S` seconds.
+here (on a tie the other queue), unless that queue was found empty within the last
+:data:`EMPTY_FOR_S` seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class QueueShares:
     def for_settle(self, settled: Queue, in_flight: Counter[Queue]) -> Queue:
         """The queue the slot of a settled item claims its next item from: the one with the
         fewest items in flight (the settled one no longer counted), not found empty lately;
-        the settled item's own queue on a tie (the same statement as ever under load)."""
+        on a tie the other one, so that a single slot (or the odd one) alternates."""
         now = self._clock()
 
         def load(queue: Queue) -> int:
@@ -45,7 +46,7 @@ class QueueShares:
         with self._lock:
             for queue in self.queues:
                 lately_empty = self._empty_until[queue] > now
-                if queue is not settled and not lately_empty and load(queue) < load(best):
+                if queue is not settled and not lately_empty and load(queue) <= load(best):
                     best = queue
         return best
 

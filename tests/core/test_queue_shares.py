@@ -8,9 +8,10 @@ from collections import Counter
 import psycopg
 import pytest
 
-from sokratos_worker.model import Queue
+from sokratos_worker.model import Effects, Outcome, Queue
 from sokratos_worker.queue_shares import EMPTY_FOR_S, QueueShares
 from sokratos_worker.runner import Runner
+from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.handlers import ScriptedHandler, fast_settings
 
@@ -29,10 +30,13 @@ def test_a_settle_claims_from_the_queue_with_fewest_items_in_flight() -> None:
     shares = QueueShares([T, D], Clock())
     # Four triage items in flight, one of them settling: distillation has none.
     assert shares.for_settle(T, Counter({T: 4})) is D
-    # Two and two (the settling one not counted): a tie keeps the item's own queue.
-    assert shares.for_settle(T, Counter({T: 3, D: 2})) is T
-    assert shares.for_settle(D, Counter({T: 2, D: 3})) is D
-    assert shares.for_settle(T, Counter({T: 2, D: 3})) is T
+    # Two and three (the settling one not counted): the item's own queue.
+    assert shares.for_settle(T, Counter({T: 3, D: 3})) is T
+    assert shares.for_settle(D, Counter({T: 3, D: 3})) is D
+    # A tie goes to the other queue: a single slot (or the odd one) alternates.
+    assert shares.for_settle(T, Counter({T: 1})) is D
+    assert shares.for_settle(D, Counter({D: 1})) is T
+    assert shares.for_settle(T, Counter({T: 3, D: 2})) is D
 
 
 def test_a_queue_found_empty_is_left_alone_for_a_while() -> None:
@@ -79,17 +83,19 @@ def _backlog(db: psycopg.Connection, triage: int, distillation: int) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("slots", [1, 4])
 def test_a_triage_backlog_does_not_keep_distillation_from_every_slot(
-    db: psycopg.Connection, database_url: str
+    db: psycopg.Connection, database_url: str, slots: int
 ) -> None:
     """Under load a slot claims its next item with its settle; it used to claim from its own
     queue only, so 2,000 older triage items took all 4 slots and 200 archives got none
-    (a review's daemon run: 0 of 4,053 outcomes) until triage was empty."""
+    (a review's daemon run: 0 of 4,053 outcomes) until triage was empty. One slot (one local
+    model) alternates: a tie kept its own queue, and archives got none either."""
     _backlog(db, triage=2000, distillation=200)
-    database = Database(database_url, size=6)
+    database = Database(database_url, size=slots + 2)
     handler = ScriptedHandler()
     runner = Runner(
-        settings=fast_settings(concurrency=4),
+        settings=fast_settings(concurrency=slots),
         database=database,
         handlers={T: handler, D: handler},
         worker_id="fair",
@@ -115,3 +121,42 @@ def test_a_triage_backlog_does_not_keep_distillation_from_every_slot(
         "SELECT (SELECT count(*) FROM pending_triage) + (SELECT count(*) FROM pending_distillation)"
     ).fetchone()[0]  # type: ignore[index]
     assert left + total == 2200
+
+
+def test_a_settle_claims_across_tables(db: psycopg.Connection) -> None:
+    """The settle of one queue's item claiming the next from the other queue (review R3): an
+    item with the same id in the other table is claimable (``id <>`` is for one table), each
+    keeps its own source, and a lease taken over records the attempt that died."""
+    db.execute(
+        "INSERT INTO pending_triage (id, payload, idempotency_key, source) VALUES"
+        " (7, '{\"exchange\": \"user: a\\nassistant: b\"}', 't7', 'email'),"
+        " (8, '{\"exchange\": \"user: a\\nassistant: b\"}', 't8', 'conversation')"
+    )
+    db.execute(
+        "INSERT INTO pending_distillation (id, payload, idempotency_key, attempts, lease_owner,"
+        " lease_expires_at) VALUES (7, '{\"archive_text\": \"x\"}', 'd7', 1, 'dead',"
+        " now() - interval '1 minute')"
+    )
+    [t7] = store.claim(db, T, owner="w", limit=1, lease_s=30)
+    assert t7.id == 7
+    result, [d7] = store.settle_success(
+        db, t7, Effects(Outcome.SKIPPED), owner="w", claim_next=True, claim_from=D
+    )
+    assert result.settled
+    assert (d7.queue, d7.id, d7.source, d7.attempt, d7.took_over_lease) == (
+        D, 7, "distillation", 2, True,
+    )  # fmt: skip
+    assert store.died_in(d7, 1)
+    result, [t8] = store.settle_success(
+        db, d7, Effects(Outcome.SKIPPED), owner="w", claim_next=True, claim_from=T
+    )
+    assert result.settled
+    assert (t8.queue, t8.id, t8.source, t8.attempt) == (T, 8, "conversation", 1)
+    rows = db.execute(
+        "SELECT queue, item_id, source, attempts FROM work_outcomes ORDER BY id"
+    ).fetchall()
+    assert rows == [("pending_triage", 7, "email", 1), ("pending_distillation", 7, "distillation", 2)]
+    assert db.execute("SELECT lease_owner, attempts FROM pending_triage WHERE id = 8").fetchone() == (
+        "w",
+        1,
+    )
