@@ -32,6 +32,7 @@ from sokratos_worker.email.failed import (
 )
 from sokratos_worker.email.imap import (
     HEADER_BYTES_LIMIT,
+    SERVED_TRIES,
     ImapAborted,
     ImapError,
     ImapRefused,
@@ -195,11 +196,19 @@ def _messages(
     server refuses comes as :class:`Refused`.
     """
     name = session.account.name
+    listed = [ref.uid for ref in refs]
+    place = {uid: i for i, uid in enumerate(listed)}
+
+    def after(uid: int) -> list[int]:
+        """The UIDs listed next: whether the server returns them tells whether an answer
+        with its state (RFC 5530) is its own or one message's (ImapSession.fetch_each)."""
+        return listed[place[uid] + 1 : place[uid] + 1 + SERVED_TRIES]
+
     for old, group in itertools.groupby(refs, key=lambda r: _is_old(r.internal_date, cutoff)):
         for uids in plan_batches(list(group), headers_only=old):
-            for item in session.fetch_each(uids, headers_only=old):
+            for item in session.fetch_each(uids, headers_only=old, later=after(uids[-1])):
                 if old and isinstance(item, FetchedMessage) and _needs_body(name, item.raw):
-                    for full in session.fetch_each([item.uid]):
+                    for full in session.fetch_each([item.uid], later=after(item.uid)):
                         yield full, old
                 else:
                     yield item, old

@@ -80,6 +80,7 @@ __all__ = [
     "MESSAGE_BYTES_LIMIT",
     "SEARCH_WINDOW",
     "SEARCH_WINDOW_GROWTH",
+    "SERVED_TRIES",
     "CutReason",
     "FetchedMessage",
     "ImapAborted",
@@ -651,7 +652,8 @@ class ImapSession:
         single UID is yielded as :class:`Refused` (unless it was expunged meanwhile). So is
         one answered with the server's state (``NO [UNAVAILABLE]``) while the server returns
         another message (:meth:`_serves_another`); when it returns none, the check stops.
-        ``later`` are the batch's UIDs after ``uids``, candidates for that comparison.
+        ``later`` are UIDs listed after ``uids`` (in this batch or the next ones): candidates
+        for that comparison when no message was returned yet.
         """
         try:
             messages = self.fetch(uids, headers_only=headers_only)
@@ -664,7 +666,7 @@ class ImapSession:
                     answer=exc.answer,
                     what_to_do="nothing: fetching its messages one at a time",
                 )
-                yield from self._one_at_a_time(uids, headers_only)
+                yield from self._one_at_a_time(uids, headers_only, later)
             elif uids[0] in self._existing(uids):
                 yield Refused(uid=uids[0], answer=exc.answer)
             else:
@@ -676,10 +678,12 @@ class ImapSession:
         yield from messages
 
     def _one_at_a_time(
-        self, uids: list[int], headers_only: bool
+        self, uids: list[int], headers_only: bool, later: Sequence[int]
     ) -> Iterator[FetchedMessage | Refused]:
         for i, uid in enumerate(uids):
-            yield from self.fetch_each([uid], headers_only=headers_only, later=uids[i + 1 :])
+            yield from self.fetch_each(
+                uids=[uid], headers_only=headers_only, later=[*uids[i + 1 :], *later]
+            )
 
     def _after_server_state(
         self, exc: ImapServerState, uids: list[int], headers_only: bool, later: Sequence[int]
@@ -701,7 +705,7 @@ class ImapSession:
                 what_to_do="nothing: fetching its messages one at a time, to tell the"
                 " server's state from one message's",
             )
-            yield from self._one_at_a_time(uids, headers_only)
+            yield from self._one_at_a_time(uids, headers_only, later)
             return
         uid = uids[0]
         served = self._serves_another(uid, later, headers_only)
