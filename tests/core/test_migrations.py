@@ -20,7 +20,12 @@ from sokratos_worker.app import _check_schema
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store import migrations
 from sokratos_worker.store.connection import Database
-from sokratos_worker.store.migrations import MigrationError, apply_migrations, load_migrations
+from sokratos_worker.store.migrations import (
+    MigrationError,
+    apply_migrations,
+    history_differences,
+    load_migrations,
+)
 from tests.core.test_cli import cli, env_for
 
 ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
@@ -389,3 +394,21 @@ def test_an_applied_migration_whose_file_changed_is_named_when_up_to_date(
     checked = cli("check", env=env)
     schema = next(line for line in checked.stdout.splitlines() if "schema" in line)
     assert schema.startswith("ok") and edited.name in schema, checked.stdout
+
+
+def test_a_migration_edited_in_its_comments_only_is_not_a_changed_one(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """0045 as 17d582c applied it differs from today's file in comments only: a database
+    migrated then was warned of a changed migration at every migrate, check and start, for
+    good (review R4, with the old version's own migrate)."""
+    db.execute(
+        "UPDATE sokratos_worker_migrations SET checksum = %s WHERE version = 45",
+        ("1e8425090d7872f1148617c4fb5deeba4fe040c265516bf1cee1379c2c1b1b9f",),
+    )
+    assert history_differences(db) == []
+    migrated = cli("migrate", env=env_for(database_url, tmp_path))
+    assert migrated.returncode == 0 and "changed" not in _said(migrated), _said(migrated)
+    # Any other earlier text of it is still named.
+    db.execute("UPDATE sokratos_worker_migrations SET checksum = 'other' WHERE version = 45")
+    assert "0045_email_uid_fingerprint" in " ".join(history_differences(db))
