@@ -50,6 +50,13 @@ class QueueShares:
                     best = queue
         return best
 
+    def claimed(self, queue: Queue, *, all_asked: bool) -> None:
+        """A claim from ``queue`` got every item it asked for, or fewer (then it is empty)."""
+        if all_asked:
+            self.found_items(queue)
+        else:
+            self.found_empty(queue)
+
     def found_empty(self, queue: Queue) -> None:
         """A claim from ``queue`` found fewer items than it asked for."""
         with self._lock:

@@ -353,11 +353,9 @@ class Runner:
                     if limit <= 0 or q in short:
                         continue
                     items = self._claim_cancellable(conn, q, limit)
+                    self._shares.claimed(q, all_asked=len(items) >= limit)
                     if len(items) < limit:
                         short.add(q)
-                        self._shares.found_empty(q)
-                    else:
-                        self._shares.found_items(q)
                     fresh = self._track_claimed(items)
                     if fresh is None:
                         self._release(items, conn, count_given_back=True)
@@ -607,7 +605,7 @@ class Runner:
             return None, ABANDONED
         result, next_items = done
         if claim_from is not None:
-            self._claimed_with_settle(claim_from, found=bool(next_items))
+            self._shares.claimed(claim_from, all_asked=bool(next_items))
         if result.settled:
             outcome = (result.outcome or effects.outcome).value
             if outcome != effects.outcome.value:
@@ -634,17 +632,11 @@ class Runner:
             # Claimed as the stop came: given back, not run (and not left to the lease).
             self._release(next_items, count_given_back=True)
             return None, kind
-        return (fresh[0] if fresh else None), kind
-
-    def _claimed_with_settle(self, queue: Queue, *, found: bool) -> None:
-        """Note what a settle's claim found; when it found nothing and another queue may have
-        items, the dispatcher fills the slot (it would otherwise wait for up to 5 s)."""
-        if found:
-            self._shares.found_items(queue)
-            return
-        self._shares.found_empty(queue)
-        if len(self.queues) > 1:
+        if claim_from is not None and not next_items and len(self.queues) > 1:
+            # The other queue may have items: the dispatcher fills the slot now (it would wait
+            # up to 5 s), once the item is untracked so that it counts the slot free.
             self.wake(notified=False)
+        return (fresh[0] if fresh else None), kind
 
     def _fail(
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger

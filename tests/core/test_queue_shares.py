@@ -160,3 +160,50 @@ def test_a_settle_claims_across_tables(db: psycopg.Connection) -> None:
         "w",
         1,
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_whose_claim_finds_nothing_is_refilled_from_the_other_queue_at_once(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """One slot, and a settle's claim that finds nothing (the other queue's archive is not
+    ready yet; later triage runs out while the archive, its backoff over, is ready: no
+    NOTIFY): the dispatcher fills the slot at once from whichever queue has an item, not
+    after its idle wait of 5 s."""
+    for i in range(3):
+        db.execute(
+            "SELECT sokratos_enqueue_triage(%s::jsonb, %s)",
+            (f'{{"exchange": "user: {i}\\nassistant: ok", "behaviour": "sleep:0.3"}}', f"t{i}"),
+        )
+    db.execute(
+        "INSERT INTO pending_distillation (payload, idempotency_key, run_after)"
+        " VALUES ('{\"archive_text\": \"x\", \"behaviour\": \"noop\"}', 'd0',"
+        " now() + interval '0.5 seconds')"
+    )
+    database = Database(database_url, size=3)
+    handler = ScriptedHandler()
+    runner = Runner(
+        settings=fast_settings(concurrency=1),
+        database=database,
+        handlers={T: handler, D: handler},
+        worker_id="refill",
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done = db.execute("SELECT count(*) FROM work_outcomes").fetchone()[0]  # type: ignore[index]
+            if done == 4:
+                break
+            time.sleep(0.05)
+    finally:
+        runner.request_stop()
+        runner.shutdown(5)
+        database.close()
+    [(count, first, last)] = db.execute(
+        "SELECT count(*), min(decided_at), max(decided_at) FROM work_outcomes"
+    ).fetchall()
+    assert count == 4, count
+    # Four items, about 1 s of work and waiting in all; each idle wait was 5 s.
+    span = (last - first).total_seconds()
+    assert span < 2.5, span
