@@ -121,7 +121,7 @@ def run_worker(
     stopped: threading.Event | None = None,
 ) -> int:
     """``run`` and ``run --once``; ``stopped`` is set when a stop signal ended the run."""
-    unknown = unknown_variables()
+    unknown = unknown_variables(settings=settings)
     if unknown:
         log.warning(
             "unknown_variables_ignored",

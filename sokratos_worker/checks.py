@@ -34,7 +34,7 @@ def run_checks(settings: Settings) -> CheckReport:
     A database that cannot be used is one failed ``database`` line; the backends, the
     embedding model and the mailboxes are probed all the same.
     """
-    unknown = unknown_variables()
+    unknown = unknown_variables(settings=settings)
     lines = [
         CheckLine("configuration", True, "valid")
         if not unknown

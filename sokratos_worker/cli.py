@@ -355,7 +355,7 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
         cache=True,
         settings=settings,
     )
-    _warn_unknown_variables(args.command)
+    _warn_unknown_variables(args.command, settings)
     if ignored_database_url(settings):
         log.warning(
             "database_url_ignored",
@@ -455,12 +455,12 @@ def _missing_schema(exc: Exception) -> str | None:
     return None
 
 
-def _warn_unknown_variables(command: str) -> None:
+def _warn_unknown_variables(command: str, settings: Settings) -> None:
     """A typo'd SOKRATOS_* name is ignored silently by pydantic; say so on stderr.
 
     ``check`` reports it as a failed line and ``run`` logs it, so they are left out here.
     """
-    unknown = unknown_variables()
+    unknown = unknown_variables(settings=settings)
     if unknown and command not in ("check", "run"):
         print(
             f"sokratos-worker: warning: unknown variables ignored: {', '.join(unknown)}"

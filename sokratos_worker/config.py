@@ -506,8 +506,13 @@ def load_settings(
             os.environ.update(saved)
 
 
-def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """``SOKRATOS_*`` names no setting reads: most likely typos, which would be ignored."""
+def unknown_variables(
+    environ: Mapping[str, str] | None = None, settings: Settings | None = None
+) -> list[str]:
+    """``SOKRATOS_*`` names no setting reads: most likely typos, which would be ignored.
+
+    ``settings`` names the secret files the backends and mail accounts read, which may be
+    credentials of any name."""
     names = {name for field_name in Settings.model_fields for name in variable_names(field_name)}
     known = names | {name + "_FILE" for name in names}
     known |= {"SOKRATOS_TEST_DATABASE_URL", "SOKRATOS_TEST_PGDATA_BASE"}  # the test suite's
@@ -515,11 +520,22 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     unknown = [
         name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in known
     ]
-    return sorted(unknown) + _unknown_credentials(env.get("CREDENTIALS_DIRECTORY"), names)
+    directory = env.get("CREDENTIALS_DIRECTORY")
+    return sorted(unknown) + _unknown_credentials(directory, names | _secret_files(settings))
 
 
-def _unknown_credentials(directory: str | None, names: set[str]) -> list[str]:
-    """``$CREDENTIALS_DIRECTORY/SOKRATOS_*`` files no setting reads (systemd's LoadCredential=
+def _secret_files(settings: Settings | None) -> set[str]:
+    """The file names the backends' ``api_key_file`` and the accounts' ``password_file`` give
+    (a relative one is a credential)."""
+    if settings is None:
+        return set()
+    files = [b.api_key_file for b in settings.llm_backends]
+    files += [a.password_file for a in settings.email_accounts]
+    return {Path(f).name for f in files if f}
+
+
+def _unknown_credentials(directory: str | None, read: set[str]) -> list[str]:
+    """``$CREDENTIALS_DIRECTORY/SOKRATOS_*`` files nothing reads (systemd's LoadCredential=
     named after the variable: a typo there left the database URL unset, so the worker ran
     on the embedded PostgreSQL). Other names are secret files a setting names itself."""
     if directory is None or not directory.strip():
@@ -531,7 +547,7 @@ def _unknown_credentials(directory: str | None, names: set[str]) -> list[str]:
     return [
         f"$CREDENTIALS_DIRECTORY/{entry}"
         for entry in entries
-        if entry.upper().startswith(ENV_PREFIX) and entry not in names  # read as spelt
+        if entry.upper().startswith(ENV_PREFIX) and entry not in read  # read as spelt
     ]
 
 
