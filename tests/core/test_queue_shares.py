@@ -82,6 +82,33 @@ def _backlog(db: psycopg.Connection, triage: int, distillation: int) -> None:
     )
 
 
+def _run_until_outcomes(
+    db: psycopg.Connection, database_url: str, *, slots: int, outcomes: int, within_s: float
+) -> None:
+    """A runner with ``slots`` slots on both queues until ``outcomes`` are recorded (or the
+    time is up), then stopped."""
+    database = Database(database_url, size=slots + 2)
+    handler = ScriptedHandler()
+    runner = Runner(
+        settings=fast_settings(concurrency=slots),
+        database=database,
+        handlers={T: handler, D: handler},
+        worker_id=f"shares-{slots}",
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            done = db.execute("SELECT count(*) FROM work_outcomes").fetchone()[0]  # type: ignore[index]
+            if done >= outcomes:
+                break
+            time.sleep(0.05)
+    finally:
+        runner.request_stop()
+        runner.shutdown(5)
+        database.close()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("slots", [1, 4])
 def test_a_triage_backlog_does_not_keep_distillation_from_every_slot(
@@ -92,25 +119,7 @@ def test_a_triage_backlog_does_not_keep_distillation_from_every_slot(
     (a review's daemon run: 0 of 4,053 outcomes) until triage was empty. One slot (one local
     model) alternates: a tie kept its own queue, and archives got none either."""
     _backlog(db, triage=2000, distillation=200)
-    database = Database(database_url, size=slots + 2)
-    handler = ScriptedHandler()
-    runner = Runner(
-        settings=fast_settings(concurrency=slots),
-        database=database,
-        handlers={T: handler, D: handler},
-        worker_id="fair",
-    )
-    runner.start()
-    try:
-        deadline = time.monotonic() + 90
-        done = 0
-        while done < 400 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            done = db.execute("SELECT count(*) FROM work_outcomes").fetchone()[0]  # type: ignore[index]
-    finally:
-        runner.request_stop()
-        runner.shutdown(5)
-        database.close()
+    _run_until_outcomes(db, database_url, slots=slots, outcomes=400, within_s=90)
     by_queue = dict(db.execute("SELECT queue, count(*) FROM work_outcomes GROUP BY 1").fetchall())
     total = sum(by_queue.values())
     assert total >= 400, by_queue
@@ -180,26 +189,7 @@ def test_a_slot_whose_claim_finds_nothing_is_refilled_from_the_other_queue_at_on
         " VALUES ('{\"archive_text\": \"x\", \"behaviour\": \"noop\"}', 'd0',"
         " now() + interval '0.5 seconds')"
     )
-    database = Database(database_url, size=3)
-    handler = ScriptedHandler()
-    runner = Runner(
-        settings=fast_settings(concurrency=1),
-        database=database,
-        handlers={T: handler, D: handler},
-        worker_id="refill",
-    )
-    runner.start()
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            done = db.execute("SELECT count(*) FROM work_outcomes").fetchone()[0]  # type: ignore[index]
-            if done == 4:
-                break
-            time.sleep(0.05)
-    finally:
-        runner.request_stop()
-        runner.shutdown(5)
-        database.close()
+    _run_until_outcomes(db, database_url, slots=1, outcomes=4, within_s=30)
     [(count, first, last)] = db.execute(
         "SELECT count(*), min(decided_at), max(decided_at) FROM work_outcomes"
     ).fetchall()

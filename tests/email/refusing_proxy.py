@@ -28,6 +28,8 @@ def _uids(uid_set: bytes) -> set[int]:
 class RefusingProxy:
     """Use as a context manager; connect to ``port``; ``refused`` holds the UIDs to refuse."""
 
+    fetch = _FETCH  # the FETCH commands it answers itself (for a refused UID)
+
     def __init__(
         self,
         upstream_port: int,
@@ -80,7 +82,7 @@ class RefusingProxy:
         """Relay the client's command lines, answering a refused FETCH itself."""
         with contextlib.suppress(OSError, ValueError):
             for line in client.makefile("rb"):
-                match = _FETCH.match(line)
+                match = self.fetch.match(line)
                 if match and _uids(match.group(2)) & self.refused:
                     client.sendall(match.group(1) + b" NO " + self.answer + b"\r\n")
                 else:
@@ -94,7 +96,7 @@ class ByeProxy(RefusingProxy):
     def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
             for line in client.makefile("rb"):
-                match = _FETCH.match(line)
+                match = self.fetch.match(line)
                 if match and _uids(match.group(2)) & self.refused:
                     client.sendall(b"* BYE " + self.answer + b"\r\n")
                     for sock in (client, upstream):

@@ -31,14 +31,7 @@ class BodyRefusingProxy(RefusingProxy):
     """Answers ``NO <answer>`` to a full-body FETCH of a refused UID; its header block (and
     every other message) is served by Dovecot."""
 
-    def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            for line in client.makefile("rb"):
-                match = _BODY_FETCH.match(line)
-                if match and _uids(match.group(2)) & self.refused:
-                    client.sendall(match.group(1) + b" NO " + self.answer + b"\r\n")
-                else:
-                    upstream.sendall(line)
+    fetch = _BODY_FETCH
 
 
 def test_old_mail_whose_body_always_draws_unavailable_does_not_stop_every_check(
