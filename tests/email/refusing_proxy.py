@@ -11,7 +11,7 @@ import contextlib
 import re
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 _FETCH = re.compile(rb"^(\S+) UID FETCH ([0-9,:]+) \(.*BODY", re.IGNORECASE)
 
@@ -43,6 +43,8 @@ class RefusingProxy:
         self.port: int = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
+        self.connections = 0  # sessions relayed
+        self.fetches = 0  # UID FETCH commands the clients sent
 
     def __enter__(self) -> RefusingProxy:
         self._spawn(self._accept_forever)
@@ -78,10 +80,18 @@ class RefusingProxy:
             while data := source.recv(65536):
                 target.sendall(data)
 
+    def _lines(self, client: socket.socket) -> Iterator[bytes]:
+        """The client's command lines, counted."""
+        self.connections += 1
+        for line in client.makefile("rb"):
+            if b"UID FETCH" in line.upper():
+                self.fetches += 1
+            yield line
+
     def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
         """Relay the client's command lines, answering a refused FETCH itself."""
         with contextlib.suppress(OSError, ValueError):
-            for line in client.makefile("rb"):
+            for line in self._lines(client):
                 match = self.fetch.match(line)
                 if match and _uids(match.group(2)) & self.refused:
                     client.sendall(match.group(1) + b" NO " + self.answer + b"\r\n")
@@ -95,7 +105,7 @@ class ByeProxy(RefusingProxy):
 
     def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
-            for line in client.makefile("rb"):
+            for line in self._lines(client):
                 match = self.fetch.match(line)
                 if match and _uids(match.group(2)) & self.refused:
                     client.sendall(b"* BYE " + self.answer + b"\r\n")
