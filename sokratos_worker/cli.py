@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="queues, recent failures, live workers, email accounts",
         description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
-        " failures in the last 24 h by op_type; each live worker's state and backends;"
+        " failures in the last 24 h by op_type; outcomes in the last 24 h by queue (saved,"
+        " skipped, archived, failed); each live worker's state and backends;"
         " email accounts and their last check; enqueues waiting in the spool (and those meant"
         " for another database); migrations not applied. It exits 0 even when the database is"
         " unreachable (78 when the server refuses the login): read the 'database' field ('ok'"

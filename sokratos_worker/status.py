@@ -12,7 +12,7 @@ from psycopg import errors as pg_errors
 from sokratos_worker.command_database import EmbeddedUnavailable, database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import Queue
+from sokratos_worker.model import Outcome, Queue
 from sokratos_worker.spool import pending_elsewhere, pending_files, spool_problems
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import READ_ONLY_SERVER, connect, is_read_only
@@ -133,8 +133,8 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
     report["failures_24h"] = (
         read("failures_24h", "failed_operations", lambda: status_store.failures_24h(conn)) or {}
     )
-    report["outcomes"] = (
-        read("outcomes", "work_outcomes", lambda: status_store.outcome_counts(conn)) or {}
+    report["outcomes_24h"] = (
+        read("outcomes_24h", "work_outcomes", lambda: status_store.outcomes_24h(conn)) or {}
     )
     stale_after_s = max(180.0, settings.heartbeat_interval * 3)
     workers = read(
@@ -192,7 +192,9 @@ def render_status(report: dict[str, Any]) -> str:
         )
     if report["database"] != "ok" or "unreadable" in report:  # nothing below can be known
         why = report.get("unreadable", "no database")
-        lines.append(f"queues, failures (24h), workers, email accounts: unknown ({why})")
+        lines.append(
+            f"queues, failures (24h), outcomes (24h), workers, email accounts: unknown ({why})"
+        )
         lines.append(_embeddings_line(report))
         return "\n".join(lines)
     unknown = report.get("unknown_locked") or []
@@ -204,6 +206,7 @@ def render_status(report: dict[str, Any]) -> str:
     lines.append(
         f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"
     )
+    lines.append(f"outcomes (24h): {_outcomes_text(report, unknown)}")
     if "workers" in unknown:
         lines.append(f"workers: unknown ({LOCKED})")
     elif not report["workers"]:
@@ -223,6 +226,23 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(_embeddings_line(report))
     return "\n".join(lines)
+
+
+def _outcomes_text(report: dict[str, Any], unknown: list[str]) -> str:
+    """``pending_triage saved 12, skipped 3; pending_distillation archived 1``."""
+    if "outcomes_24h" in unknown:
+        return f"unknown ({LOCKED})"
+    per_queue = [
+        f"{queue} " + ", ".join(f"{o} {counts[o]}" for o in _in_outcome_order(counts))
+        for queue, counts in sorted((report.get("outcomes_24h") or {}).items())
+    ]
+    return "; ".join(per_queue) or "none"
+
+
+def _in_outcome_order(counts: dict[str, int]) -> list[str]:
+    """saved, skipped, archived, failed; then any outcome a newer version records."""
+    known = [o.value for o in Outcome if o.value in counts]
+    return known + sorted(set(counts) - set(known))
 
 
 def _embeddings_line(report: dict[str, Any]) -> str:

@@ -603,7 +603,7 @@ def test_status_and_failed_on_a_database_not_migrated_say_so_in_one_line(
     assert "does not exist: run 'sokratos-worker migrate'" in report["unreadable"]
     text = cli("status", env=env).stdout
     assert "schema: lacks 0001_pgvector, 0002_tables" in text
-    assert "queues, failures (24h), workers, email accounts: unknown (relation" in text
+    assert "queues, failures (24h), outcomes (24h), workers, email accounts: unknown (relation" in text
     for args in (("failed", "list"), ("failed", "show", "1"), ("failed", "retry", "--all")):
         proc = cli(*args, env=env)
         assert proc.returncode == 1, (args, proc.stdout)

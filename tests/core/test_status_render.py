@@ -279,3 +279,36 @@ def test_a_worker_that_handles_its_queues_is_not_flagged_and_the_callers_warning
     assert caller["warning"].startswith(
         "no LLM backend configured (this command's configuration, not necessarily the worker's;"
     )
+
+
+def test_outcomes_are_counted_for_the_last_24_hours_and_rendered(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """`status` counts the day's outcomes by queue, not the whole kept history (which it
+    read in full on every call): older rows are left out, and the text shows the counts."""
+    db.execute(
+        """INSERT INTO work_outcomes (queue, item_id, source, outcome, decided_at)
+           SELECT 'pending_triage', i, 'conversation', CASE WHEN i % 3 = 0 THEN 'skipped'
+                  ELSE 'saved' END, now() - interval '2 days'
+           FROM generate_series(1, 300) AS i"""
+    )
+    db.execute(
+        """INSERT INTO work_outcomes (queue, item_id, source, outcome)
+           VALUES ('pending_triage', 1001, 'conversation', 'saved'),
+                  ('pending_triage', 1002, 'email', 'skipped'),
+                  ('pending_triage', 1003, 'conversation', 'saved'),
+                  ('pending_distillation', 7, 'distillation', 'archived'),
+                  ('pending_distillation', 8, 'distillation', 'failed')"""
+    )
+    settings = load_settings({"HOME": "/nonexistent", "SOKRATOS_DATABASE_URL": database_url})
+    report = collect_status(settings)
+    assert report["outcomes_24h"] == {
+        "pending_triage": {"saved": 2, "skipped": 1},
+        "pending_distillation": {"archived": 1, "failed": 1},
+    }
+    assert (
+        "outcomes (24h): pending_distillation archived 1, failed 1;"
+        " pending_triage saved 2, skipped 1"
+    ) in render_status(report)
+    db.execute("DELETE FROM work_outcomes WHERE decided_at > now() - interval '1 day'")
+    assert "outcomes (24h): none" in render_status(collect_status(settings))
