@@ -74,10 +74,17 @@ REPAIR_PROMPT = (
     "Reply again with only one JSON object that matches the schema."
 )
 TRUNCATED_PROMPT = (
-    "Your previous reply was cut off at the {max_tokens}-token limit before the JSON object "
-    "was complete. Reply again with one shorter JSON object that matches the schema: "
-    "fewer and shorter entries."
+    "Your previous reply (its start is above) was cut off at the {max_tokens}-token limit "
+    "before the JSON object was complete. Reply again with one shorter JSON object that "
+    "matches the schema: fewer and shorter entries."
 )
+CONTEXT_HINT = (
+    "give the model a larger context (llama.cpp's server: -c; llama-cpp-python: --n_ctx;"
+    " Ollama: num_ctx) or use a model with one"
+)
+# How much of a cut-off reply is sent back with TRUNCATED_PROMPT: a reply that ran until the
+# model's context was full would not fit in it a second time (llama.cpp's 2048 default).
+TRUNCATED_ECHO_CHARS = 400
 
 
 class _Transient(Exception):
@@ -201,7 +208,8 @@ class FallbackChatClient:
                     tried.append(self._attempt(backend, "failed", exc.reason, started))
                     # Never send the same oversize request to every backend: shorten first.
                     raise ContextTooLong(
-                        f"{backend.name}: input exceeds the model's context",
+                        f"{backend.name}: input exceeds the model's context ({exc.reason});"
+                        f" {CONTEXT_HINT}",
                         backend=backend.name,
                         tried=tuple(tried),
                     ) from None
@@ -312,19 +320,23 @@ class FallbackChatClient:
                     backend=backend.name,
                     purpose=purpose,
                     max_tokens=max_tokens,
-                    hint="the JSON was cut off at max_tokens; asking once for a shorter reply",
+                    hint="the JSON was cut off (at max_tokens, or where the model's context"
+                    " was full); asking once for a shorter reply",
                 )
                 feedback = TRUNCATED_PROMPT.format(max_tokens=max_tokens)
+                # Only its start: the whole of a reply that filled the context cannot fit again.
+                echoed = _echoed(answer.content, TRUNCATED_ECHO_CHARS)
             else:
                 log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=True)
                 feedback = REPAIR_PROMPT.format(error=exc.feedback)
+                echoed = _echoed(answer.content, max(2000, max_tokens * 8))
             repair = [
                 *messages,
-                {"role": "assistant", "content": _echoed(answer.content, max_tokens)},
+                {"role": "assistant", "content": echoed},
                 {"role": "user", "content": feedback},
             ]
             body = request_body(backend.config, response_model, repair, max_tokens)
-            second = self._post(backend, body, purpose)
+            second = self._ask_again(backend, body, purpose)
             try:
                 value, _ = self._parse(backend, response_model, second, purpose)
             except ReplyInvalid:
@@ -337,6 +349,22 @@ class FallbackChatClient:
                 _add(answer.prompt_tokens, second.prompt_tokens),
                 _add(answer.completion_tokens, second.completion_tokens),
             )
+
+    def _ask_again(self, backend: Backend, body: dict[str, Any], purpose: str) -> Answer:
+        """The follow-up request; one too long for the model's context is an invalid reply.
+
+        The item's input fitted (the first request was answered): what no longer fits is the
+        reply sent back, so shortening the input, as "context too long" asks, would not help.
+        """
+        try:
+            return self._post(backend, body, purpose)
+        except _Permanent as exc:
+            if exc.verdict is not Verdict.CONTEXT:
+                raise
+            log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=False)
+            raise ReplyInvalid(
+                f"asking again with the reply exceeds the model's context ({exc.reason})"
+            ) from None
 
     def _parse(
         self, backend: Backend, response_model: type[T], answer: Answer, purpose: str
@@ -562,10 +590,9 @@ class FallbackChatClient:
         )
 
 
-def _echoed(content: str, max_tokens: int) -> str:
-    """The invalid reply as sent back for repair: no longer than a reply can be (a server
-    answering megabytes of junk must not get them back)."""
-    limit = max(2000, max_tokens * 8)
+def _echoed(content: str, limit: int) -> str:
+    """The invalid reply as sent back, at most ``limit`` characters (a server answering
+    megabytes of junk must not get them back)."""
     return content if len(content) <= limit else content[:limit] + " …"
 
 

@@ -34,8 +34,10 @@ def parse_reply(model: type[T], text: str) -> tuple[T, list[str]]:
         raise ReplyInvalid("the reply must be one JSON object")
     clamped: list[str] = []
     for _ in range(20):  # each round clamps at least one field; bounded for safety
+        by_validators: list[str] = []  # the fields the model's own validators clamped
         try:
-            return model.model_validate(data), clamped
+            value = model.model_validate(data, context={"clamped": by_validators})
+            return value, clamped + by_validators
         except ValidationError as exc:
             fixes = [e for e in exc.errors() if e["type"] in _BOUND_ERRORS]
             if not fixes or len(fixes) != len(exc.errors()):

@@ -82,6 +82,8 @@ def _format_message(i: int, message: dict[str, Any], tool_names: dict[str, str])
     if role == "system":
         return []  # the system prompt holds instructions, not facts about the user
     if role == "tool":
+        if not text:  # as Go drops it: an archive of nothing else is empty, not sent
+            return []
         tool = name or tool_names.get(call_id or "", "tool")
         return [f"{prefix}[{tool} result] {truncate(text, TOOL_RESULT_MAX_BYTES)}"]
     lines = [f"{prefix}{role}: {text}"] if text else []

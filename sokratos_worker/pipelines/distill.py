@@ -16,8 +16,8 @@ from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersessio
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.archive import Archive, archive_from_payload
-from sokratos_worker.pipelines.schemas import Distillation, Fact
-from sokratos_worker.pipelines.text import byte_len, chunk_text
+from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
+from sokratos_worker.pipelines.text import SHORTEST_HALVED_BYTES, byte_len, chunk_text
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
@@ -103,15 +103,14 @@ class DistillationHandler:
         backend = ""
         passed: dict[str, None] = {}  # (ordered, each once)
         for window in windows:
-            found, backend, passed_here = self._distil_window(item, window, halve=True)
+            found, backend, passed_here = self._distil_window(item, window)
             facts.extend(found)
             passed.update(dict.fromkeys(passed_here))
         return facts, backend, "; ".join(passed)
 
-    def _distil_window(
-        self, item: Item, text: str, *, halve: bool
-    ) -> tuple[list[Fact], str, list[str]]:
-        """One call; on "context too long", the window's two halves (once)."""
+    def _distil_window(self, item: Item, text: str) -> tuple[list[Fact], str, list[str]]:
+        """One call; on "context too long", the window's halves, and theirs, down to
+        SHORTEST_HALVED_BYTES."""
         try:
             result = self.chat.complete(
                 response_model=Distillation,
@@ -121,14 +120,14 @@ class DistillationHandler:
                 purpose="distillation",
             )
         except ContextTooLong:
-            if not halve:
+            if byte_len(text) <= SHORTEST_HALVED_BYTES:
                 raise
             log.info("distillation_input_halved", item_id=item.id, bytes=byte_len(text))
             facts: list[Fact] = []
             backend = ""
             passed: list[str] = []
             for half in chunk_text(text, max(MIN_HALF_BYTES, byte_len(text) // 2), min_bytes=1):
-                found, backend, passed_here = self._distil_window(item, half, halve=False)
+                found, backend, passed_here = self._distil_window(item, half)
                 facts.extend(found)
                 passed.extend(passed_here)
             return facts, backend, passed
@@ -147,6 +146,7 @@ class DistillationHandler:
         unchecked = 0  # facts saved without a contradiction verdict
         escaped = 0  # facts whose text held NUL or lone surrogates
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
+        facts, minor = _notable(item, facts)
         for fact in facts:
             key = fact.text.strip().lower()
             if not key or key in seen:
@@ -178,18 +178,23 @@ class DistillationHandler:
         log.info(
             "distillation_planned",
             item_id=item.id,
-            facts=len(facts),
+            facts=len(facts) + minor,
+            below_notable=minor,
             new=len(memories),
             known=known + len(existing),
             superseded=len(supersessions),
             backend=backend,
         )
+        below = f", {minor} below salience 5" if minor else ""
         if not memories:
-            detail = f"no new fact ({len(facts)} extracted, {known + len(existing)} known)"
+            detail = (
+                f"no new fact ({len(facts) + minor} extracted, {known + len(existing)} known"
+                f"{below})"
+            )
             return Effects(
                 Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
             )
-        detail = f"{len(seen) - known - len(existing)} new facts of {len(facts)}"
+        detail = f"{len(seen) - known - len(existing)} new facts of {len(facts) + minor}{below}"
         if unchecked:
             detail += f"; contradiction check failed for {unchecked}: nothing superseded"
         if escaped:
@@ -238,3 +243,12 @@ def _bounded(item: Item, archive: Archive) -> Archive:
             " (a conversation of that size is not one archive: split it into several items)",
         )
     return archive
+
+
+def _notable(item: Item, facts: list[Fact]) -> tuple[list[Fact], int]:
+    """The facts scored 5 or more, and how many were not: Go drops those as not notable."""
+    notable = [f for f in facts if f.salience >= NOTABLE_FACT_SALIENCE]
+    for fact in facts:
+        if fact.salience < NOTABLE_FACT_SALIENCE:
+            log.info("fact_below_notable", item_id=item.id, salience=fact.salience)
+    return notable, len(facts) - len(notable)

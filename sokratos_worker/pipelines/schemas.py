@@ -6,7 +6,14 @@ import math
 from typing import Annotated, Any
 
 import structlog
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -17,7 +24,7 @@ MAX_TAG_CHARS = 60
 def _clamper(name: str, low: float, high: float) -> BeforeValidator:
     """A validator that brings a number into [low, high] and logs when it had to."""
 
-    def clamp(value: Any) -> Any:
+    def clamp(value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool):
             raise ValueError("must be a number, not a boolean")  # pydantic would take it as 0/1
         if not isinstance(value, int | float | str):
@@ -33,7 +40,11 @@ def _clamper(name: str, low: float, high: float) -> BeforeValidator:
             raise ValueError("must be a finite number")
         clamped = min(high, max(low, number))
         if clamped != number:
-            log.info("value_clamped", field=name, value=number, low=low, high=high)
+            # A reply's parser names the clamped fields with the backend (llm_value_clamped).
+            if isinstance(info.context, dict) and isinstance(info.context.get("clamped"), list):
+                info.context["clamped"].append(name)
+            else:
+                log.info("value_clamped", field=name, value=number, low=low, high=high)
         return clamped
 
     return BeforeValidator(clamp)
@@ -70,9 +81,12 @@ TriageScore = Annotated[
     _clamper("salience_score", 0.0, 10.0),
     Field(json_schema_extra={"minimum": 0, "maximum": 10}),
 ]
+# Below 5 is kept (not raised to 5): Go drops such a fact as not notable (behaviour §5.4),
+# and distillation does too; the schema still asks for 5 to 10.
 FactSalience = Annotated[
-    float, _clamper("salience", 5.0, 10.0), Field(json_schema_extra={"minimum": 5, "maximum": 10})
+    float, _clamper("salience", 0.0, 10.0), Field(json_schema_extra={"minimum": 5, "maximum": 10})
 ]
+NOTABLE_FACT_SALIENCE = 5.0
 
 
 class TriageVerdict(BaseModel):

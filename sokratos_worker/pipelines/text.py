@@ -10,6 +10,9 @@ MIN_CHUNK_BYTES = 50
 ASSISTANT_REPLY_CAP = 800
 TRIVIAL_BYTES = 20
 TRIAGE_MAX_BYTES = 8000
+# An input the model's context refuses is halved and asked again, down to this: a 2,048-token
+# context (llama.cpp's default) holds about 1,000 bytes of Japanese beside a prompt.
+SHORTEST_HALVED_BYTES = 1000
 # Tool output is capped on its own so it can never crowd the user's words out of the input.
 TOOL_CONTEXT_MAX_BYTES = 3000
 ASSISTANT_MARKER = "\nassistant: "
@@ -134,11 +137,15 @@ def split_tool_context(exchange: str) -> tuple[str, str]:
 def bound_triage_input(exchange: str, note: str = "", max_bytes: int = TRIAGE_MAX_BYTES) -> str:
     """The triage input within ``max_bytes``: the user's words and the note first, tools last.
 
-    The tool context is cut to its own cap and then to whatever room the conversation and
-    the coverage note leave; only then, if still too long, is the conversation truncated.
+    An input that fits is sent whole, as Go does. One that does not has its tool context cut
+    to its own cap and then to whatever room the conversation and the coverage note leave;
+    only then, if still too long, is the conversation truncated. (Only then is the exchange
+    split, a guess when a tool result or the reply quotes "user:" lines itself.)
     """
-    tools, conversation = split_tool_context(exchange)
     suffix = f"\n{note}" if note else ""
+    if byte_len(exchange + suffix) <= max_bytes:
+        return exchange + suffix
+    tools, conversation = split_tool_context(exchange)
     room = max_bytes - byte_len(suffix)
     if room < len(ELLIPSIS) + 1:
         return truncate_within(exchange + suffix, max_bytes)

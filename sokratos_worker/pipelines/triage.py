@@ -20,6 +20,7 @@ from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import TriageVerdict
 from sokratos_worker.pipelines.text import (
+    SHORTEST_HALVED_BYTES,
     TRIAGE_MAX_BYTES,
     bound_triage_input,
     byte_len,
@@ -215,12 +216,13 @@ class TriageHandler:
     def _score(
         self, item: Item, request: TriageRequest, note: str
     ) -> tuple[TriageVerdict, str, str]:
-        """Ask the LLM; on "context too long" shorten the input by half and ask once more.
+        """Ask the LLM; on "context too long" halve the input and ask again, down to
+        SHORTEST_HALVED_BYTES.
 
         Returns the verdict, the backend that gave it and the backends passed over on the way.
         """
         limit = TRIAGE_MAX_BYTES
-        for last in (False, True):
+        while True:
             user = _bounded(request, note, limit)
             try:
                 result = self.chat.complete(
@@ -231,13 +233,12 @@ class TriageHandler:
                     purpose=f"{request.domain}_triage",
                 )
             except ContextTooLong:
-                if last:
+                if min(limit, byte_len(user)) <= SHORTEST_HALVED_BYTES:
                     raise
                 log.info("triage_input_shortened", item_id=item.id, bytes=byte_len(user))
-                limit //= 2
+                limit = min(limit, byte_len(user)) // 2
                 continue
             return result.value, result.backend, passed_over(result.tried)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _skip(self, item: Item, backend: str, verdict: TriageVerdict, reason: str) -> Effects:
         log.info(

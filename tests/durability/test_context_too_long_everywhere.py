@@ -39,7 +39,12 @@ TOO_LONG = Reply.error(
 def test_context_too_long_on_every_backend_uses_attempts_and_spares_the_fallback(
     db: psycopg.Connection, database_url: str
 ) -> None:
-    key = enqueue_triage(db, exchange("tokctx1", save=True, long_reply=True))
+    # The user's own words are long (a reply is capped at 800 bytes anyway): halved in turn.
+    long_user = exchange("tokctx1", save=True)
+    long_user["exchange"] = long_user["exchange"].replace(
+        "\nassistant: ", " and more. " * 700 + "\nassistant: "
+    )
+    key = enqueue_triage(db, long_user)
     payload = db.execute("SELECT payload FROM pending_triage WHERE id = %s", (key[1],)).fetchone()
     with (
         ScriptedLLM(chat=answer) as primary,
@@ -91,5 +96,6 @@ def test_context_too_long_on_every_backend_uses_attempts_and_spares_the_fallback
     ).fetchone()
     assert kept == payload[0]
     assert "context" in error.lower(), error
-    assert primary_calls >= 2 * 2, primary_calls  # shortened and retried, in each attempt
+    # Halved down to 1,000 bytes (7.7 kB, 3.8, 1.9, 0.96) in each attempt.
+    assert primary_calls == 2 * 4, (primary_calls, error)
     assert fallback_calls == 0, fallback_calls  # the same oversize request never went there

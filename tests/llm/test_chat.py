@@ -586,3 +586,27 @@ def test_a_probe_the_backend_serves_closes_its_circuit_for_every_resumed_item(
     for thread in threads:
         thread.join(30)
     assert len(answers) == 6 and all(x.value == Verdict(**GOOD) for x in answers), answers  # type: ignore[attr-defined]
+
+
+def test_a_number_the_schema_itself_clamps_is_logged_with_the_backend() -> None:
+    """The response models clamp their own numbers (pipelines/schemas.py), so the parser never
+    saw a range error: `llm_value_clamped`, documented with the backend and purpose, was never
+    logged, only a bare `value_clamped` (review R2)."""
+    from sokratos_worker.pipelines.schemas import TriageVerdict
+
+    reply = {"salience_score": 12, "summary": "x", "category": "", "tags": [], "save": True,
+             "paradigm_shift": False}
+    with ScriptedLLM() as server:
+        server.script(Reply.chat(reply))
+        client = FallbackChatClient([backend(server, "lcp")])
+        try:
+            with capture_logs() as logs:
+                result = client.complete(response_model=TriageVerdict, system="s", user="u",
+                                         max_tokens=64, purpose="conversation_triage")
+        finally:
+            client.close()
+    assert result.value.salience_score == 10.0
+    [clamped] = [e for e in logs if e["event"] == "llm_value_clamped"]
+    assert clamped["backend"] == "lcp" and clamped["purpose"] == "conversation_triage"
+    assert clamped["fields"] == ["salience_score"]
+    assert "value_clamped" not in [e["event"] for e in logs]

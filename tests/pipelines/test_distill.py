@@ -64,7 +64,9 @@ FACTS = {
     "facts": [
         {"text": "The user lives in Leipzig.", "salience": 7, "tags": ["location"]},
         {"text": "the user lives in leipzig. ", "salience": 6, "tags": []},
-        {"text": "The user goes climbing.", "salience": 4, "tags": ["hobby", "sport"]},
+        {"text": "The user goes climbing.", "salience": 5, "tags": ["hobby", "sport"]},
+        # Below 5: not notable, dropped (Go's rule), not raised to 5.
+        {"text": "The user might take a walk later.", "salience": 4, "tags": []},
     ]
 }
 
@@ -104,6 +106,7 @@ def test_facts_are_saved_with_tool_calls_in_the_input(
     assert {(r["source"], r["memory_type"], r["embedding_model"]) for r in rows} == {
         ("conversation", "general", "fake-embed")
     }
+    assert effects.detail == "2 new facts of 4, 1 below salience 5"
     assert apply(db, effects) == tuple(r["id"] for r in rows)  # replay: nothing new
     assert len(memory_rows(db)) == 2
 
@@ -124,7 +127,7 @@ def test_known_facts_are_skipped_and_no_new_fact_means_skipped(
     chat.script("distillation", FACTS)
     effects = distill_handler(database, chat, embedder).handle(distill_item(MESSAGES))
     assert effects.outcome is Outcome.SKIPPED
-    assert effects.detail == "no new fact (3 extracted, 2 known)"
+    assert effects.detail == "no new fact (4 extracted, 2 known, 1 below salience 5)"
     assert effects.memories == ()
     # The outcome names the memories that hold the facts (contract: a skipped duplicate's ids).
     assert sorted(effects.existing_memory_ids) == sorted((lives, climbs))
@@ -298,7 +301,8 @@ with ScriptedLLM(chat=lambda r: ctx) as srv:
 
 def test_context_too_long_for_a_tiny_window_ending_in_a_wide_character_fails_not_hangs() -> None:
     """Halving a 5-byte window whose last character is 4 bytes wide once looped for ever in
-    chunk_text (CPU-bound, its lease renewed): it is halved once, then ContextTooLong."""
+    chunk_text (CPU-bound, its lease renewed). A window of SHORTEST_HALVED_BYTES or less is
+    not halved at all now: ContextTooLong after its one request."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", _TINY_WINDOW_CHILD],
@@ -309,7 +313,7 @@ def test_context_too_long_for_a_tiny_window_ending_in_a_wide_character_fails_not
         )
     except subprocess.TimeoutExpired:
         pytest.fail("DistillationHandler.handle hung halving the window (killed after 30 s)")
-    assert "raised ContextTooLong 2" in done.stdout, done.stderr
+    assert "raised ContextTooLong 1" in done.stdout, done.stderr
 
 
 def test_final_failure_archive_survives_an_embedding_outage(
@@ -469,3 +473,19 @@ def test_archive_times_are_in_the_hosts_local_time(monkeypatch: pytest.MonkeyPat
         "[2026-03-14 13:30] user: I moved\n"
         "[2026-03-14 08:05] user: to Pune"  # naive: shown as written
     )
+
+
+def test_an_archive_of_empty_tool_results_is_empty(
+    database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    """Go drops a message whose cleaned content is empty, tool results too: such an archive
+    was sent to the model as "[get_time result] " and, failing, saved as an archive memory
+    holding nothing (review R1)."""
+    item = distill_item(
+        {"messages": [{"role": "tool", "name": "get_time", "content": "<think>x</think>  "}]}
+    )
+    handler = distill_handler(database, chat, embedder)
+    assert handler.final_failure_memories(item) == ()
+    effects = handler.handle(item)
+    assert (effects.outcome, effects.detail) == (Outcome.SKIPPED, "empty archive")
+    assert chat.calls == []

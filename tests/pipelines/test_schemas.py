@@ -87,12 +87,18 @@ def test_schemas_ask_for_every_key() -> None:
     assert fact["properties"]["salience"]["minimum"] == 5
 
 
-def test_fact_salience_is_clamped_to_5_10() -> None:
+def test_fact_salience_is_clamped_to_0_10_and_below_5_kept_for_distillation_to_drop() -> None:
     with capture_logs() as logs:
         facts = Distillation.model_validate(
-            {"facts": [{"text": "a", "salience": 3}, {"text": "b", "salience": 11, "tags": []}]}
+            {
+                "facts": [
+                    {"text": "a", "salience": 3},
+                    {"text": "b", "salience": 11, "tags": []},
+                    {"text": "c", "salience": -2, "tags": []},
+                ]
+            }
         ).facts
-    assert [f.salience for f in facts] == [5.0, 10.0]
+    assert [f.salience for f in facts] == [3.0, 10.0, 0.0]
     assert [e["event"] for e in logs] == ["value_clamped", "value_clamped"]
 
 

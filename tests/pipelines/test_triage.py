@@ -20,6 +20,7 @@ from sokratos_worker.llm.types import (
 )
 from sokratos_worker.model import Outcome, Queue
 from sokratos_worker.pipelines import DistillationHandler, TriageHandler, build_handlers
+from sokratos_worker.pipelines.text import SHORTEST_HALVED_BYTES
 from sokratos_worker.pipelines.write import MemoryWriter
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.memories import MemoryReader
@@ -333,19 +334,31 @@ def test_long_reply_and_tool_context_are_bounded(
     assert "user: remember my PIN hint\nassistant: " + "r" * 800 + "..." in sent
 
 
-def test_context_too_long_shortens_once_then_fails(
+def test_context_too_long_halves_the_input_until_it_fits_then_fails_at_the_floor(
     database: Database, chat: FakeChat, embedder: FakeEmbedder
 ) -> None:
+    """A 2,048-token context (llama.cpp's default) refused 4,000 bytes of Japanese: the item
+    failed on every attempt when the input was halved only once (review R2)."""
     exchange = "user: " + "u" * 7000 + "\nassistant: ok"
-    chat.script("conversation_triage", ContextTooLong("too long"), verdict(0))
+    too_long = ContextTooLong("too long")
+    chat.script("conversation_triage", too_long, too_long, verdict(0))
     effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": exchange}))
     assert effects.outcome is Outcome.SKIPPED
-    first, second = (len(c.user.encode()) for c in chat.calls)
-    assert first <= 8000
-    assert second <= 4000
-    chat.script("conversation_triage", ContextTooLong("x"), ContextTooLong("x"))
+    sizes = [len(c.user.encode()) for c in chat.calls]
+    assert len(sizes) == 3 and sizes[0] <= 8000 and sizes[1] <= 4000 and sizes[2] <= 2000
+    # Never below SHORTEST_HALVED_BYTES: at 1,000 bytes the refusal is the item's failure.
+    chat.calls.clear()
+    chat.script("conversation_triage", *[too_long] * 4)
     with pytest.raises(ContextTooLong):
         triage_handler(database, chat, embedder).handle(make_item({"exchange": exchange}))
+    sizes = [len(c.user.encode()) for c in chat.calls]
+    assert len(sizes) == 4 and 500 < sizes[-1] <= SHORTEST_HALVED_BYTES, sizes
+    # A short input is halved from its own length, not from the 8,000-byte limit.
+    chat.calls.clear()
+    chat.script("conversation_triage", too_long, verdict(0))
+    short = "user: " + "s" * 1500 + "\nassistant: ok"
+    triage_handler(database, chat, embedder).handle(make_item({"exchange": short}))
+    assert [len(c.user.encode()) for c in chat.calls][1] <= 800
 
 
 def email_payload(**extra: object) -> dict[str, object]:
@@ -556,3 +569,25 @@ def test_a_backend_outage_at_the_contradiction_check_gives_the_attempt_back(
         chat.close()
         server.close()
     assert server.count() == 1  # the triage itself was answered
+
+
+def test_an_exchange_that_fits_reaches_the_model_whole_even_when_the_reply_quotes_a_dialogue(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    """The exchange was always split into tool context (capped at 3,000 bytes) and
+    conversation, at the last "user:" line before the last "assistant:": a reply quoting a
+    chat put the user's real words in the tool context, cut away, though all of it fitted
+    the 8,000 bytes Go sends whole (review R1)."""
+    tools = "[read_chat_log result] " + "yesterday we talked about climbing gyms. " * 115 + "\n"
+    user = "user: I am allergic to peanuts, please remember that. What did we discuss?"
+    reply = (
+        "\nassistant: Noted, no peanuts. Yesterday went like this:\n"
+        "user: find me a gym\nassistant: Kosmos is 2 km away."
+    )
+    chat.script("conversation_triage", verdict(6, "The user is allergic to peanuts."))
+    effects = triage_handler(database, chat, embedder).handle(
+        make_item({"exchange": tools + user + reply, "tools_used": True})
+    )
+    assert chat.calls[0].user == tools + user + reply
+    apply(db, effects)
+    assert [r["summary"] for r in memory_rows(db)] == ["The user is allergic to peanuts."]

@@ -1,0 +1,184 @@
+"""Models with a small context (llama.cpp's and llama-cpp-python's 2,048-token default), as
+the scripted server below emulates: a request whose messages exceed the context is refused
+with llama-cpp-python's own 400 (review R2, against the bundled SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from sokratos_worker.testing.scripted_llm import CHAT, Reply, Request, ScriptedLLM
+from tests.pipelines.conftest import drain, enqueue, outcome
+
+pytestmark = pytest.mark.postgres
+
+N_CTX = 2048
+BYTES_PER_TOKEN = 4  # the emulation's tokenizer: 4 bytes a token
+
+
+def _tokens(request: Request) -> int:
+    return _message_tokens(request.messages)
+
+
+def _message_tokens(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content", "")).encode()) for m in messages) // BYTES_PER_TOKEN
+
+
+def _refused(prompt: int) -> Reply:
+    return Reply.error(
+        400,
+        f"This model's maximum context length is {N_CTX} tokens. However, you requested"
+        f" {prompt + 2048} tokens ({prompt} in the messages, 2048 in the completion)."
+        " Please reduce the length of the messages or completion.",
+        type="invalid_request_error",
+        code="context_length_exceeded",
+    )
+
+
+def _small_context(answer: Callable[[Request], Reply]) -> Callable[[Request], Reply]:
+    def respond(request: Request) -> Reply:
+        prompt = _tokens(request)
+        return _refused(prompt) if prompt > N_CTX else answer(request)
+
+    return respond
+
+
+def _runaway_then(valid: dict[str, Any]) -> Callable[[Request], Reply]:
+    """A first request's reply runs on until the context is full (finish_reason "length");
+    the follow-up, when it fits, gets ``valid``."""
+
+    def answer(request: Request) -> Reply:
+        if len(request.messages) > 2:  # system + user is a first request
+            return Reply.chat(valid)
+        prompt = _tokens(request)
+        room = N_CTX - prompt
+        runaway = '{"facts": [{"text": "' + "snow " * (room * BYTES_PER_TOKEN // 5)
+        return Reply.chat(
+            runaway, prompt_tokens=prompt, completion_tokens=room, finish_reason="length"
+        )
+
+    return _small_context(answer)
+
+
+def _failures(db: psycopg.Connection) -> list[str]:
+    return [r[0] for r in db.execute("SELECT error_message FROM failed_operations")]
+
+
+def test_a_reply_cut_off_where_the_context_is_full_is_asked_again_in_a_request_that_fits(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The follow-up sent the whole cut-off reply back: it could not fit the context the first
+    reply had filled, and its 400 read as "the item's input is too long": a 160-byte archive
+    was halved (four junk facts), a two-line exchange failed "input exceeds the context"."""
+    archive = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "tool", "content": "Oslo -3°C snow"},
+            {"role": "user", "content": "I moved to Oslo last week, I still hate the cold."},
+        ]
+    }
+    fact = {"facts": [{"text": "The user moved to Oslo.", "salience": 7, "tags": ["home"]}]}
+    distilled = enqueue(
+        db, "SELECT sokratos_enqueue_distillation(%s, %s)", json.dumps(archive), "a"
+    )
+    with ScriptedLLM() as server:
+        server.on(CHAT, _runaway_then(fact))
+        drain(database_url, server)
+        bodies = server.bodies()
+    assert len(bodies) == 2  # the cut-off reply and the follow-up: nothing halved
+    assert len(bodies[1]["messages"][2]["content"]) < 500  # only the reply's start
+    result, memory_ids, detail = outcome(db, "pending_distillation", distilled)
+    assert result == "saved", detail
+    saved = db.execute("SELECT summary FROM memories WHERE id = ANY(%s)", (memory_ids,))
+    assert [r[0] for r in saved] == ["The user moved to Oslo."]
+
+    exchange = {"exchange": "user: my sister Ana moved to Porto\nassistant: noted!"}
+    triaged = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(exchange), "t")
+    verdict = {
+        "salience_score": 6, "summary": "The user's sister Ana moved to Porto.",
+        "category": "personal", "tags": ["family"], "save": True, "paradigm_shift": False,
+    }
+    with ScriptedLLM() as server:
+        server.on(CHAT, _runaway_then(verdict))
+        drain(database_url, server)
+    assert outcome(db, "pending_triage", triaged)[0] == "saved"
+    assert _failures(db) == []
+
+
+def test_a_follow_up_the_context_refuses_is_an_invalid_reply_not_a_long_input(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Even the reply's start and the request to shorten it may not fit beside an input that
+    nearly fills the context: that is the reply's failure (the input was answered), never a
+    reason to cut the input; the item's error says what happened."""
+    exchange = {"exchange": "user: " + "x" * (N_CTX * BYTES_PER_TOKEN - 2000) + "\nassistant: ok"}
+    item = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(exchange), "near")
+
+    def answer(request: Request) -> Reply:
+        prompt = _tokens(request)
+        if len(request.messages) > 2 and prompt + 150 > N_CTX:  # the follow-up
+            return _refused(prompt + 150)
+        return Reply.chat('{"salience_score": 6, "summ', finish_reason="length")
+
+    with ScriptedLLM() as server:
+        server.on(CHAT, _small_context(answer))
+        drain(database_url, server)
+        bodies = server.bodies()
+    assert outcome(db, "pending_triage", item)[0] == "failed"
+    assert len(bodies) == 2, [len(b["messages"]) for b in bodies]  # not asked again shorter
+    [error] = _failures(db)
+    assert "asking again with the reply exceeds the model's context" in error, error
+
+
+JAPANESE = "昨日は京都の実家に帰って、母と一緒に庭の手入れをしました。父は去年亡くなったので、母は一人暮らしです。"
+
+
+def test_inputs_are_halved_until_they_fit_a_small_context(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Halved once only, a 15 kB archive (halves of ~2,000 tokens) and 4,000 bytes of
+    Japanese (~2,200 tokens) were refused on every attempt and dead-lettered."""
+    turn = "user: On Monday I met Priya to plan the billing migration.\nassistant: Good.\n"
+    archive = {"archive_text": (turn * 250)[:15000] + "user: I'm moving to Lisbon in May."}
+    distilled = enqueue(
+        db, "SELECT sokratos_enqueue_distillation(%s, %s)", json.dumps(archive), "long"
+    )
+    message = {"exchange": "user: " + JAPANESE * 100 + "\nassistant: 大切ですね。"}
+    triaged = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(message), "ja")
+    fact = {"facts": [{"text": "The user is moving to Lisbon.", "salience": 8, "tags": []}]}
+    verdict = {"salience_score": 6, "summary": "The user visited their mother in Kyoto.",
+               "category": "family", "tags": [], "save": True, "paradigm_shift": False}
+
+    def answer(request: Request) -> Reply:
+        return Reply.chat(verdict if "京都" in request.messages[-1]["content"] else fact)
+
+    with ScriptedLLM() as server:
+        server.on(CHAT, _small_context(answer))
+        drain(database_url, server)
+        sizes = [_message_tokens(b["messages"]) for b in server.bodies()]
+    assert _failures(db) == []
+    assert outcome(db, "pending_distillation", distilled)[0] == "saved"
+    assert outcome(db, "pending_triage", triaged)[0] == "saved"
+    assert sum(s > N_CTX for s in sizes) >= 3  # refused at 16 kB, then 8 kB; Japanese too
+
+
+def test_an_input_too_long_even_halved_names_the_server_and_what_to_change(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    item = enqueue(
+        db, "SELECT sokratos_enqueue_triage(%s, %s)",
+        json.dumps({"exchange": "user: " + "y" * 5000 + "\nassistant: ok"}), "never",
+    )
+    with ScriptedLLM() as server:
+        server.on(CHAT, lambda r: _refused(_tokens(r)))
+        drain(database_url, server)
+        count = len(server.bodies())
+    assert outcome(db, "pending_triage", item)[0] == "failed"
+    assert count == 4  # 5 kB, 2.5 kB, 1.2 kB, 0.6 kB: never below SHORTEST_HALVED_BYTES
+    [error] = _failures(db)
+    assert "maximum context length is 2048 tokens" in error, error
+    assert "llama-cpp-python: --n_ctx" in error, error
