@@ -5,12 +5,20 @@ with llama-cpp-python's own 400 (review R2, against the bundled SmolLM2)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
+from sokratos_worker.config import load_settings
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.llm.local import LocalModelServer, llama_cpp_installed
+from sokratos_worker.pipelines import build_handlers
+from sokratos_worker.runner import Runner
+from sokratos_worker.store.connection import Database
 from sokratos_worker.testing.scripted_llm import CHAT, Reply, Request, ScriptedLLM
 from tests.pipelines.conftest import drain, enqueue, outcome
 
@@ -182,3 +190,42 @@ def test_an_input_too_long_even_halved_names_the_server_and_what_to_change(
     [error] = _failures(db)
     assert "maximum context length is 2048 tokens" in error, error
     assert "llama-cpp-python: --n_ctx" in error, error
+
+
+@pytest.mark.local_model
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_bundled_2048_token_model_triages_a_long_japanese_message(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The real thing (review R2): 4,000 bytes of Japanese are ~2,200 SmolLM2 tokens, more than
+    its whole 2,048-token context; halved once only, the item failed on every attempt."""
+    if not llama_cpp_installed():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("llama-cpp-python is not installed (the `local` extra) but CI=true")
+        pytest.skip("llama-cpp-python is not installed (the `local` extra)")
+    message = {"exchange": "user: " + JAPANESE * 100 + "\nassistant: お母様と過ごす時間は大切ですね。"}
+    item = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(message), "ja-real")
+    with LocalModelServer(startup_timeout=120, n_threads=1) as server:
+        settings = load_settings(
+            {
+                "SOKRATOS_DATABASE_URL": database_url,
+                "SOKRATOS_MAX_ATTEMPTS": "1",
+                "SOKRATOS_CONCURRENCY": "1",
+                "SOKRATOS_LLM_BACKENDS": json.dumps([server.backend.model_dump(mode="json")]),
+            }
+        )
+        chat = FallbackChatClient(settings.llm_backends)
+        database = Database(database_url, size=settings.pool_size)
+        try:
+            handlers = build_handlers(HandlerContext(settings, database, chat, None))
+            runner = Runner(settings=settings, database=database, handlers=handlers,
+                            worker_id="small-context")
+            runner.start(drain_only=True)
+            assert runner.wait_drained(500)
+        finally:
+            chat.close()
+            database.close()
+    assert _failures(db) == []
+    result, _, detail = outcome(db, "pending_triage", item)
+    assert result in ("saved", "skipped"), detail
