@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status",
         help="queues, recent failures, live workers, email accounts",
-        description="Per queue: ready, backing off, leased (and by whom), oldest ready age;"
+        description="Per queue: ready, backing off (and the next retry: when, after how many"
+        " attempts, its last error), leased (and by whom), oldest ready age;"
         " failures in the last 24 h by op_type; outcomes in the last 24 h by queue (saved,"
         " skipped, archived, failed); each live worker's state and backends;"
         " email accounts and their last check; enqueues waiting in the spool (and those meant"

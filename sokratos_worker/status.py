@@ -128,7 +128,9 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
             return None
 
     for q in Queue:
-        stats = read(q.value, q.value, partial(status_store.queue_stats, conn, (q,)))
+        stats = read(
+            q.value, q.value, partial(status_store.queue_stats, conn, (q,), next_retry=True)
+        )
         report["queues"].update(stats or {})
     report["failures_24h"] = (
         read("failures_24h", "failed_operations", lambda: status_store.failures_24h(conn)) or {}
@@ -270,7 +272,24 @@ def _queue_lines(report: dict[str, Any]) -> list[str]:
             + (f", oldest ready {age:.0f}s" if age is not None else "")
         )
         lines += [f"    leased by {owner}: {n}" for owner, n in q.get("leased_by", {}).items()]
+        if nxt := q.get("next_retry"):
+            lines.append(
+                f"    next retry: item {nxt['item_id']} in {nxt['in_s']:.0f}s, after"
+                f" {nxt['attempts']} attempt(s)"
+                + (f"; last error: {_one_line(nxt['last_error'])}" if nxt["last_error"] else "")
+            )
     return lines
+
+
+# A last error is one line of `status`, however long the server's message was.
+LAST_ERROR_SHOWN_CHARS = 300
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(str(text).split())
+    if len(flat) <= LAST_ERROR_SHOWN_CHARS:
+        return flat
+    return flat[:LAST_ERROR_SHOWN_CHARS] + " …"
 
 
 def _lock_line(tables: str, holder: dict[str, Any]) -> str:

@@ -23,9 +23,10 @@ WORKER_TABLES = (
 
 
 def queue_stats(
-    conn: psycopg.Connection, queues: tuple[Queue, ...] = tuple(Queue)
+    conn: psycopg.Connection, queues: tuple[Queue, ...] = tuple(Queue), *, next_retry: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Per queue: ready, backing off, leased (and by whom), oldest ready age.
+    """Per queue: ready, backing off, leased (and by whom), oldest ready age; with
+    ``next_retry``, the backing-off item that runs next and why it failed.
 
     One pass over each table (grouped by lease owner): a /metrics scrape of a large backlog
     reads every row once, not twice.
@@ -54,7 +55,32 @@ def queue_stats(
             "leased_by": {str(r[0]): int(r[3]) for r in rows if r[0] is not None and r[3]},
             "oldest_ready_age_s": round(max(ages), 1) if ages else None,
         }
+        if next_retry and stats[q.value]["backing_off"]:
+            stats[q.value]["next_retry"] = _next_retry(conn, q)
     return stats
+
+
+def _next_retry(conn: psycopg.Connection, queue: Queue) -> dict[str, Any] | None:
+    """The backing-off item that runs next: when, its attempts so far and why it failed.
+
+    "2 backing off" alone sent the operator to the logs to learn why (review R2).
+    """
+    row = conn.execute(
+        sql.SQL(
+            """SELECT id, attempts, EXTRACT(EPOCH FROM run_after - now()), last_error FROM {}
+               WHERE run_after > now()
+                 AND (lease_expires_at IS NULL OR lease_expires_at < now())
+               ORDER BY run_after, id LIMIT 1"""
+        ).format(sql.Identifier(queue.value))
+    ).fetchone()
+    if row is None:
+        return None
+    return {
+        "item_id": int(row[0]),
+        "attempts": int(row[1]),
+        "in_s": round(max(0.0, float(row[2])), 1),
+        "last_error": row[3],
+    }
 
 
 def failures_24h(conn: psycopg.Connection) -> dict[str, int]:

@@ -312,3 +312,29 @@ def test_outcomes_are_counted_for_the_last_24_hours_and_rendered(
     ) in render_status(report)
     db.execute("DELETE FROM work_outcomes WHERE decided_at > now() - interval '1 day'")
     assert "outcomes (24h): none" in render_status(collect_status(settings))
+
+
+def test_backing_off_items_show_when_the_next_runs_and_why_it_failed(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """"2 backing off" alone sent the operator to the logs for the reason (review R2)."""
+    error = "ChatFailed: no LLM backend gave a valid reply (lcp: invalid_reply:\n" + "x" * 400
+    db.execute(
+        """INSERT INTO pending_triage (payload, attempts, run_after, last_error) VALUES
+           ('{"exchange": "a"}', 1, now() + interval '90 seconds', %s),
+           ('{"exchange": "b"}', 2, now() + interval '10 minutes', 'later one')""",
+        (error,),
+    )
+    settings = load_settings({"HOME": "/nonexistent", "SOKRATOS_DATABASE_URL": database_url})
+    report = collect_status(settings)
+    triage = report["queues"]["pending_triage"]
+    assert triage["backing_off"] == 2
+    nxt = triage["next_retry"]
+    assert (nxt["attempts"], nxt["last_error"]) == (1, error)
+    assert 80 <= nxt["in_s"] <= 90
+    assert "next_retry" not in report["queues"]["pending_distillation"]  # nothing backing off
+    text = render_status(report)
+    [line] = [ln for ln in text.splitlines() if "next retry" in ln]
+    assert line.startswith(f"    next retry: item {nxt['item_id']} in ")
+    assert "after 1 attempt(s); last error: ChatFailed: no LLM backend gave a valid reply" in line
+    assert line.endswith("x …") and len(line) < 400, line
