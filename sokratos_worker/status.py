@@ -25,6 +25,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "database": "unreachable",
         "queues": {},
         "failures_24h": {},
+        "outcomes_24h": {},
         "workers": [],
         "email_accounts": [],
         "spooled": pending_files(settings.spool_dir),

@@ -324,7 +324,8 @@ class FallbackChatClient:
                     " was full); asking once for a shorter reply",
                 )
                 feedback = TRUNCATED_PROMPT.format(max_tokens=max_tokens)
-                # Only its start: the whole of a reply that filled the context cannot fit again.
+                # Only its start: the whole of a reply that filled the context cannot fit again
+                # (and a follow-up refused even so means the input left no room: _ask_again).
                 echoed = _echoed(answer.content, TRUNCATED_ECHO_CHARS)
             else:
                 log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=True)
@@ -336,7 +337,7 @@ class FallbackChatClient:
                 {"role": "user", "content": feedback},
             ]
             body = request_body(backend.config, response_model, repair, max_tokens)
-            second = self._ask_again(backend, body, purpose)
+            second = self._ask_again(backend, body, purpose, cut_off=answer.truncated)
             try:
                 value, _ = self._parse(backend, response_model, second, purpose)
             except ReplyInvalid:
@@ -350,16 +351,22 @@ class FallbackChatClient:
                 _add(answer.completion_tokens, second.completion_tokens),
             )
 
-    def _ask_again(self, backend: Backend, body: dict[str, Any], purpose: str) -> Answer:
-        """The follow-up request; one too long for the model's context is an invalid reply.
+    def _ask_again(
+        self, backend: Backend, body: dict[str, Any], purpose: str, *, cut_off: bool
+    ) -> Answer:
+        """The follow-up request. Refused as too long for the model's context:
 
-        The item's input fitted (the first request was answered): what no longer fits is the
-        reply sent back, so shortening the input, as "context too long" asks, would not help.
+        - after a reply that was cut off, the input is too long: the follow-up adds only the
+          reply's first TRUNCATED_ECHO_CHARS and a sentence, so the input left no room for a
+          reply (llama.cpp generates into what is left of the context), and the caller
+          shortens it ("context too long");
+        - after an invalid reply, the reply is: it is sent back whole, and the input itself
+          was answered, so shortening the input would not help (an invalid reply).
         """
         try:
             return self._post(backend, body, purpose)
         except _Permanent as exc:
-            if exc.verdict is not Verdict.CONTEXT:
+            if exc.verdict is not Verdict.CONTEXT or cut_off:
                 raise
             log.warning("llm_reply_invalid", backend=backend.name, purpose=purpose, repair=False)
             raise ReplyInvalid(

@@ -176,7 +176,7 @@ class TriageHandler:
                 backend=backend,
             )
         log.info(
-            "triage_planned",  # (saved only when the settle commits: see item_settled)
+            "triage_planned",  # saved when the settle commits: item_settled (debug), tick counts
             item_id=item.id,
             salience=verdict.salience_score,
             chunks=len(plan.memories),

@@ -276,6 +276,8 @@ def test_a_worker_that_handles_its_queues_is_not_flagged_and_the_callers_warning
         {"HOME": "/nonexistent", "SOKRATOS_DATABASE_URL": "postgresql://x@127.0.0.1:1/none"}
     )
     caller = collect_status(settings)
+    # Every count a script reads is there when the database is not, empty (review R3).
+    assert caller["failures_24h"] == caller["outcomes_24h"] == {}
     assert caller["warning"].startswith(
         "no LLM backend configured (this command's configuration, not necessarily the worker's;"
     )

@@ -16,7 +16,8 @@ from sokratos_worker.config import load_settings
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.local import LocalModelServer, llama_cpp_installed
-from sokratos_worker.pipelines import build_handlers
+from sokratos_worker.pipelines import build_handlers, prompts
+from sokratos_worker.pipelines.text import byte_len
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
 from sokratos_worker.testing.scripted_llm import CHAT, Reply, Request, ScriptedLLM
@@ -117,20 +118,18 @@ def test_a_reply_cut_off_where_the_context_is_full_is_asked_again_in_a_request_t
     assert _failures(db) == []
 
 
-def test_a_follow_up_the_context_refuses_is_an_invalid_reply_not_a_long_input(
+def test_a_repair_the_context_refuses_is_an_invalid_reply_not_a_long_input(
     db: psycopg.Connection, database_url: str
 ) -> None:
-    """Even the reply's start and the request to shorten it may not fit beside an input that
-    nearly fills the context: that is the reply's failure (the input was answered), never a
-    reason to cut the input; the item's error says what happened."""
-    exchange = {"exchange": "user: " + "x" * (N_CTX * BYTES_PER_TOKEN - 2000) + "\nassistant: ok"}
-    item = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(exchange), "near")
+    """An invalid reply is sent back whole for repair: refused as too long for the context,
+    that is the reply's failure (the input was answered), never a reason to cut the input;
+    the item's error says what happened."""
+    exchange = {"exchange": "user: " + "x" * 2000 + "\nassistant: ok"}
+    item = enqueue(db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps(exchange), "junk")
+    junk = "I think the salience is high because " * 250  # ~9 kB of prose, not JSON
 
     def answer(request: Request) -> Reply:
-        prompt = _tokens(request)
-        if len(request.messages) > 2 and prompt + 150 > N_CTX:  # the follow-up
-            return _refused(prompt + 150)
-        return Reply.chat('{"salience_score": 6, "summ', finish_reason="length")
+        return Reply.chat(junk)
 
     with ScriptedLLM() as server:
         server.on(CHAT, _small_context(answer))
@@ -140,6 +139,60 @@ def test_a_follow_up_the_context_refuses_is_an_invalid_reply_not_a_long_input(
     assert len(bodies) == 2, [len(b["messages"]) for b in bodies]  # not asked again shorter
     [error] = _failures(db)
     assert "asking again with the reply exceeds the model's context" in error, error
+
+
+REPLY_NEEDS = 100  # tokens a valid JSON reply takes in the emulation below
+
+
+def _generating_into_what_is_left(valid: dict[str, Any], start: str) -> Callable[[Request], Reply]:
+    """llama.cpp's servers do not refuse a prompt just under the context: they generate into
+    what is left of it and answer "length" when it is full (review R3)."""
+
+    def answer(request: Request) -> Reply:
+        prompt = _tokens(request)
+        room = N_CTX - prompt
+        if room < REPLY_NEEDS:
+            return Reply.chat(
+                start, prompt_tokens=prompt, completion_tokens=room, finish_reason="length"
+            )
+        return Reply.chat(valid)
+
+    return _small_context(answer)
+
+
+def test_an_input_that_leaves_no_room_for_the_reply_is_halved(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A 6.3 kB exchange (sent whole: within 8,000 bytes) 30 tokens short of the context, and a
+    14 kB archive whose halves are so: the reply was cut off where the context was full, the
+    follow-up refused, and the item dead-lettered as an invalid reply, though halved it is
+    answered (review R3)."""
+    line = "user: my daughter starts school in Bergen in August, we are moving there.\n"
+    room = (N_CTX - 30) * BYTES_PER_TOKEN
+    exchange = (line * 200)[: room - byte_len(prompts.CONVERSATION_TRIAGE) - 14] + "assistant: ok"
+    triaged = enqueue(
+        db, "SELECT sokratos_enqueue_triage(%s, %s)", json.dumps({"exchange": exchange}), "t"
+    )
+    verdict = {"salience_score": 7, "summary": "The user's daughter starts school in Bergen.",
+               "category": "family", "tags": [], "save": True, "paradigm_shift": False}
+    with ScriptedLLM() as server:
+        server.on(CHAT, _generating_into_what_is_left(verdict, '{"salience_score": 7, "su'))
+        drain(database_url, server)
+    assert outcome(db, "pending_triage", triaged)[0] == "saved"
+
+    half = room - byte_len(prompts.DISTILLATION)
+    text = (line * 400)[: 2 * half]
+    text = text[: text.rfind("\n") + 1] + "user: she is seven."
+    distilled = enqueue(
+        db, "SELECT sokratos_enqueue_distillation(%s, %s)",
+        json.dumps({"archive_text": text}), "d",
+    )
+    fact = {"facts": [{"text": "The user's daughter is seven.", "salience": 8, "tags": []}]}
+    with ScriptedLLM() as server:
+        server.on(CHAT, _generating_into_what_is_left(fact, '{"facts": [{"text": "The'))
+        drain(database_url, server)
+    assert outcome(db, "pending_distillation", distilled)[0] == "saved"
+    assert _failures(db) == []
 
 
 JAPANESE = "昨日は京都の実家に帰って、母と一緒に庭の手入れをしました。父は去年亡くなったので、母は一人暮らしです。"
