@@ -284,6 +284,10 @@ class ImapSession:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            # A stop (SIGTERM, Ctrl-C) ends the command now: a LOGOUT to a server that stalled
+            # would wait out the whole deadline first (60 s for `check`).
+            self._watch.cut("stopping")
         self.close()
 
     def _login(self, conn: imaplib.IMAP4) -> None:

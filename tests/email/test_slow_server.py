@@ -11,6 +11,7 @@ import json
 import signal
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from sokratos_worker.client import enqueue_triage
 from sokratos_worker.config import EmailAccountConfig, Settings
 from sokratos_worker.email import AccountReport, check_due_accounts
 from sokratos_worker.email.imap import OpenSessions
+from tests.core.test_cli import ROOT, env_for
 from tests.support.daemon import daemon_env, start_daemon, wait_until
 from tests.support.db import count
 
@@ -287,3 +289,30 @@ def test_run_once_stops_at_sigterm_during_a_stuck_check(
     text = log.read_text()
     assert '"event": "email_sessions_cut"' in text and "Traceback" not in text
     assert last_error(db, "slow") is None
+
+
+@pytest.mark.parametrize("stall_at", ["examine", "greeting"])
+def test_check_stopped_while_a_mailbox_stalls_exits_at_once(
+    database_url: str, tmp_path: Path, stall_at: StallAt
+) -> None:
+    """`check` stopped (SIGTERM, Ctrl-C) while a server that had taken the login stalled: the
+    LOGOUT sent on the way out waited out the whole 60 s budget first (review R4)."""
+    with TricklingServer(stall_at, gap_s=1.0) as server:
+        account = {"name": "slow", "host": "127.0.0.1", "port": server.port,
+                   "username": "alice", "password": "secret", "security": "none"}
+        env = env_for(database_url, tmp_path, SOKRATOS_EMAIL_ACCOUNTS=json.dumps([account]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sokratos_worker", "check"], env=env, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert wait_until(lambda: server.trickling > 0, timeout=BOUND_S)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=BOUND_S + 30)
+        finally:
+            proc.kill()
+        took = time.monotonic() - started
+    assert proc.returncode == 1, err[-2000:]
+    assert "stopped by SIGTERM before the command finished" in err
+    assert took < 20, took  # (the stall's own budget is 60 s)
