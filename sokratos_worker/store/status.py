@@ -287,19 +287,37 @@ def locked_tables(
     modes: Sequence[str] = BLOCKS_READS,
     tables: Sequence[str] = WORKER_TABLES,
 ) -> list[dict[str, Any]]:
-    """Which of ``tables`` other sessions hold in one of ``modes``, and who holds them."""
+    """Which of ``tables`` other sessions hold in one of ``modes``, and who holds them.
+
+    A session still waiting for such a lock counts too (``waiting``), with the sessions it
+    waits behind (``ahead_of`` its pid): a migration's ALTER queued behind a transaction
+    left open holds up every later reader and writer of the table as if it held it, and the
+    open transaction, holding only a weak lock, is the one to end.
+    """
     rows = conn.execute(
-        f"""SELECT DISTINCT l.pid, {SESSION_COLUMNS}, c.relname::text
-              FROM pg_locks l
-              JOIN pg_class c ON c.oid = l.relation
-              LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-             WHERE l.granted AND l.mode = ANY(%s) AND l.pid <> pg_backend_pid()
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-               AND c.relname = ANY(%s)
+        f"""WITH wanted AS (
+                SELECT l.pid, l.granted, c.relname::text AS relname
+                  FROM pg_locks l
+                  JOIN pg_class c ON c.oid = l.relation
+                 WHERE l.mode = ANY(%s) AND l.pid <> pg_backend_pid()
+                   AND l.database = (SELECT oid FROM pg_database
+                                      WHERE datname = current_database())
+                   AND c.relname = ANY(%s)),
+            involved AS (
+                SELECT pid, relname, NOT granted AS waiting, NULL::int AS ahead_of FROM wanted
+                UNION
+                SELECT b.pid, w.relname, false, w.pid
+                  FROM wanted w, unnest(pg_blocking_pids(w.pid)) AS b(pid)
+                 WHERE NOT w.granted AND b.pid <> pg_backend_pid())
+            SELECT DISTINCT i.pid, {SESSION_COLUMNS}, i.relname, i.waiting, i.ahead_of
+              FROM involved i
+              LEFT JOIN pg_stat_activity a ON a.pid = i.pid
              ORDER BY 7, 1""",
         (list(modes), list(tables)),
     ).fetchall()
-    return [{"table": str(r[6]), **session(r)} for r in rows]
+    return [
+        {"table": str(r[6]), **session(r), "waiting": bool(r[7]), "ahead_of": r[8]} for r in rows
+    ]
 
 
 def by_holder(locks: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -315,9 +333,14 @@ def by_holder(locks: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]
 def describe_holder(holder: dict[str, Any]) -> str:
     """``pid 812 (psql, idle in transaction, 340 s in its transaction; 'ALTER TABLE ...')``."""
     held = holder["in_transaction_s"]
+    role = ""
+    if holder.get("waiting"):
+        role = ", waiting for it: every later reader and writer waits behind"
+    elif holder.get("ahead_of") is not None:
+        role = f", ahead of pid {holder['ahead_of']}, which waits for it"
     return (
         f"pid {holder['pid']} ({holder['application'] or 'no application name'},"
         f" {holder['state'] or 'state unknown'}"
         + (f", {held} s in its transaction" if held is not None else "")
-        + f"; {holder['query']!r})"
+        + f"; {holder['query']!r}{role})"
     )
