@@ -51,6 +51,8 @@ class LeaseRenewer:
         self._on_database_contact = on_database_contact
         self._contact_failed = contact_failed
         self._wake = wake
+        # (queue, item id, attempt) already reported lost: said once, not at every pass.
+        self._reported_lost: set[tuple[Queue, int, int]] = set()
 
     def run(self) -> None:
         interval = max(0.5, self.settings.lease / 3)
@@ -63,8 +65,7 @@ class LeaseRenewer:
                             conn, q, owner=self.worker_id, ids=ids, lease_s=self.settings.lease
                         )
                         for lost in set(ids) - kept:
-                            if self._lease_taken(conn, q, lost):
-                                log.warning("lease_lost", queue=q.value, item_id=lost)
+                            self._report_taken(conn, q, lost)
                         # Taken again now: the pass may have waited longer than a claim's age.
                         held = self._inflight.held_ids(q, self.settings.lease)
                         self._release_orphans(conn, q, held, interval)
@@ -76,17 +77,31 @@ class LeaseRenewer:
             else:
                 self._on_database_contact(True)
 
-    def _lease_taken(self, conn: Connection, queue: Queue, item_id: int) -> bool:
-        """True when a renewal missed an item because another claim holds it now.
+    def _report_taken(self, conn: Connection, queue: Queue, item_id: int) -> None:
+        """Say so (once) when a renewal missed an item because another claim holds it now.
 
         The renewal's UPDATE also misses an item whose settle committed a moment ago (the
         slot has not untracked it yet): that item's row is gone, and nothing was lost.
         """
         item = self._inflight.get(queue, item_id)
         if item is None:
-            return False  # settled meanwhile
+            return  # settled meanwhile
         exists, owner = store.lease_owner(conn, item)
-        return exists and owner != self.worker_id
+        key = (queue, item.id, item.attempt)
+        if not exists or owner == self.worker_id or key in self._reported_lost:
+            return
+        self._reported_lost = {k for k in self._reported_lost if self._inflight.get(k[0], k[1])}
+        self._reported_lost.add(key)
+        log.warning(
+            "lease_lost",
+            queue=queue.value,
+            item_id=item.id,
+            attempt=item.attempt,
+            new_owner=owner,
+            hint="its lease expired while it ran (frozen, suspended or cut off from the"
+            " database): another worker took it over and finishes it; this run's result will"
+            " not be kept. If it recurs, raise SOKRATOS_LEASE",
+        )
 
     def _release_orphans(
         self, conn: Connection, queue: Queue, keep: list[int], older_than_s: float

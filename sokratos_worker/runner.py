@@ -508,15 +508,17 @@ class Runner:
         """Handle and settle one item; returns the next item claimed with the settle."""
         # Bound for this item only (reset before the next one on this slot), so that every line
         # logged while it is handled and settled, the pipelines' and LLM client's too, names it.
+        # (A claim past the limit is not an attempt: its lines name the last one counted, as
+        # its dead letter does.)
         with structlog.contextvars.bound_contextvars(
-            queue=item.queue.value, item_id=item.id, attempt=item.attempt
+            queue=item.queue.value, item_id=item.id, attempt=self._last_attempt(item)
         ):
             return self._handle_and_settle(item)
 
     def _handle_and_settle(self, item: Item) -> Item | None:
         """:meth:`_process` within the item's log context."""
         started = time.monotonic()
-        bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=item.attempt)
+        bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=self._last_attempt(item))
         handler = self.handlers[item.queue]
         try:
             if item.attempt > self.settings.max_attempts:

@@ -79,8 +79,8 @@ class Metrics:
         )
         self.items = Counter(
             "sokratos_items",
-            "Items that left a queue or were retried, by outcome "
-            "(saved, skipped, archived, failed, retry, released)",
+            "Items that left a queue or were retried, by outcome (saved, skipped, archived,"
+            " failed, retry, released, lease_lost, abandoned)",
             ["queue", "outcome"],
             registry=reg,
         )
@@ -93,7 +93,7 @@ class Metrics:
         )
         self.llm_call_duration = Histogram(
             "sokratos_llm_call_duration_seconds",
-            "Duration of one LLM call (chat or embedding) by backend and result (ok, error)",
+            "Duration of one chat call to an LLM backend, by backend and result (ok, error)",
             ["backend", "result"],
             buckets=DURATION_BUCKETS,
             registry=reg,
@@ -112,8 +112,8 @@ class Metrics:
         )
         self.worker_state = Gauge(
             "sokratos_worker_state",
-            "1 for the worker's current state (starting, running, waiting_for_database, "
-            "no_backend, stopping), 0 for the others",
+            "1 for the worker's current state (running, waiting_for_database, no_backend,"
+            " stopping), 0 for the others",
             ["state"],
             registry=reg,
         )
