@@ -10,38 +10,19 @@ log lines is "its attempt at the item, as in `failed_operations`".
 
 from __future__ import annotations
 
-import io
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, redirect_stderr
-from typing import Any
 
 import psycopg
-import structlog
 
-from sokratos_worker.logs import configure_logging
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
+from tests.core.test_item_log_context import json_lines
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
 
 PAYLOAD = json.dumps({"exchange": "user: hi\nassistant: hello", "behaviour": "ok"})
-
-
-@contextmanager
-def json_lines() -> Iterator[list[dict[str, Any]]]:
-    """The JSON lines the worker writes at info within the block (as in production)."""
-    buffer = io.StringIO()
-    lines: list[dict[str, Any]] = []
-    try:
-        with redirect_stderr(buffer):
-            configure_logging("info", "json")
-            yield lines
-    finally:
-        structlog.reset_defaults()
-        lines += [json.loads(x) for x in buffer.getvalue().splitlines() if x.startswith("{")]
 
 
 def test_every_lease_lost_line_names_the_item_attempt_and_the_new_owner(
