@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 
 import psycopg
-from structlog.testing import capture_logs
 
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
+from tests.core.test_item_log_context import json_lines
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
 
@@ -32,7 +32,7 @@ def test_a_settle_after_the_lease_was_taken_over_changes_nothing(
         handlers={Queue.TRIAGE: ScriptedHandler()},
         worker_id="old-owner",
     )
-    with capture_logs() as logs:
+    with json_lines() as logs:  # the JSON lines as written (item context included)
         runner.start(drain_only=False)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not count(
@@ -56,3 +56,9 @@ def test_a_settle_after_the_lease_was_taken_over_changes_nothing(
     assert events and any(e.get("new_owner") == "new-owner" for e in events), [
         e["event"] for e in logs
     ]
+    # The renewer's line too (review R5): it named neither the attempt nor the new owner,
+    # and came at every renewal pass; once now, then the settle's.
+    assert 1 <= len(events) <= 2, events
+    for line in events:
+        assert line.get("queue") == "pending_triage" and line.get("item_id") == item, line
+        assert line.get("attempt") == 1 and line.get("new_owner") == "new-owner", line
