@@ -146,7 +146,9 @@ class DistillationHandler:
         unchecked = 0  # facts saved without a contradiction verdict
         escaped = 0  # facts whose text held NUL or lone surrogates
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
-        facts, minor = _notable(item, facts)
+        extracted = len(facts)
+        facts = _notable(item, facts)
+        minor = extracted - len(facts)
         for fact in facts:
             key = fact.text.strip().lower()
             if not key or key in seen:
@@ -178,7 +180,7 @@ class DistillationHandler:
         log.info(
             "distillation_planned",
             item_id=item.id,
-            facts=len(facts) + minor,
+            facts=extracted,
             below_notable=minor,
             new=len(memories),
             known=known + len(existing),
@@ -187,14 +189,11 @@ class DistillationHandler:
         )
         below = f", {minor} below salience 5" if minor else ""
         if not memories:
-            detail = (
-                f"no new fact ({len(facts) + minor} extracted, {known + len(existing)} known"
-                f"{below})"
-            )
+            detail = f"no new fact ({extracted} extracted, {known + len(existing)} known{below})"
             return Effects(
                 Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
             )
-        detail = f"{len(seen) - known - len(existing)} new facts of {len(facts) + minor}{below}"
+        detail = f"{len(seen) - known - len(existing)} new facts of {extracted}{below}"
         if unchecked:
             detail += f"; contradiction check failed for {unchecked}: nothing superseded"
         if escaped:
@@ -245,10 +244,9 @@ def _bounded(item: Item, archive: Archive) -> Archive:
     return archive
 
 
-def _notable(item: Item, facts: list[Fact]) -> tuple[list[Fact], int]:
-    """The facts scored 5 or more, and how many were not: Go drops those as not notable."""
-    notable = [f for f in facts if f.salience >= NOTABLE_FACT_SALIENCE]
+def _notable(item: Item, facts: list[Fact]) -> list[Fact]:
+    """The facts scored 5 or more: Go drops the others as not notable."""
     for fact in facts:
         if fact.salience < NOTABLE_FACT_SALIENCE:
             log.info("fact_below_notable", item_id=item.id, salience=fact.salience)
-    return notable, len(facts) - len(notable)
+    return [f for f in facts if f.salience >= NOTABLE_FACT_SALIENCE]

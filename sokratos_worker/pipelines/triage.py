@@ -233,10 +233,11 @@ class TriageHandler:
                     purpose=f"{request.domain}_triage",
                 )
             except ContextTooLong:
-                if min(limit, byte_len(user)) <= SHORTEST_HALVED_BYTES:
+                sent = byte_len(user)
+                if min(limit, sent) <= SHORTEST_HALVED_BYTES:
                     raise
-                log.info("triage_input_shortened", item_id=item.id, bytes=byte_len(user))
-                limit = min(limit, byte_len(user)) // 2
+                log.info("triage_input_shortened", item_id=item.id, bytes=sent)
+                limit = min(limit, sent) // 2  # (an input shorter than the limit: its own half)
                 continue
             return result.value, result.backend, passed_over(result.tried)
 
