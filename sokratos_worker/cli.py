@@ -12,13 +12,14 @@ server that kept dying), 78 bad configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import structlog
 
-from sokratos_worker import __version__, cli_commands, cli_enqueue, cli_failed, closed_stdout
+from sokratos_worker import cli_commands, cli_enqueue, cli_failed, closed_stdout
 from sokratos_worker.command_database import (
     EmbeddedUnavailable,
     database_url,
@@ -84,6 +85,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_FAILURE, f"{self.prog}: error: {message}\n")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version and the build's code digest, read only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        from sokratos_worker.build import build_version  # noqa: PLC0415 - reads every module
+
+        with contextlib.suppress(OSError):  # (a closed pipe: argparse's own action too)
+            print(f"sokratos-worker {build_version()}")  # (drops it when stdout is closed)
+        parser.exit()
+
+
 def _from_one_to(highest: int) -> Callable[[str], int]:
     """A whole number from 1 (0 days would purge every failure; a limit of 0 lists none) to
     ``highest`` (beyond what PostgreSQL's interval or bigint holds, it failed with a
@@ -114,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"sokratos-worker {__version__}")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     run = commands.add_parser(

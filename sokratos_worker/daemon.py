@@ -25,7 +25,7 @@ from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_J
 from apscheduler.schedulers.background import BackgroundScheduler
 from psycopg import errors as pg_errors
 
-from sokratos_worker import __version__
+from sokratos_worker.build import build_version
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable, TableLocked
@@ -285,7 +285,7 @@ class Worker:
                 worker_id=self.worker_id,
                 hostname=socket.gethostname(),
                 pid=os.getpid(),
-                version=__version__,
+                version=build_version(),
                 state=state,
                 detail=detail,
             )
@@ -481,6 +481,7 @@ class Worker:
         log.info(
             "worker_started",
             worker_id=self.worker_id,
+            version=build_version(),
             concurrency=self.settings.concurrency,
             queues=[q.value for q in self.runner.queues],
             heartbeat_s=self.settings.heartbeat_interval,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
+from sokratos_worker.build import build_version
 from sokratos_worker.command_database import EmbeddedUnavailable, database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
@@ -210,18 +212,7 @@ def render_status(report: dict[str, Any]) -> str:
         f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"
     )
     lines.append(f"outcomes (24h): {_outcomes_text(report, unknown)}")
-    if "workers" in unknown:
-        lines.append(f"workers: unknown ({LOCKED})")
-    elif not report["workers"]:
-        lines.append("workers: none running")
-    for w in report["workers"]:
-        backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
-        # Heartbeats written before the worker recorded it have no "embeddings".
-        embeddings = w.get("detail", {}).get("embeddings")
-        lines.append(
-            f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
-            f" backends: {backends}" + (f", embeddings: {embeddings}" if embeddings else "")
-        )
+    lines += _worker_lines(report, unknown)
     if "email_accounts" in unknown:
         lines.append(f"email accounts: unknown ({LOCKED})")
     for a in report["email_accounts"]:
@@ -229,6 +220,41 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(_embeddings_line(report))
     return "\n".join(lines)
+
+
+def _worker_lines(report: dict[str, Any], unknown: list[str]) -> list[str]:
+    """One line per worker listed, then the builds line when they run different code."""
+    if "workers" in unknown:
+        return [f"workers: unknown ({LOCKED})"]
+    if not report["workers"]:
+        return ["workers: none running"]
+    lines = []
+    for w in report["workers"]:
+        backends = ", ".join(_backend_text(b) for b in w["backends"]) or "none"
+        # Heartbeats written before the worker recorded it have no "embeddings".
+        embeddings = w.get("detail", {}).get("embeddings")
+        lines.append(
+            f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
+            f" backends: {backends}"
+            + (f", embeddings: {embeddings}" if embeddings else "")
+            + f", version {w.get('version', 'unknown')}"
+        )
+    if builds := _builds_line(report["workers"]):
+        lines.append(builds)
+    return lines
+
+
+def _builds_line(workers: list[dict[str, Any]]) -> str | None:
+    """Said when the live workers run different code (a rolling upgrade part-way, or a
+    worker left on the old code), with how many run each."""
+    running = Counter(str(w.get("version")) for w in workers if not w.get("overdue"))
+    if len(running) < 2:
+        return None
+    each = ", ".join(f"{version} ({n})" for version, n in sorted(running.items()))
+    return (
+        f"builds: the live workers run {len(running)} different builds: {each}; this command"
+        f" is {build_version()} (restart the others once the upgrade is done)"
+    )
 
 
 def _outcomes_text(report: dict[str, Any], unknown: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from sokratos_worker.build import build_version
 from sokratos_worker.config import Settings, load_settings
 from sokratos_worker.daemon import Worker
 from sokratos_worker.handlers import HandlerContext
@@ -225,7 +227,7 @@ def test_a_live_worker_without_a_backend_is_shown_unable_to_process(
     lines = human.stdout.splitlines()
     [line] = [x for x in lines if x.startswith("worker ")]
     assert ": no backend (no LLM backend configured: set SOKRATOS_LLM_BACKENDS" in line, line
-    assert line.endswith("backends: none, embeddings: not configured"), line
+    assert "backends: none, embeddings: not configured, version " in line, line
     assert (
         "warning: no live worker can process items (none has an LLM backend configured):"
         " items wait in their queues"
@@ -340,3 +342,40 @@ def test_backing_off_items_show_when_the_next_runs_and_why_it_failed(
     assert line.startswith(f"    next retry: item {nxt['item_id']} in ")
     assert "after 1 attempt(s); last error: ChatFailed: no LLM backend gave a valid reply" in line
     assert line.endswith("x …") and len(line) < 400, line
+
+
+def test_workers_on_different_builds_are_told_apart(db: psycopg.Connection) -> None:
+    """During a rolling upgrade every worker recorded the package version, the same for
+    every commit: `status` could not tell the old workers from the new. Each records its
+    build (the version and a digest of its code) and `status` says when they differ."""
+    for worker_id, version in (("old-1", "0.1.0+aaaaaaaaaa"), ("old-2", "0.1.0+aaaaaaaaaa"),
+                               ("new", build_version())):
+        db.execute(
+            "INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,"
+            " state, detail) VALUES (%s, 'h', 1, %s, now(), 'running',"
+            " jsonb_build_object('heartbeat_s', 60))",
+            (worker_id, version),
+        )
+    report = _report([])
+    report["workers"] = live_workers(db, stale_after_s=180)
+    lines = render_status(report).splitlines()
+    [old] = [line for line in lines if line.startswith("worker old-1:")]
+    assert old.endswith(", version 0.1.0+aaaaaaaaaa"), old
+    [new] = [line for line in lines if line.startswith("worker new:")]
+    assert new.endswith(f", version {build_version()}"), new
+    [builds] = [line for line in lines if line.startswith("builds:")]
+    assert "the live workers run 2 different builds" in builds, builds
+    assert "0.1.0+aaaaaaaaaa (2)" in builds and f"{build_version()} (1)" in builds, builds
+    assert f"this command is {build_version()}" in builds, builds
+    db.execute("DELETE FROM worker_heartbeats WHERE worker_id LIKE 'old-%'")
+    report["workers"] = live_workers(db, stale_after_s=180)
+    assert "builds:" not in render_status(report)
+
+
+def test_version_names_the_build() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sokratos_worker", "--version"],
+        capture_output=True, text=True, check=True,
+    )
+    assert result.stdout == f"sokratos-worker {build_version()}\n", result
+    assert re.fullmatch(r"\d+\.\d+\.\d+\+[0-9a-f]{10}", build_version())
