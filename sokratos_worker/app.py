@@ -12,7 +12,8 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import ConfigError, Settings, unknown_variables
-from sokratos_worker.daemon import EXIT_OK, EXIT_TEMPFAIL, SIGNAL_POLL_S, Worker, build_worker
+from sokratos_worker.daemon import SIGNAL_POLL_S, Worker, build_worker
+from sokratos_worker.exit_codes import EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
 from sokratos_worker.runner import State

@@ -240,7 +240,8 @@ def check_distillation(payload: Any) -> None:
 
 
 def _distillable(payload: dict[str, Any]) -> None:
-    """The worker's own checks (the pipelines import no third-party module: enqueue stays quick)."""
+    """The worker's own checks, imported on first use: the pipelines package brings in the
+    LLM clients (httpx), which importing the client for an enqueue should not load."""
     from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
     from sokratos_worker.pipelines.archive import archive_from_payload  # noqa: PLC0415
     from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415

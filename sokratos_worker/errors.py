@@ -1,15 +1,24 @@
 """The exception tree. Foreign errors (psycopg, httpx) are translated at the boundary.
 
-::
+The classes of this module, and (in brackets) the modules that add to the tree::
 
     WorkerError
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
     │   └── TableLocked              another session holds a table the command must write
-    ├── LeaseLost                    another worker took the item over; settle refused
-    └── ItemError                    this item's attempt failed (counts as an attempt)
-        ├── InvalidPayload           never retried: straight to failed_operations
-        └── BackendsUnavailable      not the item's fault: the attempt is given back
-            └── BackendsMisconfigured  every backend said 401/403/404
+    ├── ItemError                    this item's attempt failed (counts as an attempt)
+    │   ├── InvalidPayload           never retried: straight to failed_operations
+    │   ├── BackendsUnavailable      not the item's fault: the attempt is given back
+    │   │   ├── BackendsMisconfigured  every backend said 401/403/404
+    │   │   │   └── [llm.types] LLMBackendsMisconfigured
+    │   │   └── [llm.types] NoBackendReachable, EmbeddingsUnavailable
+    │   └── [llm.types] ChatFailed (RequestRefused, ContextTooLong),
+    │                   EmbeddingFailed (EmbeddingReplyInvalid)
+    └── [elsewhere] ImapError (email.imap), MessageNotRecorded (email.check),
+                    LocalModelError (llm.local), MigrationError (store.migrations),
+                    EmbeddedUnavailable (command_database)
+
+Configuration problems are :class:`~sokratos_worker.config_error.ConfigError`, outside the
+tree: the CLI exits 78 on them.
 """
 
 from __future__ import annotations
@@ -26,10 +35,6 @@ class DatabaseUnavailable(WorkerError):
 class TableLocked(DatabaseUnavailable):
     """A command gave up waiting for a table another session holds locked; the message
     names the session and how to end it."""
-
-
-class LeaseLost(WorkerError):
-    """The item's lease expired and was taken over: this worker must not settle it."""
 
 
 class ItemError(WorkerError):

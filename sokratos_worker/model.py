@@ -4,8 +4,11 @@ An item's life (``../shared/design/durability.md``)::
 
     enqueue ─► ready ─claim─► leased ─effects + outcome + delete (one tx)─► gone
                  ▲               │
-                 └─ run_after ◄──┤ failure, attempts < max
-                                 └─► failed_operations + outcome 'failed' + delete (one tx)
+                 ├─ run_after ◄──┤ failure, attempts < max
+                 ├───────────────┤ given back (no backend): the attempt is not counted
+                 │               └─► failed_operations + outcome 'failed' or 'archived'
+                 │                   + delete (one tx): last attempt, or invalid payload
+                 └─ lease expired (the worker died): claimable again, the attempt counted
 """
 
 from __future__ import annotations

@@ -552,7 +552,8 @@ class Runner:
         bound: structlog.BoundLogger,
     ) -> None:
         """Settle a failed attempt, then wake the dispatcher: only a success claims the slot's
-        next item with its settle, and the backlog used to wait up to 5 s for the free slot."""
+        next item with its settle, so without the wake the backlog waits up to 5 s for the
+        free slot."""
         self._finished(item, started, self._fail(item, exc, handler, bound))
         self.wake(notified=False)
 

@@ -147,11 +147,6 @@ class FallbackChatClient:
         # decides). Cleared by any answer.
         self._probe_form: _ProbeForm | None = None
 
-    @property
-    def backend_names(self) -> list[str]:
-        """The backends in fallback order."""
-        return [b.name for b in self._backends]
-
     def breaker(self, name: str) -> CircuitBreaker:
         """The named backend's circuit breaker (for status and tests)."""
         return self._backend(name).breaker
@@ -265,14 +260,13 @@ class FallbackChatClient:
                 # went as the trial and the rest failed at once with circuit_open, given back
                 # (a new outage logged right after circuit_closed, claiming paused again).
                 backend.breaker.record_success()
-            elif result is Probed.REFUSED:
-                backend.breaker.allow_probe_now()  # it answers: the next call may reach it
-            if result is Probed.SERVED:
                 # With backends awaited (they refused the minimal request another served), only
                 # one of them serving it changes the item's next call: another backend serving
                 # it already did when the item was given back.
                 if form is None or not form.awaited or backend.name in form.awaited:
                     healthy = True
+            elif result is Probed.REFUSED:
+                backend.breaker.allow_probe_now()  # it answers: the next call may reach it
             elif result is Probed.DOWN:
                 answered = False
         # A backend was down when the item was given back, another refused its form: once every

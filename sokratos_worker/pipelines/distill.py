@@ -212,8 +212,8 @@ class DistillationHandler:
     ) -> list[tuple[str, list[float] | None]]:
         """The archive's rows: every chunk with its vector, or all of them without one (a raw
         archive is kept even then). A chunk the server calls too large is embedded in parts,
-        each its own row, as every other write does (behaviour §3.3): it used to cost the
-        whole archive its vectors, and Sokratos's NOT NULL column then refused the archive."""
+        each its own row, as every other write does (behaviour §3.3): a failed batch must not
+        cost the whole archive its vectors, as Sokratos's NOT NULL column refuses it then."""
         bare: list[tuple[str, list[float] | None]] = [(chunk, None) for chunk in chunks]
         if self.embedder is None:
             return bare

@@ -57,7 +57,6 @@ class WritePlan:
     known_fact: bool = False
     # The saved memory within 0.15 (None when the match is a fact planned earlier in the item).
     known_fact_of: int | None = None
-    contradiction_backend: str | None = None
     contradiction_failed: str | None = None  # why no verdict came (saved all the same)
     escaped: bool = False  # the model's text held NUL or lone surrogates, escaped to be stored
 
@@ -128,13 +127,10 @@ class MemoryWriter:
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
         memories = self._rows(item, draft, embedded, first_chunk, fact_check=fact_dedupe)
-        supersessions, backend, failed = self._contradictions(
-            item, draft.text, vec, memories[0].origin
-        )
+        supersessions, failed = self._contradictions(item, draft.text, vec, memories[0].origin)
         return WritePlan(
             memories=memories,
             supersessions=supersessions,
-            contradiction_backend=backend,
             contradiction_failed=failed,
             escaped=escaped,
         )
@@ -182,14 +178,14 @@ class MemoryWriter:
 
     def _contradictions(
         self, item: Item, summary: str, vec: list[float], new_origin: str
-    ) -> tuple[tuple[Supersession, ...], str | None, str | None]:
+    ) -> tuple[tuple[Supersession, ...], str | None]:
         """Supersessions of the live memories the LLM judges contradicted by ``summary``,
-        the backend that judged, and why no verdict came (if it did not)."""
+        and why no verdict came (if it did not)."""
         if self.chat is None:
-            return (), None, None
+            return (), None
         candidates = self.reader.similar_live(vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES)
         if not candidates:
-            return (), None, None
+            return (), None
         try:
             result = self.chat.complete(
                 response_model=ContradictionVerdicts,
@@ -203,7 +199,7 @@ class MemoryWriter:
             # attempt is given back and the check runs with the next one. A request every
             # backend refuses (its schema, a parameter) would never get one: the attempt is
             # used and the item ends in failed_operations, where the operator sees it.
-            # Swallowed, either saved the memory for good with the contradicted one left live.
+            # Swallowing either would save the memory for good with the contradicted one live.
             raise
         except ItemError as exc:
             # No valid verdict this time (invalid replies) only means no supersession; the
@@ -214,7 +210,7 @@ class MemoryWriter:
                 candidates=len(candidates),
                 error=type(exc).__name__,
             )
-            return (), None, type(exc).__name__
+            return (), type(exc).__name__
         contradicted = result.value.contradicted(len(candidates))
         log.info(
             "contradiction_checked",
@@ -227,4 +223,4 @@ class MemoryWriter:
             Supersession(old_memory_id=candidates[n - 1].id, new_origin=new_origin)
             for n in contradicted
         )
-        return supersessions, result.backend, None
+        return supersessions, None

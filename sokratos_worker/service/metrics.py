@@ -178,10 +178,6 @@ class Metrics:
         if duration_s is not None:
             self.attempt_duration.labels(queue=queue).observe(max(0.0, duration_s))
 
-    def observe_attempt(self, queue: str, duration_s: float) -> None:
-        """The duration of one attempt, claim to settle."""
-        self.attempt_duration.labels(queue=queue).observe(max(0.0, duration_s))
-
     def observe_llm_call(self, backend: str, duration_s: float, *, ok: bool = True) -> None:
         """The duration of one LLM call."""
         result = "ok" if ok else "error"

@@ -76,10 +76,6 @@ class Notifier:
         """``STOPPING=1``: shutdown began; systemd waits up to ``TimeoutStopSec``."""
         return self.notify("STOPPING=1", *_status_lines(status))
 
-    def reloading(self) -> bool:
-        """``RELOADING=1`` (the worker has no reload; here for completeness)."""
-        return self.notify("RELOADING=1")
-
     def extend_timeout(self, seconds: float) -> bool:
         """``EXTEND_TIMEOUT_USEC``: ask for more time to start or stop (systemd ≥ 236)."""
         return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")

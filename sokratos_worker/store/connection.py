@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -17,8 +16,6 @@ from psycopg_pool.base import AttemptWithBackoff
 from sokratos_worker import libpq
 from sokratos_worker.config import ConfigError
 from sokratos_worker.errors import DatabaseUnavailable
-
-T = TypeVar("T")
 
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
 # 25006: a server that takes no writes (a standby before or after a failover) is waited out.
@@ -345,18 +342,6 @@ def wait_for_database(
                 on_wait(waited, str(exc))
             sleep(min(delay, left))
             delay = min(delay * 2, 5.0)
-
-
-def run_with_retry(fn: Callable[[], T], *, attempts: int = 3, pause: float = 0.2) -> T:
-    """Run ``fn`` again after a transient error (used for short, idempotent statements)."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except DatabaseUnavailable:
-            if attempt == attempts:
-                raise
-            time.sleep(pause * attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # A thread holding its connection (a busy slot) keeps it from one use to the next, since the

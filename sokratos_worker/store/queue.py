@@ -490,22 +490,48 @@ def _settle_with_effects(
         raise _Fenced
     written = write_effects(conn, effects)
     outcome, detail = _after_duplicates(effects, written)
+    _record_outcome(
+        conn,
+        item,
+        key=item.idempotency_key,
+        outcome=outcome,
+        memory_ids=written.memory_ids,
+        detail=clean_text(effects.recorded_detail(detail)),
+        attempt=item.attempt,
+        backend=effects.backend,
+        replay_of=None,
+    )
+    return SettleResult(settled=True, memory_ids=written.memory_ids, outcome=outcome)
+
+
+def _record_outcome(
+    conn: psycopg.Connection,
+    item: Item,
+    *,
+    key: str | None,
+    outcome: Outcome,
+    memory_ids: Sequence[int],
+    detail: str,
+    attempt: int,
+    backend: str | None,
+    replay_of: int | None,
+) -> None:
+    """The item's one work_outcomes row (a success settle's or a dead letter's)."""
     conn.execute(
         _INSERT_OUTCOME,
         {
             "queue": item.queue.value,
             "item_id": item.id,
-            "key": item.idempotency_key,
+            "key": key,
             "source": item.outcome_source,
             "outcome": outcome.value,
-            "memory_ids": list(written.memory_ids),
-            "detail": clean_text(effects.recorded_detail(detail)),
-            "attempt": item.attempt,
-            "backend": effects.backend,
-            "replay_of": None,
+            "memory_ids": list(memory_ids),
+            "detail": detail,
+            "attempt": attempt,
+            "backend": backend,
+            "replay_of": replay_of,
         },
     )
-    return SettleResult(settled=True, memory_ids=written.memory_ids, outcome=outcome)
 
 
 def _after_duplicates(effects: Effects, written: Written) -> tuple[Outcome, str]:
@@ -567,11 +593,11 @@ def dead_letter(
     and the outcome is ``archived`` instead of ``failed``; chunks an earlier item of its
     ``failed retry`` chain already saved are listed, not saved again. The row's
     ``replay_of`` (set by ``failed retry``) is kept in the outcome, so the chain outlives
-    the failure rows. ``last_attempt`` is the
-    attempt the record ends with when it is not the claim's own: a claim that only found the
-    last attempt dead is not an attempt (durability.md), so the attempt that died is
-    recorded instead. ``ran``: False when the claim found no attempt left and ran nothing
-    (the history keeps how the last attempt ended, see :func:`_history_with`).
+    the failure rows. ``last_attempt`` is the attempt the record ends with when it is not
+    the claim's own: a claim that only found the last attempt dead is not an attempt
+    (durability.md), so the attempt that died is recorded instead. ``ran``: False when the
+    claim found no attempt left and ran nothing (the history keeps how the last attempt
+    ended, see :func:`_history_with`).
     """
     error = clean_text(error)
     attempt = item.attempt if last_attempt is None else last_attempt
@@ -613,20 +639,16 @@ def dead_letter(
                     "attempt": attempt,
                 },
             ).fetchone()
-            conn.execute(
-                _INSERT_OUTCOME,
-                {
-                    "queue": item.queue.value,
-                    "item_id": item.id,
-                    "key": key,
-                    "source": item.outcome_source,
-                    "outcome": outcome.value,
-                    "memory_ids": list(memory_ids),
-                    "detail": error,
-                    "attempt": attempt,
-                    "backend": backend,
-                    "replay_of": replay_of,
-                },
+            _record_outcome(
+                conn,
+                item,
+                key=key,
+                outcome=outcome,
+                memory_ids=memory_ids,
+                detail=error,
+                attempt=attempt,
+                backend=backend,
+                replay_of=replay_of,
             )
     except _Fenced:
         return SettleResult(settled=False)
