@@ -29,6 +29,7 @@ from sokratos_worker.build import build_version
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable, TableLocked
+from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner, State
@@ -77,11 +78,6 @@ NO_BACKEND_CONFIGURED = (
     "no LLM backend configured: set SOKRATOS_LLM_BACKENDS (or SOKRATOS_LOCAL_MODEL=true) and"
     " restart the worker; items wait in their queues"
 )
-
-EXIT_OK = 0
-EXIT_SOFTWARE = 1
-EXIT_TEMPFAIL = 75  # a dependency stayed unreachable (contract §1; exit_codes.py's too)
-
 
 def new_worker_id(instance: str | None = None) -> str:
     """Unique per process: host, template instance, pid and a random suffix (pids are reused)."""
@@ -548,7 +544,7 @@ class Worker:
             if self._signal_name is not None:
                 # No logger here (its lock may be held): one line straight to stderr.
                 os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
-                os._exit(EXIT_SOFTWARE)
+                os._exit(EXIT_FAILURE)
             self._signal_at = time.monotonic()
             self._signal_name = name
 
