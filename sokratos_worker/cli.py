@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_run(commands)
+    _add_migrate(commands)
+    _add_enqueue(commands)
+    _add_status(commands)
+    _add_failed(commands)
+    _add_check(commands)
+    _add_demo(commands)
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``run [--once] [--no-migrate]``: the daemon."""
     run = commands.add_parser(
         "run",
         help="run the daemon in the foreground until SIGTERM/SIGINT/SIGHUP",
@@ -160,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not apply migrations at start (same as SOKRATOS_MIGRATE_ON_START=false)",
     )
 
+
+def _add_migrate(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``migrate``: apply pending migrations."""
     commands.add_parser(
         "migrate",
         help="apply pending database migrations and exit",
@@ -169,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         " whose file changed since.",
     )
 
+
+def _add_enqueue(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``enqueue triage|distillation``: add an item."""
     enqueue = commands.add_parser(
         "enqueue",
         help="add an item to a queue",
@@ -202,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     distill.add_argument("--key", help="idempotency key: the same key is enqueued once")
 
+
+def _add_status(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``status [--json]``: one report."""
     status = commands.add_parser(
         "status",
         help="queues, recent failures, live workers, email accounts",
@@ -218,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
+
+def _add_failed(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``failed list|show|retry|purge``: the dead letters."""
     failed = commands.add_parser(
         "failed",
         help="inspect and replay failed_operations",
@@ -279,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"delete failures created more than DAYS days ago (1 to {PURGE_DAYS_MAX})",
     )
 
+
+def _add_check(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``check``: configuration and every dependency, one line each."""
     commands.add_parser(
         "check",
         help="validate configuration and probe the database, backends and mail",
@@ -289,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
         " what failed (78 when the server refuses the database login: every line is still"
         " printed).",
     )
+
+
+def _add_demo(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``demo``: everything locally with the bundled tiny model."""
     commands.add_parser(
         "demo",
         help="try everything locally with the bundled tiny model (needs the local extra)",
@@ -298,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
         " at the end. Ctrl-C stops it after the items in flight and prints what was done"
         " (during its start, at once, with exit 0 and nothing printed).",
     )
-    return parser
 
 
 def main(
@@ -388,50 +418,59 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
         )
     try:
         return _run_command(args, settings, handler_factory)
-    except ConfigError as exc:
+    except Exception as exc:
+        code = _reported_exit_code(exc, settings)
+        if code is None:
+            raise
+        return code
+
+
+def _reported_exit_code(exc: Exception, settings: Settings) -> int | None:
+    """Say on stderr what ``exc`` means for the operator and return the exit code; None for
+    an error with no known meaning (its traceback is the report)."""
+    if isinstance(exc, ConfigError):
         print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except TableLocked as exc:
+    if isinstance(exc, TableLocked):
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_TEMPFAIL
-    except DatabaseUnavailable as exc:
+    if isinstance(exc, DatabaseUnavailable):
         print(f"sokratos-worker: {exc}. {_unreachable_hint(settings)}", file=sys.stderr)
         return EXIT_TEMPFAIL
-    except WorkerError as exc:
+    if isinstance(exc, WorkerError):
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except Exception as exc:
-        from psycopg.errors import QueryCanceled  # noqa: PLC0415 - --help stays quick
+    from psycopg.errors import QueryCanceled  # noqa: PLC0415 - --help stays quick
 
-        refused = _missing_privilege(exc)
-        if refused is not None:
-            print(
-                f"sokratos-worker: {refused}: the role in SOKRATOS_DATABASE_URL lacks a grant;"
-                " give it sokratos_worker (sokratos_producer to enqueue only), see sql/roles.sql"
-                " and docs/production.md",
-                file=sys.stderr,
-            )
-            return EXIT_CONFIG
-        if isinstance(exc, QueryCanceled):
-            # Not a role's statement_timeout (the worker's sessions turn it off): someone
-            # cancelled the statement (pg_cancel_backend), or a server-side limit did.
-            print(
-                f"sokratos-worker: the database cancelled the command's statement"
-                f" ({str(exc).strip()}): nothing it had not committed was changed; run it"
-                " again, and if it recurs ask who cancels it (pg_cancel_backend, a pooler's"
-                " query_timeout)",
-                file=sys.stderr,
-            )
-            return EXIT_FAILURE
-        missing = _missing_schema(exc)
-        if missing is None:
-            raise
+    refused = _missing_privilege(exc)
+    if refused is not None:
         print(
-            f"sokratos-worker: {missing}: this database lacks sokratos-worker's schema;"
-            " run 'sokratos-worker migrate' first",
+            f"sokratos-worker: {refused}: the role in SOKRATOS_DATABASE_URL lacks a grant;"
+            " give it sokratos_worker (sokratos_producer to enqueue only), see sql/roles.sql"
+            " and docs/production.md",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if isinstance(exc, QueryCanceled):
+        # Not a role's statement_timeout (the worker's sessions turn it off): someone
+        # cancelled the statement (pg_cancel_backend), or a server-side limit did.
+        print(
+            f"sokratos-worker: the database cancelled the command's statement"
+            f" ({str(exc).strip()}): nothing it had not committed was changed; run it"
+            " again, and if it recurs ask who cancels it (pg_cancel_backend, a pooler's"
+            " query_timeout)",
             file=sys.stderr,
         )
         return EXIT_FAILURE
+    missing = _missing_schema(exc)
+    if missing is None:
+        return None  # (not ours to explain: the traceback says more)
+    print(
+        f"sokratos-worker: {missing}: this database lacks sokratos-worker's schema;"
+        " run 'sokratos-worker migrate' first",
+        file=sys.stderr,
+    )
+    return EXIT_FAILURE
 
 
 def _unreachable_hint(settings: Settings) -> str:
