@@ -11,15 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sokratos_worker import closed_stdout
 from sokratos_worker.command_database import database_url
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import TableLocked
+from sokratos_worker.errors import InvalidPayload, TableLocked
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
+
+if TYPE_CHECKING:
+    from sokratos_worker.store.failures import RetryResult
 
 
 def failed(args: argparse.Namespace, settings: Settings) -> int:
@@ -135,7 +140,6 @@ def _failure_document(found: dict[str, Any]) -> str:
 
 def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
     from sokratos_worker.store import failures  # noqa: PLC0415
-    from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
 
     # Every line goes through print_on: a reader gone (`| head -1`) must not leave the retry
     # half done (or not begun); it goes on unprinted.
@@ -159,18 +163,47 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
         print(f"nothing to retry{_unknown_op_type(conn, args.op_type if args.all else None)}")
         return EXIT_OK
     code = EXIT_OK
-    for done, failure_id in enumerate(ids):
-        try:
-            with lock_waits_given_up(conn, f"failed retry {failure_id}"):
-                result = failures.retry_failure(conn, failure_id)
-        except TableLocked as exc:
-            left = ", ".join(str(i) for i in ids[done : done + 10])
-            more = f" and {len(ids) - done - 10} more" if len(ids) - done > 10 else ""
-            raise TableLocked(f"{exc} (not retried: {left}{more})") from exc
-        closed_stdout.print_on(f"{failure_id}: {result.message}")
-        if result.item_id is None:
-            code = EXIT_FAILURE
+    size = failures.RETRY_BATCH if args.all else 1  # IDs by hand: each on its own, as named
+    for start in range(0, len(ids), size):
+        for result in _retry_chunk(conn, ids, start, size):
+            closed_stdout.print_on(f"{result.failure_id}: {result.message}")
+            if result.item_id is None:
+                code = EXIT_FAILURE
     return code
+
+
+def _retry_chunk(conn: Any, ids: list[int], start: int, size: int) -> list[RetryResult]:
+    """Retry ``ids[start:start + size]`` in one transaction. When the enqueue function refuses
+    one of their payloads, nothing of it was written: each half goes again the same way, down
+    to the refused one alone, which is reported, and the others are replayed."""
+    from sokratos_worker.store import failures  # noqa: PLC0415
+
+    chunk = ids[start : start + size]
+    if len(chunk) == 1:
+        with _lock_waits_given_up_naming(conn, ids, start):
+            return [failures.retry_failure(conn, chunk[0])]
+    try:
+        with _lock_waits_given_up_naming(conn, ids, start):
+            return failures.retry_batch(conn, chunk)
+    except InvalidPayload:
+        half = len(chunk) // 2
+        return _retry_chunk(conn, ids, start, half) + _retry_chunk(
+            conn, ids, start + half, len(chunk) - half
+        )
+
+
+@contextmanager
+def _lock_waits_given_up_naming(conn: Any, ids: list[int], done: int) -> Iterator[None]:
+    """Give up on a lock held for 5 s, naming ``ids[done]`` and those not retried after it."""
+    from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
+
+    try:
+        with lock_waits_given_up(conn, f"failed retry {ids[done]}"):
+            yield
+    except TableLocked as exc:
+        left = ", ".join(str(i) for i in ids[done : done + 10])
+        more = f" and {len(ids) - done - 10} more" if len(ids) - done > 10 else ""
+        raise TableLocked(f"{exc} (not retried: {left}{more})") from exc
 
 
 def _retry_usage_problem(args: argparse.Namespace) -> str | None:

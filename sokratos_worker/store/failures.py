@@ -74,6 +74,16 @@ class RetryResult:
     message: str
 
 
+@dataclass(frozen=True)
+class _Replay:
+    """A failure found replayable: what its replay is made from."""
+
+    failure_id: int
+    queue: Queue
+    key: str | None  # the failed item's idempotency key
+    original: int | None  # the failed item's id, which the replay links back to
+
+
 def retry_key(original: str | None, failure_id: int) -> str:
     """The new item's key: the original with ``#retry-N`` appended (N counts up)."""
     base = original or f"failed_operations:{failure_id}"
@@ -90,27 +100,83 @@ def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
             return _retry_once(conn, failure_id)
     except InvalidPayload as exc:
         # One unreplayable failure must not stop `failed retry --all` halfway.
-        return RetryResult(
-            failure_id,
-            None,
-            f"refused: the stored payload cannot be enqueued ({exc}); repair it from"
-            f" `sokratos-worker failed show {failure_id}` and enqueue it by hand",
-        )
+        return _refused(failure_id, exc)
+
+
+def _refused(failure_id: int, exc: InvalidPayload) -> RetryResult:
+    return RetryResult(
+        failure_id,
+        None,
+        f"refused: the stored payload cannot be enqueued ({exc}); repair it from"
+        f" `sokratos-worker failed show {failure_id}` and enqueue it by hand",
+    )
+
+
+# Failures `failed retry --all` replays in one transaction: one commit (a WAL flush) and about
+# ten round trips for them all, not for each; a second retry waits for the batch's row locks
+# far less than its 5 s lock_timeout.
+RETRY_BATCH = 250
+
+
+def retry_batch(conn: psycopg.Connection, failure_ids: list[int]) -> list[RetryResult]:
+    """Re-enqueue each stored payload as a new item, exactly once, all in one transaction;
+    the results in the order of ``failure_ids`` (no id twice).
+
+    Raises InvalidPayload when the enqueue function refuses one of the payloads: nothing of
+    the batch is written then; smaller batches (the CLI halves it), down to
+    :func:`retry_failure` on the refused one, replay the others.
+    """
+    with conn.transaction():
+        locked = _locked_for_replay(conn, failure_ids)
+        sorted_out = {fid: _sorted_out(fid, locked.get(fid)) for fid in failure_ids}
+        replays = [found for found in sorted_out.values() if isinstance(found, _Replay)]
+        items = _replay_all(conn, replays)
+    return [
+        found if isinstance(found, RetryResult) else _re_enqueued(found, items[fid])
+        for fid, found in sorted_out.items()
+    ]
 
 
 def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
-    # What the payload is, asked of PostgreSQL: Python need not (and at some depths cannot)
-    # parse the context.
-    row = conn.execute(
-        """SELECT idempotency_key, retried_at, retried_as, source_queue, op_type, item_id,
+    found = _sorted_out(failure_id, _locked_for_replay(conn, [failure_id]).get(failure_id))
+    if isinstance(found, RetryResult):
+        return found
+    _mark_retrying(conn, [failure_id])
+    item_id = _enqueue_under_a_free_key(
+        conn, found.queue, retry_key(found.key, failure_id), failure_id
+    )
+    _link(conn, found.queue, {item_id: found.original})
+    _mark_retried(conn, {failure_id: item_id})
+    return _re_enqueued(found, item_id)
+
+
+def _re_enqueued(replay: _Replay, item_id: int) -> RetryResult:
+    return RetryResult(
+        replay.failure_id, item_id, f"re-enqueued as {replay.queue.value} item {item_id}"
+    )
+
+
+def _locked_for_replay(
+    conn: psycopg.Connection, failure_ids: list[int]
+) -> dict[int, tuple[Any, ...]]:
+    """The failures' rows, locked in id order (two retries at once wait, never deadlock).
+    What the payload is, asked of PostgreSQL: Python need not (and at some depths cannot)
+    parse the context."""
+    rows = conn.execute(
+        """SELECT id, idempotency_key, retried_at, retried_as, source_queue, op_type, item_id,
                   coalesce(jsonb_typeof(context_data) = 'object' AND context_data ? 'payload',
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
                            AND NOT context_data -> 'payload' ? %(unparsable)s, false),
                   context_data ->> 'kept_as', context_data ->> 'what_to_do'
-           FROM failed_operations WHERE id = %(id)s FOR UPDATE""",
-        {"id": failure_id, "unparsable": store.UNPARSABLE_KEY},
-    ).fetchone()
+           FROM failed_operations WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE""",
+        {"ids": failure_ids, "unparsable": store.UNPARSABLE_KEY},
+    ).fetchall()
+    return {int(row[0]): tuple(row[1:]) for row in rows}
+
+
+def _sorted_out(failure_id: int, row: tuple[Any, ...] | None) -> RetryResult | _Replay:
+    """Why the failure is not replayed, or what its replay is made from."""
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
     key, retried_at, retried_as, source_queue, op_type, original, stored, an_object = row[:8]
@@ -140,26 +206,103 @@ def _retry_once(conn: psycopg.Connection, failure_id: int) -> RetryResult:
             f" ({', '.join(_REPLAY_QUEUES)}); set it right or enqueue the payload by hand",
         )
     if not an_object:
-        raise InvalidPayload("payload", "is not a JSON object this worker can parse")
-    queue = Queue(source_queue)
+        return _refused(
+            failure_id, InvalidPayload("payload", "is not a JSON object this worker can parse")
+        )
+    return _Replay(failure_id, Queue(source_queue), key, original)
+
+
+def _replay_all(conn: psycopg.Connection, replays: list[_Replay]) -> dict[int, int]:
+    """Enqueue every replay, link it and mark its failure; failure id -> the new item's id."""
+    if not replays:
+        return {}
+    _mark_retrying(conn, [replay.failure_id for replay in replays])
+    items: dict[int, int] = {}
+    for queue in Queue:
+        into = [replay for replay in replays if replay.queue is queue]
+        if into:
+            items.update(_replay_into(conn, queue, into))
+            _link(conn, queue, {items[r.failure_id]: r.original for r in into})
+    _mark_retried(conn, items)
+    return items
+
+
+def _replay_into(conn: psycopg.Connection, queue: Queue, replays: list[_Replay]) -> dict[int, int]:
+    """Enqueue the replays into ``queue`` in one statement; failure id -> item id. One whose
+    key another session took meanwhile goes again on its own, under the next key."""
+    keys = _free_keys(conn, queue, replays)
+    items = _enqueue_each(conn, queue, keys)
+    here = _enqueued_here(conn, queue, items)
+    for failure_id, key in keys.items():
+        if failure_id not in here:
+            items[failure_id] = _enqueue_under_a_free_key(
+                conn, queue, retry_key(key, failure_id), failure_id
+            )
+    return items
+
+
+def _free_keys(conn: psycopg.Connection, queue: Queue, replays: list[_Replay]) -> dict[int, str]:
+    """Each replay's key, counted on past keys already recorded (see
+    _enqueue_under_a_free_key) and past the keys of the replays before it in the batch: one
+    transaction cannot tell its own items apart by xmin, so no two may share a key."""
+    keys = {r.failure_id: retry_key(r.key, r.failure_id) for r in replays}
+    while True:
+        taken = {
+            str(row[0])
+            for row in conn.execute(
+                "SELECT key FROM sokratos_idempotency_keys WHERE queue = %s AND key = ANY(%s)",
+                (queue.value, list(keys.values())),
+            )
+        }
+        clashes = _clashing(keys, taken)
+        if not clashes:
+            return keys
+        for failure_id in clashes:
+            keys[failure_id] = retry_key(keys[failure_id], failure_id)
+
+
+def _clashing(keys: dict[int, str], taken: set[str]) -> list[int]:
+    """The failures whose key is taken, or is an earlier failure's key in the batch."""
+    seen: set[str] = set()
+    clashes = []
+    for failure_id in sorted(keys):
+        if keys[failure_id] in taken or keys[failure_id] in seen:
+            clashes.append(failure_id)
+        seen.add(keys[failure_id])
+    return clashes
+
+
+def _mark_retrying(conn: psycopg.Connection, failure_ids: list[int]) -> None:
     # Marked first: this row version's xmin is this transaction's, which tells the item the
     # enqueue made from one it only found under the key (see _enqueued_here).
-    conn.execute("UPDATE failed_operations SET retried_at = now() WHERE id = %s", (failure_id,))
-    item_id = _enqueue_under_a_free_key(conn, queue, retry_key(key, failure_id), failure_id)
-    if original is not None:
-        # The link archive reuse follows (sql/0044, store/memories.py): made here, by the
-        # worker, in the replay's own transaction; a producer's item never carries one.
-        conn.execute(
-            sql.SQL("UPDATE {} SET replay_of = %s WHERE id = %s AND replay_of IS NULL").format(
-                sql.Identifier(queue.value)
-            ),
-            (original, item_id),
-        )
     conn.execute(
-        "UPDATE failed_operations SET retried_at = now(), retried_as = %s WHERE id = %s",
-        (item_id, failure_id),
+        "UPDATE failed_operations SET retried_at = now() WHERE id = ANY(%s)", (failure_ids,)
     )
-    return RetryResult(failure_id, item_id, f"re-enqueued as {queue.value} item {item_id}")
+
+
+def _link(conn: psycopg.Connection, queue: Queue, originals: dict[int, int | None]) -> None:
+    """Set each replay's ``replay_of`` (new item id -> the failed item's id)."""
+    linked = {item: original for item, original in originals.items() if original is not None}
+    if not linked:
+        return
+    # The link archive reuse follows (sql/0044, store/memories.py): made here, by the
+    # worker, in the replay's own transaction; a producer's item never carries one.
+    conn.execute(
+        sql.SQL(
+            "UPDATE {} AS t SET replay_of = k.original"
+            " FROM unnest(%s::bigint[], %s::bigint[]) AS k(item, original)"
+            " WHERE t.id = k.item AND t.replay_of IS NULL"
+        ).format(sql.Identifier(queue.value)),
+        (list(linked), list(linked.values())),
+    )
+
+
+def _mark_retried(conn: psycopg.Connection, items: dict[int, int]) -> None:
+    conn.execute(
+        "UPDATE failed_operations AS f SET retried_at = now(), retried_as = k.item"
+        " FROM unnest(%s::bigint[], %s::bigint[]) AS k(failure, item) WHERE f.id = k.failure",
+        (list(items), list(items.values())),
+    )
 
 
 # Keys tried before giving up: each one taken means another session took it meanwhile.
@@ -180,8 +323,8 @@ def _enqueue_under_a_free_key(
             (queue.value, candidate),
         ).fetchone():
             candidate = retry_key(candidate, failure_id)
-        item_id = store.call_enqueue(conn, _REPLAY[queue], {"id": failure_id, "key": candidate})
-        if _enqueued_here(conn, queue, item_id, failure_id):
+        item_id = _enqueue_each(conn, queue, {failure_id: candidate})[failure_id]
+        if _enqueued_here(conn, queue, {failure_id: item_id}):
             return item_id
         candidate = retry_key(candidate, failure_id)
     raise WorkerError(
@@ -190,28 +333,51 @@ def _enqueue_under_a_free_key(
     )
 
 
-def _enqueued_here(conn: psycopg.Connection, queue: Queue, item_id: int, failure_id: int) -> bool:
-    """Whether this transaction inserted the item: its row shares the xmin of the failure's row,
-    updated just before (the enqueue runs no subtransaction); another session's differs."""
-    row = conn.execute(
+def _enqueue_each(conn: psycopg.Connection, queue: Queue, keys: dict[int, str]) -> dict[int, int]:
+    """Enqueue each failure's stored payload under its key, in failure order, in one
+    statement; failure id -> the item id the enqueue function answered. A payload it refuses
+    (SQLSTATE 22023) raises InvalidPayload naming the field, as store.call_enqueue does."""
+    failure_ids = sorted(keys)
+    try:
+        rows = conn.execute(
+            _REPLAY[queue], {"ids": failure_ids, "keys": [keys[fid] for fid in failure_ids]}
+        ).fetchall()
+    except psycopg.errors.InvalidParameterValue as exc:
+        message = exc.diag.message_primary or str(exc)
+        field, _, problem = message.partition(" ")
+        raise InvalidPayload(field, problem) from exc
+    return {int(failure_id): int(item_id) for failure_id, item_id in rows}
+
+
+def _enqueued_here(conn: psycopg.Connection, queue: Queue, items: dict[int, int]) -> set[int]:
+    """The failures whose item this transaction inserted: its row shares the xmin of the
+    failure's row, updated just before (the enqueue runs no subtransaction); another
+    session's differs."""
+    rows = conn.execute(
         sql.SQL(
-            "SELECT EXISTS (SELECT 1 FROM {} AS t, failed_operations AS f"
-            " WHERE t.id = %s AND f.id = %s AND t.xmin = f.xmin)"
+            "SELECT k.failure FROM unnest(%s::bigint[], %s::bigint[]) AS k(failure, item)"
+            " JOIN {} AS t ON t.id = k.item JOIN failed_operations AS f ON f.id = k.failure"
+            " WHERE t.xmin = f.xmin"
         ).format(sql.Identifier(queue.value)),
-        (item_id, failure_id),
-    ).fetchone()
-    return bool(row and row[0])
+        (list(items), list(items.values())),
+    ).fetchall()
+    return {int(row[0]) for row in rows}
 
 
 # The stored payload is copied inside PostgreSQL: exact, at any depth (a round trip through
-# Python's json stops at its recursion limit, and rounds numbers).
+# Python's json stops at its recursion limit, and rounds numbers). A volatile call in the select
+# list runs after the ORDER BY: the new items' ids follow the failures' order.
+_FAILURES_UNDER_KEYS = """
+    FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) WITH ORDINALITY AS k(id, key, n)
+    JOIN failed_operations AS f ON f.id = k.id ORDER BY k.n"""
 _REPLAY = {
-    Queue.TRIAGE: """SELECT sokratos_enqueue_triage(context_data -> 'payload', %(key)s::text,
-                                coalesce(nullif(context_data ->> 'source', ''), 'conversation'))
-                     FROM failed_operations WHERE id = %(id)s""",
-    Queue.DISTILLATION: """SELECT sokratos_enqueue_distillation(context_data -> 'payload',
-                                                                 %(key)s::text)
-                           FROM failed_operations WHERE id = %(id)s""",
+    Queue.TRIAGE: """SELECT k.id, sokratos_enqueue_triage(
+                         f.context_data -> 'payload', k.key,
+                         coalesce(nullif(f.context_data ->> 'source', ''), 'conversation'))"""
+    + _FAILURES_UNDER_KEYS,
+    Queue.DISTILLATION: """SELECT k.id, sokratos_enqueue_distillation(
+                               f.context_data -> 'payload', k.key)"""
+    + _FAILURES_UNDER_KEYS,
 }
 
 
