@@ -20,7 +20,7 @@ from sokratos_worker.runner import State
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
-from sokratos_worker.store import queue as queue_store
+from sokratos_worker.store import queue_sql
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations, history_differences
 from sokratos_worker.store.sessions import refuse_shared_sessions
@@ -140,7 +140,7 @@ def run_worker(
         conninfo,
         size=settings.pool_size,
         keep_open=settings.concurrency + 2,
-        configure=queue_store.warm_up,
+        configure=queue_sql.warm_up,
     )
     try:
         # Claiming before they are open and warm made every slot's first settle wait.

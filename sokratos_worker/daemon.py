@@ -79,6 +79,7 @@ NO_BACKEND_CONFIGURED = (
     " restart the worker; items wait in their queues"
 )
 
+
 def new_worker_id(instance: str | None = None) -> str:
     """Unique per process: host, template instance, pid and a random suffix (pids are reused)."""
     host = f"{socket.gethostname()}@{instance}" if instance else socket.gethostname()

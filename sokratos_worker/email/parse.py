@@ -10,7 +10,6 @@ PostgreSQL: no lone surrogates, no NUL.
 from __future__ import annotations
 
 import email
-import email.header
 import email.utils
 import functools
 import hashlib
@@ -23,6 +22,13 @@ from email.message import Message
 from email.policy import EmailPolicy
 from typing import Any
 
+from sokratos_worker.email.headers import (
+    decode_bytes,
+    decode_header,
+    header,
+    legacy_decode_header,
+    raw_values,
+)
 from sokratos_worker.store.sanitize import clean_text
 
 # Sokratos truncates the body to 2000 bytes before triage (behaviour §4.3).
@@ -60,8 +66,6 @@ _STRUCTURE_PARAMETERS = frozenset({"boundary", "charset"})
 # How much of a long value is searched for them: splitting a whole 15 MB value into its
 # parameters, on each of the header's reads (nine per part), took 21 s.
 STRUCTURE_SEARCH_LIMIT = 64 * 1024
-# An RFC 2047 encoded word, as email.header matches it; the group keeps it in re.split.
-_ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
 # Parts that carry a whole message: listed as attachments; read for the body only when the
 # outer message has no text of its own (a mail that is just a forwarded message).
 _ATTACHED_MESSAGE_TYPES = frozenset({"message/rfc822", "message/global"})
@@ -151,7 +155,7 @@ class _BoundedPolicy(EmailPolicy):
 
     Its boundary and charset are kept (:func:`_structure_first`) when they are within its
     first STRUCTURE_SEARCH_LIMIT characters. Only the email package's parsed headers are cut
-    (the MIME structure); the headers of the payload are read raw (:func:`_header`), so keys
+    (the MIME structure); the headers of the payload are read raw (:func:`header`), so keys
     and addresses are unchanged.
     """
 
@@ -178,158 +182,10 @@ _POLICY = _BoundedPolicy()
 _WIRE = _POLICY.clone(linesep="\r\n", refold_source="none")
 
 
-def _decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
-    """Decode with the declared charset; an unusable one falls back to UTF-8 with replacement."""
-    name = (charset or "utf-8").strip().strip('"').lower() or "utf-8"
-    try:
-        return data.decode(name, errors="replace")
-    except LookupError:
-        notes.append(f"unknown charset {name!r}: decoded as UTF-8 with replacement characters")
-    # Codecs that are not text encodings (idna, punycode, undefined) or a name with NUL.
-    except (UnicodeError, ValueError) as exc:
-        notes.append(
-            f"charset {name!r} cannot decode text ({type(exc).__name__}):"
-            " decoded as UTF-8 with replacement characters"
-        )
-    return data.decode("utf-8", errors="replace")
-
-
-def _unescape(text: str, notes: list[str]) -> str:
-    """Raw 8-bit header bytes (RFC 6532), which the email package keeps as surrogates, as UTF-8."""
-    if text.isascii():
-        return text
-    try:
-        data = text.encode("utf-8", errors="surrogateescape")
-    except UnicodeEncodeError:  # not escaped bytes: _clean replaces whatever is left
-        return text
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        notes.append("8-bit header that is not UTF-8: decoded with replacement characters")
-        return data.decode("utf-8", errors="replace")
-
-
-def _word_bytes(word: str) -> tuple[bytes, str | None] | None:
-    """One RFC 2047 encoded word's bytes and charset; None when it is malformed."""
-    try:
-        pieces = email.header.decode_header(word)
-    except Exception:  # bad base64 and the like: the caller shows the word as it came
-        return None
-    if len(pieces) != 1 or not isinstance(pieces[0][0], bytes):
-        return None
-    data, charset = pieces[0]
-    # An RFC 2231 language suffix ("utf-8*en") names no codec.
-    return data, charset.partition("*")[0] if charset else None
-
-
-class _WordRun:
-    """Adjacent encoded words of one charset, decoded together: a mailer may split one
-    multi-byte character across two words, which decoded one by one give U+FFFD twice."""
-
-    def __init__(self, notes: list[str]) -> None:
-        self.notes = notes
-        self.out: list[str] = []
-        # The run's words, joined once at flush: appending to one bytes object copies the
-        # whole run for each word, quadratic (a 9 MB Subject of encoded words took 20 s).
-        self._data: list[bytes] = []
-        self._charset: str | None = None
-
-    def add(self, data: bytes, charset: str | None) -> None:
-        """Append one word's bytes, decoding the run before it when its charset differs."""
-        if self._data and charset != self._charset:
-            self.flush()
-        self._data.append(data)
-        self._charset = charset
-
-    def text(self, text: str) -> None:
-        """Append text that is not an encoded word, after the run before it."""
-        self.flush()
-        self.out.append(text)
-
-    def flush(self) -> None:
-        """Decode the pending run."""
-        if self._data:
-            self.out.append(_decode_bytes(b"".join(self._data), self._charset, self.notes))
-        self._data, self._charset = [], None
-
-
-def _decode_header(value: str, notes: list[str]) -> str:
-    """A header value as text, unfolded: raw 8-bit bytes read as UTF-8, encoded words decoded.
-
-    The text around encoded words is kept as it is, rather than passed through
-    ``email.header.decode_header``, which would turn its non-ASCII characters into escapes;
-    adjacent encoded words of one charset are joined before decoding, as it does.
-    """
-    unfolded = re.sub(r"\r?\n[ \t]+", " ", _unescape(value, notes)).strip()
-    chunks = _ENCODED_WORD.split(unfolded)
-    run = _WordRun(notes)
-    for index, chunk in enumerate(chunks):
-        if index % 2:
-            word = _word_bytes(chunk)
-            if word is None:
-                run.text(chunk)
-            else:
-                run.add(*word)
-        elif not (chunk.isspace() and 0 < index < len(chunks) - 1) and chunk:
-            # Whitespace between two encoded words is not part of the text (RFC 2047 §6.2).
-            run.text(chunk)
-    run.flush()
-    return "".join(run.out).strip()
-
-
-def _decode_word(word: str, notes: list[str]) -> str:
-    """One RFC 2047 encoded word decoded alone; a malformed one keeps its raw form."""
-    try:
-        pieces = email.header.decode_header(word)
-    except Exception:  # bad base64 and the like: keep the word as it came
-        return word
-    return "".join(
-        _decode_bytes(data, charset, notes) if isinstance(data, bytes) else data
-        for data, charset in pieces
-    )
-
-
-def _legacy_decode_header(value: str) -> str:
-    """A header value decoded as the worker did before adjacent encoded words were joined.
-
-    For processed_emails keys only (:func:`message_key`): a mail without Message-ID is keyed
-    by the hash of its decoded Date, From and Subject, and a character split across two
-    encoded words decodes differently word by word ("caf\ufffd\ufffd") than joined ("café").
-    Keys made with the better decoder would differ from those already recorded, and a
-    re-read of the mailbox (reused UIDs, a UIDVALIDITY change) would triage such mail again.
-    So keys keep this decoding, whatever the text shown to triage becomes.
-    """
-    notes: list[str] = []  # what is wrong with the header is noted by _decode_header
-    unfolded = re.sub(r"\r?\n[ \t]+", " ", _unescape(value, notes)).strip()
-    chunks = _ENCODED_WORD.split(unfolded)
-    out: list[str] = []
-    for index, chunk in enumerate(chunks):
-        if index % 2:
-            out.append(_decode_word(chunk, notes))
-        elif not (chunk.isspace() and 0 < index < len(chunks) - 1):
-            out.append(chunk)
-    return "".join(out).strip()
-
-
 def _legacy_header(values: tuple[str, ...]) -> str:
-    """:func:`_header` with the legacy decoding, cleaned as the legacy parser cleaned it."""
-    decoded = (_legacy_decode_header(value) for value in values)
+    """:func:`header` with the legacy decoding, cleaned as the legacy parser cleaned it."""
+    decoded = (legacy_decode_header(value) for value in values)
     return _clean(", ".join(v for v in decoded if v), [])
-
-
-def _raw_values(msg: Message, name: str) -> tuple[str, ...]:
-    """The raw values of one header, as :func:`_header` reads them."""
-    wanted = name.lower()
-    return tuple(str(value) for key, value in msg.raw_items() if key.lower() == wanted)
-
-
-def _header(msg: Message, name: str, notes: list[str]) -> str:
-    """All values of one header, decoded and joined; read raw so parsing cannot raise."""
-    wanted = name.lower()
-    values = [
-        _decode_header(str(value), notes) for key, value in msg.raw_items() if key.lower() == wanted
-    ]
-    return ", ".join(v for v in values if v)
 
 
 def _parse_date(value: str) -> datetime | None:
@@ -375,7 +231,7 @@ def _filename(part: Message, notes: list[str]) -> str | None:
         name = part.get_filename()
     except Exception:  # RFC 2231 parameters can be malformed
         name = None
-    return _decode_header(name, notes) if name else None
+    return decode_header(name, notes) if name else None
 
 
 def _attachment_name(part: Message, notes: list[str]) -> str:
@@ -391,7 +247,7 @@ def _attached_message_name(part: Message, inner: Message | None, notes: list[str
     """Its file name, else the Subject of the message it carries (``inner``)."""
     name = _filename(part, notes)
     if not name and inner is not None:
-        name = _header(inner, "Subject", notes)
+        name = header(inner, "Subject", notes)
     return name or f"(unnamed {part.get_content_type()})"
 
 
@@ -539,9 +395,9 @@ def _walk(msg: Message, notes: list[str]) -> _Walked:
             attachments.append(Attachment(_attachment_name(part, notes), len(data)))
             continue
         if content_type == "text/plain" and not plain:
-            plain = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
+            plain = decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
         elif content_type == "text/html" and not html:
-            html = _decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
+            html = decode_bytes(_payload_bytes(part, notes), part.get_content_charset(), notes)
     walked.plain, walked.html = plain, html
     return walked
 
@@ -555,7 +411,7 @@ def _forwarded_text(walked: _Walked, notes: list[str]) -> str:
         inner = current.forwarded
         if inner is None:
             break
-        name = _header(inner, "Subject", notes) or current.forwarded_name
+        name = header(inner, "Subject", notes) or current.forwarded_name
         labels.append(f"[forwarded message: {truncate_bytes(name, HEADER_LIMIT_BYTES)}]")
         current = _walk(inner, notes)
         if text := current.text():
@@ -626,18 +482,18 @@ def parse_email(raw: bytes) -> ParsedEmail:
             body = _forwarded_text(walked, notes)
         except Exception as exc:  # a broken attached message leaves the body empty
             notes.append(f"attached message unreadable ({type(exc).__name__}): no body")
-    message_id = _header(msg, "Message-ID", notes).strip() or None
-    date_raw = _header(msg, "Date", notes)
+    message_id = header(msg, "Message-ID", notes).strip() or None
+    date_raw = header(msg, "Date", notes)
     date = _parse_date(date_raw)
     if date_raw and date is None:
         notes.append("unparsable Date header")
     return ParsedEmail(
         message_id=_clean(message_id, notes) if message_id else None,
-        from_=_clean(_header(msg, "From", notes), notes),
-        to=_clean(_header(msg, "To", notes), notes),
-        cc=_clean(_header(msg, "Cc", notes), notes),
-        bcc=_clean(_header(msg, "Bcc", notes), notes),
-        subject=_clean(_header(msg, "Subject", notes), notes),
+        from_=_clean(header(msg, "From", notes), notes),
+        to=_clean(header(msg, "To", notes), notes),
+        cc=_clean(header(msg, "Cc", notes), notes),
+        bcc=_clean(header(msg, "Bcc", notes), notes),
+        subject=_clean(header(msg, "Subject", notes), notes),
         date=date,
         date_raw=_clean(date_raw, notes),
         body=_clean(body, notes),
@@ -645,13 +501,13 @@ def parse_email(raw: bytes) -> ParsedEmail:
         # Notes quote content types and charsets from the message: they must be storable too.
         notes=tuple(dict.fromkeys(clean_text(n) for n in notes)),
         raw_body=_raw_body(raw),
-        key_headers=tuple(_raw_values(msg, name) for name in _KEY_HEADERS),
+        key_headers=tuple(raw_values(msg, name) for name in _KEY_HEADERS),
     )
 
 
 def _key_values(parsed: ParsedEmail) -> tuple[str | None, str, str, str]:
     """Message-ID, Date, From and Subject as the key hashes them: decoded as before adjacent
-    encoded words were joined (:func:`_legacy_decode_header` says why)."""
+    encoded words were joined (:func:`legacy_decode_header` says why)."""
     if len(parsed.key_headers) != len(_KEY_HEADERS):  # an unparsable message
         return parsed.message_id, parsed.date_raw, parsed.from_, parsed.subject
     message_id, date_raw, from_, subject = (_legacy_header(v) for v in parsed.key_headers)

@@ -17,7 +17,8 @@ import httpx
 import structlog
 
 from sokratos_worker.config import without_credentials
-from sokratos_worker.llm.transport import ProxyAuthenticationRequired, StdlibTransport
+from sokratos_worker.llm.proxy import ProxyAuthenticationRequired
+from sokratos_worker.llm.transport import StdlibTransport
 
 log = structlog.get_logger(__name__)
 

@@ -6,8 +6,8 @@ httpx's default transport (httpcore + h11) does its HTTP/1.1 work in more Python
 every other slot waits (bench/README.md).
 Everything above the transport (timeouts, headers, JSON, the exceptions callers catch)
 is still httpx's. An HTTP proxy is spoken to here too (absolute-form requests, ``CONNECT``
-tunnels for https), so a proxied call keeps the deadline and the size cap; a compressed
-body is decoded here, within the same cap, before httpx sees it.
+tunnels for https: llm/proxy.py), so a proxied call keeps the deadline and the size cap; a
+compressed body is decoded here, within the same cap, before httpx sees it.
 
 Connections are kept alive and reused; an idle one the server has closed is noticed
 before it is reused, so a request is never sent twice; and an answer the server sent
@@ -17,23 +17,22 @@ httpcore does; tests/llm/test_transport.py runs the same tests against both.
 
 from __future__ import annotations
 
-import base64
-import functools
 import http.client
-import io
 import select
 import socket
 import ssl
 import threading
-import time
 import zlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
 
 import httpx
 
-if TYPE_CHECKING:
-    from _typeshed import WriteableBuffer
+from sokratos_worker.llm.deadline_io import response_class
+from sokratos_worker.llm.proxy import (
+    ProxyAuthenticationRequired,
+    TunnelConnection,
+    proxy_authorization,
+    shown,
+)
 
 
 def _ssl_context(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
@@ -60,20 +59,8 @@ def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
 
-# A read may end this fraction of the read timeout past the deadline: the socket's timeout
-# is changed (a system call) only when a wait could overshoot more, so a prompt answer
-# costs none.
-DEADLINE_SLACK = 0.05
-
-
 class ResponseTooLarge(httpx.RemoteProtocolError):
     """The server sent more than ``MAX_RESPONSE_BYTES`` (on the wire or once decoded)."""
-
-
-class ProxyAuthenticationRequired(httpx.ProxyError):
-    """The environment's proxy answered 407 (to ``CONNECT`` or to a forwarded request): its
-    credentials, in the variable the message names, are missing or wrong. Configuration,
-    whichever backend the request was for."""
 
 
 # zlib's window bits for each Content-Encoding decoded here: gzip's header, or zlib's or raw
@@ -146,10 +133,10 @@ class StdlibTransport(httpx.BaseTransport):
     ) -> None:
         self._max_response_bytes = max_response_bytes
         self._proxy = proxy  # an http:// proxy every request goes through, or None
-        self._proxy_headers = _proxy_authorization(proxy)
+        self._proxy_headers = proxy_authorization(proxy)
         # How errors name the proxy: its address (never its credentials) and where it is set.
         self._proxy_named = (
-            f"the proxy {_shown(proxy)} (from {proxy_variable})" if proxy is not None else ""
+            f"the proxy {shown(proxy)} (from {proxy_variable})" if proxy is not None else ""
         )
         self._proxy_variable = proxy_variable
         self._max_idle = max_idle  # kept per host; more in use at once are closed after use
@@ -275,7 +262,7 @@ class StdlibTransport(httpx.BaseTransport):
             self._ssl = _ssl_context(self._verify)
         if proxy is None:
             return http.client.HTTPSConnection(*address, timeout=timeout, context=self._ssl)
-        return _TunnelConnection(
+        return TunnelConnection(
             host,
             port,
             timeout=timeout,
@@ -320,7 +307,7 @@ class StdlibTransport(httpx.BaseTransport):
     ) -> _Received:
         assert conn.sock is not None  # noqa: S101 - still connected after the send
         _set_timeout(conn.sock, timeout)
-        conn.response_class = _response_class(timeout)
+        conn.response_class = response_class(timeout)
         try:
             response = conn.getresponse()
             return _Received(response, self._read_body(response))
@@ -381,92 +368,6 @@ class StdlibTransport(httpx.BaseTransport):
             raise httpx.WriteError(f"sending the request failed: {exc}") from exc
 
 
-class _TunnelConnection(http.client.HTTPSConnection):
-    """https through an http:// proxy: ``CONNECT`` spoken on this connection's own socket, then
-    TLS to the server through it. Proxy connection, ``CONNECT`` answer and TLS handshake share
-    the connect timeout as one deadline: http.client's ``set_tunnel`` reads the proxy's answer
-    with only a per-read timeout, so a proxy dripping it a byte at a time held the call."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        timeout: float | None,
-        context: ssl.SSLContext,
-        proxy: tuple[str, int],
-        proxy_headers: dict[str, str],
-        proxy_named: str,
-        refused: Callable[[str], ProxyAuthenticationRequired],
-    ) -> None:
-        super().__init__(host, port, timeout=timeout, context=context)
-        self._proxy_address = proxy
-        self._proxy_headers = proxy_headers
-        self._proxy_named = proxy_named
-        self._refused = refused
-
-    def connect(self) -> None:
-        """Proxy, tunnel, TLS: errors of the last two raised as httpx's, naming the proxy."""
-        timeout = self.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        sock = socket.create_connection(self._proxy_address, timeout)  # OSError: the proxy's
-        try:
-            self._tunnel_through(sock, deadline)
-            where = f"{self.host}:{self.port} through {self._proxy_named}"
-            try:
-                sock.settimeout(_left(deadline))
-                self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
-            except TimeoutError as exc:
-                raise httpx.ConnectTimeout(f"connecting to {where} timed out") from exc
-            except OSError as exc:  # a certificate refused (ssl.SSLError), a reset
-                raise httpx.ConnectError(f"cannot connect to {where}: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-
-    def _tunnel_through(self, sock: socket.socket, deadline: float | None) -> None:
-        named = self._proxy_named
-        host = self.host.encode("idna").decode("ascii")
-        target = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
-        lines += [f"{k}: {v}" for k, v in self._proxy_headers.items()]
-        try:
-            sock.settimeout(_left(deadline))
-            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-            left = _left(deadline)
-            response = (
-                http.client.HTTPResponse(sock, method="CONNECT")
-                if left is None
-                else _DeadlineResponse(sock, method="CONNECT", timeout=left)
-            )
-            try:
-                response.begin()
-            finally:
-                response.close()  # (the socket stays open: the tunnel)
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout(f"{named} did not answer CONNECT {target} in time") from exc
-        except (http.client.HTTPException, OSError) as exc:
-            raise httpx.ProxyError(
-                f"{named} failed CONNECT {target}: {type(exc).__name__}: {exc}"
-            ) from exc
-        if response.status == 407:
-            raise self._refused(f"CONNECT {target}")
-        if not 200 <= response.status < 300:
-            raise httpx.ProxyError(
-                f"{named} answered {response.status} {response.reason} to CONNECT {target}"
-            )
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds to ``deadline`` (None: no deadline); a deadline passed raises TimeoutError."""
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the connect deadline has passed")
-    return left
-
-
 class _Received:
     """A response read to its end, so its connection can be reused at once."""
 
@@ -479,81 +380,8 @@ class _Received:
         self.headers = response.getheaders()
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, each cut so that none ends past one deadline.
-
-    Status line, ``100 Continue`` answers, headers and body all come through here: a server
-    that dribbles any of them a byte at a time cannot hold the call past the read timeout.
-    """
-
-    def __init__(self, raw: io.RawIOBase, sock: socket.socket, timeout: float) -> None:
-        super().__init__()
-        self._raw = raw
-        self._sock = sock
-        self._slack = timeout * DEADLINE_SLACK
-        self._deadline = time.monotonic() + timeout
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: WriteableBuffer) -> int | None:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the response's deadline has passed")
-        waits = self._sock.gettimeout()
-        if waits is None or waits > left + self._slack:
-            self._sock.settimeout(left)  # (a system call: only when a wait could overshoot)
-        return self._raw.readinto(buffer)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()
-        super().close()
-
-
-class _DeadlineResponse(http.client.HTTPResponse):
-    """An ``HTTPResponse`` that reads through a :class:`_DeadlineReader`."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        debuglevel: int = 0,
-        method: str | None = None,
-        url: str | None = None,
-        *,
-        timeout: float,
-    ) -> None:
-        super().__init__(sock, debuglevel, method, url)
-        # Nothing is read yet: the buffer's socket reader is taken over, not copied.
-        self.fp = io.BufferedReader(_DeadlineReader(self.fp.detach(), sock, timeout))
-
-
-def _response_class(timeout: float | None) -> type[http.client.HTTPResponse]:
-    """What ``getresponse()`` builds: one whose reads end by ``timeout`` from now."""
-    if timeout is None:
-        return http.client.HTTPResponse
-    # (http.client only calls it, as it would a class)
-    return cast(
-        "type[http.client.HTTPResponse]", functools.partial(_DeadlineResponse, timeout=timeout)
-    )
-
-
 _ENCODING_HEADERS = frozenset({"content-encoding", "content-length"})
 _ENCODING_HEADER = frozenset({"content-encoding"})
-
-
-def _proxy_authorization(proxy: httpx.URL | None) -> dict[str, str]:
-    """``Proxy-Authorization`` for a proxy URL's ``user:password@``, as httpx sends it."""
-    if proxy is None or not proxy.username:
-        return {}
-    credentials = f"{proxy.username}:{proxy.password}".encode()
-    return {"Proxy-Authorization": "Basic " + base64.b64encode(credentials).decode("ascii")}
-
-
-def _shown(proxy: httpx.URL) -> str:
-    """The proxy's URL as it may be shown: ``user:password@`` left out."""
-    host = f"[{proxy.host}]" if ":" in proxy.host else proxy.host
-    return f"{proxy.scheme}://{host}:{proxy.port or 80}"
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:

@@ -7,14 +7,11 @@ row and the deletion of the item are one transaction.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-import structlog
 from psycopg import pq, sql
 from psycopg.abc import Params
 from psycopg.rows import tuple_row
@@ -22,49 +19,17 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
-from sokratos_worker.store import times
-from sokratos_worker.store.connection import time_limited
 from sokratos_worker.store.memories import Written, archive_already_saved, write_effects
+from sokratos_worker.store.queue_sql import (
+    DIED_ENTRY,
+    INSERT_FAILED,
+    INSERT_OUTCOME,
+    QUEUE_SQL,
+    claim_sql,
+)
 from sokratos_worker.store.sanitize import clean_text
 
-log = structlog.get_logger(__name__)
-
 NOTIFY_CHANNEL = "sokratos_worker"
-# A new connection's warm-up (planning the settle) gives up after this behind a lock.
-WARM_UP_TIMEOUT_MS = 1000
-
-
-@dataclass(frozen=True)
-class _QueueSql:
-    """The statements of one queue, composed and rendered once (a ``Composed`` would be
-    rendered again on every execution: measurable per item on the hot path)."""
-
-    delete_fenced: bytes
-    retry: bytes
-    give_back: bytes
-    renew: bytes
-    settle_plain: bytes
-    settle_claim: dict[Queue, bytes]  # by the queue the next item is claimed from
-
-
-# A claim that takes over an expired lease records the attempt that died with its worker
-# (counted, and otherwise missing from the history a dead letter keeps).
-DIED_ENTRY = "worker died during the attempt"
-_DIED_ATTEMPT = sql.SQL(
-    """CASE WHEN picked.held THEN t.attempt_errors || jsonb_build_array(jsonb_build_object(
-           'at', now(), 'attempt', t.attempts,
-           'error', {died} || ' (its lease, held by '
-                    || coalesce(t.lease_owner, '?') || ', expired)'))
-       ELSE t.attempt_errors END"""
-).format(died=sql.Literal(DIED_ENTRY))
-
-
-# A producer's created_at no datetime can hold (infinity, Go's zero time west of UTC) comes as
-# NULL: psycopg would fail the claim after it committed, and the batch would stall for ever.
-_CREATED_AT = sql.SQL(times.loadable("t.created_at"))
-# A producer's attempts at the int4 maximum (a "never retry" sentinel) would overflow the
-# claim's increment and stop the whole queue; held there, it is dead-lettered unrun.
-_NEXT_ATTEMPT = sql.SQL("least(t.attempts, 2147483646) + 1")
 
 
 def died_in(item: Item, attempt: int) -> bool:
@@ -76,211 +41,6 @@ def died_in(item: Item, attempt: int) -> bool:
         and str(e.get("error", "")).startswith(DIED_ENTRY)
         for e in item.errors
     )
-
-
-def _compose(queue: Queue) -> _QueueSql:
-    return _QueueSql(
-        **{k: v.as_bytes(None) for k, v in _composed(queue).items()},
-        settle_claim={claimed: _settle_claim(queue, claimed).as_bytes(None) for claimed in Queue},
-    )
-
-
-def _source(queue: Queue) -> sql.SQL:
-    """The item's source column: the distillation queue has none (every item is one)."""
-    return sql.SQL("t.source" if queue is Queue.TRIAGE else "'distillation'")
-
-
-def _composed(queue: Queue) -> dict[str, sql.Composed]:
-    table = sql.Identifier(queue.value)
-    source = _source(queue)
-    fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
-    return {
-        # The payload as text: the dead letter parses it itself, and keeps the text when
-        # it cannot be written back as JSON (see _stored_payload). ``replay_of`` (0044):
-        # the dead letter copies it into the outcome and follows it to earlier archives.
-        "delete_fenced": sql.SQL(
-            "DELETE FROM {table} AS t WHERE {fence}"
-            " RETURNING t.id, t.payload::text, t.idempotency_key, {source}, t.attempt_errors,"
-            " to_jsonb(now()), t.replay_of"
-        ).format(table=table, fence=fence, source=source),
-        "retry": sql.SQL(
-            """UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL,
-                   run_after = now() + make_interval(secs => %(delay)s),
-                   last_error = %(error)s::text,
-                   attempt_errors = attempt_errors || jsonb_build_array(jsonb_build_object(
-                       'at', now(), 'attempt', %(attempt)s::int, 'error', %(error)s::text,
-                       'backend', %(backend)s::text))
-               WHERE {fence} RETURNING id"""
-        ).format(table=table, fence=fence),
-        "give_back": sql.SQL(
-            """UPDATE {table} SET attempts = attempts - 1, lease_owner = NULL,
-                   lease_expires_at = NULL
-               WHERE {fence} RETURNING id"""
-        ).format(table=table, fence=fence),
-        # Leases run from clock_timestamp(), not now() (the statement's or transaction's start):
-        # a statement that waited behind a lock longer than the lease would otherwise grant
-        # one already over, and another worker would take the item while it runs here.
-        "renew": sql.SQL(
-            """UPDATE {table}
-               SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
-               WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s) RETURNING id"""
-        ).format(table=table),
-        # The fast path: delete and record the outcome in one statement (one round trip).
-        "settle_plain": sql.SQL(
-            """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
-                          RETURNING t.id, t.idempotency_key, {source} AS source)
-               INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome,
-                                          memory_ids, detail, attempts, backend)
-               SELECT %(queue)s::text, d.id, d.idempotency_key, d.source, %(outcome)s::text,
-                      %(memory_ids)s::bigint[], %(detail)s::text, %(attempt)s::int,
-                      %(backend)s::text
-               FROM d RETURNING item_id"""
-        ).format(table=table, fence=fence, source=source),
-    }
-
-
-def _settle_claim(settled: Queue, claimed: Queue) -> sql.Composed:
-    """The hot path under load: the fenced settle and the claim of the slot's next item (from
-    ``claimed``, which the runner's fair share picks) in one statement, so one round trip and
-    one commit per item. Data-modifying CTEs always run to completion; the claim never picks
-    the item being settled (``id <>``). The row carries the settle's count; with nothing to
-    claim its other columns are NULL. LIMIT is a constant: with a parameter there, PostgreSQL
-    judged the generic plan too costly and planned every execution anew, which more than
-    doubled the statement's server CPU (bench/README.md)."""
-    fence = sql.SQL("id = %(id)s AND lease_owner = %(owner)s AND attempts = %(attempt)s")
-    return sql.SQL(
-        """WITH d AS (DELETE FROM {table} AS t WHERE {fence}
-                      RETURNING t.id, t.idempotency_key, {source} AS source),
-                o AS (INSERT INTO work_outcomes (queue, item_id, idempotency_key, source,
-                                                 outcome, memory_ids, detail, attempts,
-                                                 backend)
-                      SELECT %(queue)s::text, d.id, d.idempotency_key, d.source,
-                             %(outcome)s::text, %(memory_ids)s::bigint[], %(detail)s::text,
-                             %(attempt)s::int, %(backend)s::text
-                      FROM d RETURNING item_id),
-                picked AS (
-                      SELECT id,
-                             lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL
-                                 AS held
-                      FROM {claim_table}
-                      WHERE run_after <= now()
-                        AND (lease_expires_at IS NULL OR lease_expires_at < now())
-                        {not_this_item}
-                      ORDER BY run_after, id
-                      LIMIT 1
-                      FOR UPDATE SKIP LOCKED),
-                c AS (UPDATE {claim_table} AS t
-                      SET attempts = {next_attempt},
-                          lease_owner = %(owner)s,
-                          lease_expires_at = clock_timestamp()
-                              + make_interval(secs => %(lease)s),
-                          attempt_errors = {died}
-                      FROM picked WHERE t.id = picked.id
-                      RETURNING t.id, t.payload, t.idempotency_key, {claimed_source} AS source,
-                                t.attempts, {created_at} AS created_at, t.attempt_errors,
-                                picked.held)
-           SELECT (SELECT count(*) FROM o), c.id, c.payload, c.idempotency_key, c.source,
-                  c.attempts, c.created_at, c.attempt_errors, c.held
-           FROM (SELECT 1) AS one LEFT JOIN c ON true"""
-    ).format(
-        table=sql.Identifier(settled.value),
-        claim_table=sql.Identifier(claimed.value),
-        fence=fence,
-        source=_source(settled),
-        claimed_source=_source(claimed),
-        # (an id of the other table is another item: it may be claimed)
-        not_this_item=sql.SQL("AND id <> %(id)s" if claimed is settled else ""),
-        died=_DIED_ATTEMPT,
-        created_at=_CREATED_AT,
-        next_attempt=_NEXT_ATTEMPT,
-    )
-
-
-_SQL = {queue: _compose(queue) for queue in Queue}
-
-
-def warm_up(conn: psycopg.Connection) -> None:
-    """Plan the hot path once on a new connection, without running it (EXPLAIN only).
-
-    A new backend loads the queue tables' catalog entries on its first statement; at start
-    every slot's first settle paid that at once and on a busy 2-core machine they took
-    20-80 ms instead of 3 (bench/README.md). A database without the tables is left alone.
-    """
-    params: dict[str, Any] = {
-        "id": 0,
-        "owner": "",
-        "attempt": 0,
-        "queue": "",
-        "outcome": "",
-        "memory_ids": [],
-        "detail": "",
-        "backend": None,
-        "lease": 0.0,
-    }
-    try:
-        # Planning waits for a lock a migration holds; a connection that waited on it would
-        # stall the pool thread opening it (and a stop's pool close): skip the warm-up then.
-        with time_limited(conn, WARM_UP_TIMEOUT_MS):
-            for queue in Queue:
-                conn.execute(b"EXPLAIN " + _SQL[queue].settle_claim[queue], params)
-    except psycopg.Error as exc:
-        log.debug("connection_warm_up_skipped", error=str(exc).splitlines()[0])
-
-
-@functools.cache
-def _claim_sql(queue: Queue, limit: int) -> bytes:
-    """The claim of up to ``limit`` items, rendered once per limit: a constant LIMIT lets
-    PostgreSQL keep its generic plan (see ``settle_claim``). The lease runs from the
-    moment the claim takes the row (``clock_timestamp()``, see ``renew``), not from its start."""
-    table = sql.Identifier(queue.value)
-    return (
-        sql.SQL(
-            """WITH picked AS (
-               SELECT id, lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL AS held
-               FROM {table}
-               WHERE run_after <= now()
-                 AND (lease_expires_at IS NULL OR lease_expires_at < now())
-               ORDER BY run_after, id
-               LIMIT {limit}
-               FOR UPDATE SKIP LOCKED)
-           UPDATE {table} AS t
-           SET attempts = {next_attempt},
-               lease_owner = %(owner)s,
-               lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
-               attempt_errors = {died}
-           FROM picked WHERE t.id = picked.id
-           RETURNING t.id, t.payload, t.idempotency_key, {source}, t.attempts,
-                     {created_at}, t.attempt_errors, picked.held"""
-        )
-        .format(
-            table=table,
-            source=_source(queue),
-            limit=sql.Literal(limit),
-            died=_DIED_ATTEMPT,
-            created_at=_CREATED_AT,
-            next_attempt=_NEXT_ATTEMPT,
-        )
-        .as_bytes(None)
-    )
-
-
-# ``replay_of`` is a dead letter's (its item's, 0044); the success settles leave it NULL.
-_INSERT_OUTCOME = sql.SQL(
-    """INSERT INTO work_outcomes (queue, item_id, idempotency_key, source, outcome, memory_ids,
-                                  detail, attempts, backend, replay_of)
-       VALUES (%(queue)s, %(item_id)s, %(key)s, %(source)s, %(outcome)s, %(memory_ids)s,
-               %(detail)s, %(attempt)s, %(backend)s, %(replay_of)s)"""
-)
-
-_INSERT_FAILED = sql.SQL(
-    """INSERT INTO failed_operations (op_type, label, error_message, context_data, source_queue,
-                                      item_id, idempotency_key, attempts)
-       VALUES (%(op_type)s, %(label)s, %(error)s,
-               jsonb_set(%(context)s, '{payload}', %(payload)s::jsonb), %(queue)s, %(item_id)s,
-               %(key)s, %(attempt)s)
-       ON CONFLICT (source_queue, item_id) WHERE item_id IS NOT NULL DO NOTHING
-       RETURNING id"""
-)
 
 
 def _item_from_row(queue: Queue, row: Sequence[Any]) -> Item:
@@ -356,7 +116,7 @@ def claim(
         return []
     _parse_safely(conn)
     with conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(_claim_sql(queue, limit), {"owner": owner, "lease": lease_s})
+        cur.execute(claim_sql(queue, limit), {"owner": owner, "lease": lease_s})
         return [_item_from_row(queue, row) for row in cur.fetchall()]
 
 
@@ -367,7 +127,7 @@ def renew(
     if not ids:
         return set()
     rows = conn.execute(
-        _SQL[queue].renew, {"owner": owner, "ids": list(ids), "lease": lease_s}
+        QUEUE_SQL[queue].renew, {"owner": owner, "ids": list(ids), "lease": lease_s}
     ).fetchall()
     return {int(row[0]) for row in rows}
 
@@ -466,7 +226,7 @@ def _settle_plain(
         "detail": clean_text(effects.recorded_detail()),
         "backend": effects.backend,
     }
-    sqls = _SQL[item.queue]
+    sqls = QUEUE_SQL[item.queue]
     with conn.cursor(row_factory=tuple_row) as cur:
         if claim_from is None:
             cur.execute(sqls.settle_plain, params)
@@ -486,7 +246,7 @@ def _settle_plain(
 def _settle_with_effects(
     conn: psycopg.Connection, item: Item, effects: Effects, owner: str
 ) -> SettleResult:
-    if conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone() is None:
+    if conn.execute(QUEUE_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone() is None:
         raise _Fenced
     written = write_effects(conn, effects)
     outcome, detail = _after_duplicates(effects, written)
@@ -518,7 +278,7 @@ def _record_outcome(
 ) -> None:
     """The item's one work_outcomes row (a success settle's or a dead letter's)."""
     conn.execute(
-        _INSERT_OUTCOME,
+        INSERT_OUTCOME,
         {
             "queue": item.queue.value,
             "item_id": item.id,
@@ -568,12 +328,12 @@ def schedule_retry(
         "error": clean_text(error),
         "backend": backend,
     }
-    return conn.execute(_SQL[item.queue].retry, params).fetchone() is not None
+    return conn.execute(QUEUE_SQL[item.queue].retry, params).fetchone() is not None
 
 
 def give_back(conn: psycopg.Connection, item: Item, *, owner: str) -> bool:
     """Release the lease and un-count the attempt (not the item's fault)."""
-    return conn.execute(_SQL[item.queue].give_back, _fence(item, owner)).fetchone() is not None
+    return conn.execute(QUEUE_SQL[item.queue].give_back, _fence(item, owner)).fetchone() is not None
 
 
 def dead_letter(
@@ -604,7 +364,7 @@ def dead_letter(
     _parse_safely(conn)
     try:
         with conn.transaction():
-            row = conn.execute(_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
+            row = conn.execute(QUEUE_SQL[item.queue].delete_fenced, _fence(item, owner)).fetchone()
             if row is None:
                 raise _Fenced
             _, payload_text, key, source, history, now, replay_of = row
@@ -626,7 +386,7 @@ def dead_letter(
                 "attempts": attempts,
             }
             failed = conn.execute(
-                _INSERT_FAILED,
+                INSERT_FAILED,
                 {
                     "op_type": item.op_type,
                     "label": f"{item.queue.value} item {item.id}",

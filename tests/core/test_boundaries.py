@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from sokratos_worker.client import _distillable
 from sokratos_worker.config import EmailAccountConfig
-from sokratos_worker.email.check import _start_uid
+from sokratos_worker.email.checkpoint import start_uid
 from sokratos_worker.email.imap_answers import MailboxState
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Queue
@@ -95,7 +95,7 @@ def test_uidnext_equal_to_the_checkpoint_resets_it(db: psycopg.Connection) -> No
     checkpoint = email_store.load_checkpoint(db, account.name, account.mailbox)
     assert checkpoint is not None and checkpoint.last_uid == 10
     with capture_logs():
-        start = _start_uid(db, account, checkpoint, MailboxState(7, exists=10, uidnext=10))
+        start = start_uid(db, account, checkpoint, MailboxState(7, exists=10, uidnext=10))
     assert start == (0, "uids_reused")
     row = db.execute("SELECT uidvalidity, last_uid FROM email_checkpoints").fetchone()
     assert row == (7, 0)
@@ -103,7 +103,7 @@ def test_uidnext_equal_to_the_checkpoint_resets_it(db: psycopg.Connection) -> No
     db.execute("UPDATE email_checkpoints SET last_uid = 10")
     checkpoint = email_store.load_checkpoint(db, account.name, account.mailbox)
     state = MailboxState(7, exists=10, uidnext=11)
-    assert _start_uid(db, account, checkpoint, state) == (10, None)
+    assert start_uid(db, account, checkpoint, state) == (10, None)
 
 
 def test_the_checkpoint_never_moves_back_within_one_uidvalidity(db: psycopg.Connection) -> None:

@@ -12,7 +12,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.store import queue as store
+from sokratos_worker.store import queue_sql
 from sokratos_worker.store.connection import (
     Database,
     connect,
@@ -62,7 +62,7 @@ def test_warm_up_plans_the_settle_without_running_it(
     db: psycopg.Connection, database_url: str
 ) -> None:
     enqueue_many(db, 3)
-    database = Database(database_url, size=2, keep_open=2, configure=store.warm_up)
+    database = Database(database_url, size=2, keep_open=2, configure=queue_sql.warm_up)
     try:
         assert database.wait_ready(10)
     finally:
@@ -77,7 +77,7 @@ def test_warm_up_leaves_a_connection_to_a_database_without_the_tables_usable(
     empty_database_url: str,
 ) -> None:
     with psycopg.connect(empty_database_url, autocommit=True) as conn:
-        store.warm_up(conn)
+        queue_sql.warm_up(conn)
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
@@ -91,8 +91,8 @@ def test_warm_up_behind_a_locked_table_gives_up_and_leaves_no_timeout_behind(
     ) as conn:
         locker.execute("LOCK TABLE pending_triage IN ACCESS EXCLUSIVE MODE")
         started = time.monotonic()
-        store.warm_up(conn)
-        assert time.monotonic() - started < 10  # gave up after store.WARM_UP_TIMEOUT_MS
+        queue_sql.warm_up(conn)
+        assert time.monotonic() - started < 10  # gave up after queue_sql.WARM_UP_TIMEOUT_MS
         locker.rollback()
         assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
         assert conn.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)

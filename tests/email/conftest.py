@@ -68,3 +68,4 @@ def poison_breaks_the_parser(monkeypatch: pytest.MonkeyPatch) -> None:
         return parse_email(raw)
 
     monkeypatch.setattr("sokratos_worker.email.check.parse_email", fragile)
+    monkeypatch.setattr("sokratos_worker.email.checkpoint.parse_email", fragile)

@@ -1,6 +1,6 @@
 """The processed_emails key of a mail without Message-ID is the one the worker gave it before
 adjacent encoded words were decoded together: keys hash Date, From and Subject decoded word by
-word (parse.py ``_legacy_decode_header``), so a re-read does not triage such mail again.
+word (headers.py ``legacy_decode_header``), so a re-read does not triage such mail again.
 
 Found by review (r6): the key hashed the *decoded* Date, From and Subject. 9306db4 changes the decoding of adjacent encoded words that
 split a character ("caf=C3" "=A9"): the pre-commit worker decoded them to "caf\ufffd\ufffd",
