@@ -202,7 +202,7 @@ def _check_email_watching_signals(worker: Worker) -> None:
 
 def _report_stuck_drain(worker: Worker) -> str:
     """The drain's dispatcher never came back from a statement: say what it waits for."""
-    waiting = worker.dispatcher_lock_wait()
+    waiting = worker.watchdog.dispatcher_lock_wait()
     reason = (
         waiting.describe()
         if waiting is not None

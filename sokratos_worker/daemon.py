@@ -38,6 +38,7 @@ from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, sc
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
+from sokratos_worker.service.watchdog import DispatcherWatchdog
 from sokratos_worker.spool import import_spool
 from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
@@ -46,17 +47,6 @@ from sokratos_worker.store.queue import NOTIFY_CHANNEL
 
 log = structlog.get_logger(__name__)
 
-# The dispatcher comes round at least once a second, also while it waits for a backend probe
-# or for the database; one claim statement or pool checkout blocking it longer than this
-# (a dead connection, a lock never released) means it is hung, and the watchdog pings stop.
-DISPATCHER_STALL_S = 120.0
-# No look at the watchdog for this long: the process itself was stopped, not the dispatcher.
-FROZEN_GAP_S = 10.0
-# While it is stalled, PostgreSQL is asked this often whether it waits for another session's
-# lock (a migration, a long transaction): a restart would wait for the same lock.
-LOCK_LOOK_EVERY_S = 10.0
-# The look itself: connecting and asking give up after this.
-LOCK_LOOK_TIMEOUT_S = 2
 # The database part of a /metrics scrape gives up after this (the last values are served).
 METRICS_STATEMENT_TIMEOUT_MS = 2000
 # The tick's own statements (heartbeat row, recent failures) wait no longer than this behind
@@ -98,12 +88,7 @@ class Worker:
     notifier: Notifier = field(default_factory=Notifier)
     metrics: Metrics = field(default_factory=Metrics)
     runner: Runner = field(init=False)
-    _last_watchdog: float = 0.0
-    _last_progress: float = field(default_factory=time.monotonic)
-    _last_look: float = field(default_factory=time.monotonic)  # the last _watchdog call
-    _stall_reported: bool = False
-    _lock_looked_at: float = 0.0
-    _lock_wait: status_store.LockWait | None = None  # what the stalled dispatcher waits for
+    watchdog: DispatcherWatchdog = field(init=False)
     _stop: threading.Event = field(default_factory=threading.Event)
     _signal_name: str | None = None  # the operator's signal: set by the handler, acted on
     _signal_logged: bool = False  # by the main thread; logged once
@@ -126,13 +111,20 @@ class Worker:
         return self._internal_code
 
     def __post_init__(self) -> None:
+        # (Its callbacks read the runner, built next: the runner reports progress to it.)
+        self.watchdog = DispatcherWatchdog(
+            self.notifier,
+            dispatcher_pid=lambda: self.runner.dispatcher_backend_pid,
+            conninfo=self.database.conninfo,
+            running_status=self._running_status,
+        )
         self.runner = Runner(
             settings=self.settings,
             database=self.database,
             handlers=self.handlers,
             worker_id=self.worker_id,
             on_state=self._on_state,
-            on_progress=self._progressed,
+            on_progress=self.watchdog.progressed,
             on_item_done=lambda q, kind, secs: self.metrics.item_settled(q.value, kind, secs),
             # Each claim, settle and renewal reports how its contact ended: a worker that works
             # is ready again at once, not at the next heartbeat or scrape.
@@ -183,7 +175,7 @@ class Worker:
         state, why = self.reported_state()
         if state != State.RUNNING:  # read afresh: the caller's look at the state may be stale
             return (f"{state}: {why}" if why else state)[:200]
-        if (waiting := self._lock_wait) is not None:
+        if (waiting := self.watchdog.lock_wait) is not None:
             return f"{State.RUNNING}: {waiting.describe()}"[:200]
         queues = ", ".join(q.value for q in self.runner.queues)
         busy = f"{self.runner.inflight_count()} of {self.settings.concurrency} items in flight"
@@ -261,7 +253,7 @@ class Worker:
             "queues": [q.value for q in self.runner.queues],
             "why": why,
         }
-        if (waiting := self._lock_wait) is not None:
+        if (waiting := self.watchdog.lock_wait) is not None:
             detail["lock_wait"] = waiting.describe()  # (status: "running (claiming waits ...)")
         self._safely(
             "heartbeat",
@@ -325,7 +317,7 @@ class Worker:
             for r in rows
         ]
 
-    # -- state, watchdog ---------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------
 
     def _on_state(self, state: str, detail: str) -> None:
         state, detail = self._reported(state, detail)
@@ -343,83 +335,6 @@ class Worker:
             # At once, not at the next tick: `status` said "running" for up to a heartbeat.
             # (Waiting for the database could not be written; stopping writes "stopped".)
             self._record_heartbeat()
-
-    def _progressed(self) -> None:
-        """The dispatcher's loop came round (it does at least every second while it works)."""
-        now = time.monotonic()
-        if self._lock_wait is not None:
-            self._lock_wait = None
-            log.info("dispatcher_lock_released", waited_s=round(now - self._last_progress))
-            self.notifier.status(self._running_status())
-        self._last_progress = now
-        self._stall_reported = False
-        self._watchdog()
-
-    def _watchdog(self) -> None:
-        """``WATCHDOG=1`` only while the dispatcher proves progress, so a hung one is restarted."""
-        now = time.monotonic()
-        gap = now - self._last_look
-        self._last_look = now
-        if gap > FROZEN_GAP_S:
-            # Nothing here ran (the main loop looks every second): the whole process was
-            # stopped (SIGSTOP, a paused VM), the dispatcher too; that time is not its stall.
-            self._last_progress = min(now, self._last_progress + gap)
-        stalled_s = now - self._last_progress
-        if stalled_s > DISPATCHER_STALL_S and not self._waits_for_a_lock(stalled_s):
-            if not self._stall_reported:
-                self._stall_reported = True
-                log.error(
-                    "dispatcher_stalled",
-                    stalled_s=round(stalled_s),
-                    hint="no more WATCHDOG=1: systemd restarts the worker and faulthandler"
-                    " writes every thread's stack to the journal",
-                )
-            return
-        interval = self.notifier.watchdog_interval()
-        if interval is not None and now - self._last_watchdog >= interval / 2:
-            self.notifier.watchdog()
-            self._last_watchdog = now
-
-    def dispatcher_lock_wait(self) -> status_store.LockWait | None:
-        """The other sessions' lock the dispatcher's statement in progress waits for, if any."""
-        pid = self.runner.dispatcher_backend_pid
-        if pid is None:
-            return None
-        try:
-            with (
-                connect(self.database.conninfo, timeout=LOCK_LOOK_TIMEOUT_S) as conn,
-                time_limited(conn, LOCK_LOOK_TIMEOUT_S * 1000),
-            ):
-                found = status_store.lock_wait(conn, pid)
-        except Exception as exc:  # the caller reports the wait without its cause
-            log.warning("lock_look_failed", error=str(exc).strip())
-            return None
-        return found if found.blockers else None
-
-    def _waits_for_a_lock(self, stalled_s: float) -> bool:
-        """True while the stalled dispatcher waits for a lock another session holds: it is
-        not hung, and a restart would only wait for the same lock, so the pings go on."""
-        now = time.monotonic()
-        if now - self._lock_looked_at < LOCK_LOOK_EVERY_S:
-            return self._lock_wait is not None
-        self._lock_looked_at = now
-        previous, self._lock_wait = self._lock_wait, self.dispatcher_lock_wait()
-        if self._lock_wait is not None and (
-            previous is None or previous.blocker_pids != self._lock_wait.blocker_pids
-        ):
-            first = self._lock_wait.blockers[0]["pid"]
-            log.warning(
-                "dispatcher_waiting_for_lock",
-                waiting_s=round(stalled_s),
-                tables=list(self._lock_wait.tables),
-                held_by=list(self._lock_wait.blockers),
-                hint=f"{self._lock_wait.describe()}: a migration, an ALTER, LOCK or VACUUM FULL,"
-                " or a transaction left open; claiming goes on when it ends and nothing is lost"
-                " (the worker is not restarted: a new one would wait too). To end it:"
-                f" SELECT pg_terminate_backend({first})",
-            )
-            self.notifier.status(self._running_status())
-        return self._lock_wait is not None
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------
 
@@ -486,7 +401,7 @@ class Worker:
         clock = ClockStepWatch()
         while not self.notice_signal():
             self._stop.wait(SIGNAL_POLL_S)
-            self._watchdog()
+            self.watchdog.look()
             if step := clock.stepped():
                 run_jobs_now(scheduler, step)
         self.notifier.stopping(f"{State.STOPPING}: finishing items in flight")

@@ -1,9 +1,11 @@
 """Pieces the daemon needs to run as a service: sd_notify, metrics and health endpoints.
 
-Self-contained: nothing here schedules, talks to PostgreSQL or reads settings; the daemon
-wires them in (``Notifier`` from the loop that proves progress, ``Metrics`` updated by the
-drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR`` is set,
-``DatabaseContact`` told by each path how its contact with the database ended).
+Self-contained: nothing here schedules or reads settings, and only the watchdog talks to
+PostgreSQL (a short connection of its own, to name the lock a stalled dispatcher waits for);
+the daemon wires them in (``Notifier`` from the loop that proves progress, ``Metrics``
+updated by the drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR``
+is set, ``DatabaseContact`` told by each path how its contact with the database ended,
+``DispatcherWatchdog`` told when the dispatcher comes round).
 """
 
 from __future__ import annotations

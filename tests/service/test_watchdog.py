@@ -13,10 +13,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from sokratos_worker.config import Settings
-from sokratos_worker.daemon import DISPATCHER_STALL_S, Worker
+from sokratos_worker.daemon import Worker
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.model import Queue
 from sokratos_worker.service.sdnotify import Notifier
+from sokratos_worker.service.watchdog import DISPATCHER_STALL_S
 from sokratos_worker.store.connection import Database
 from tests.support.daemon import wait_until
 from tests.support.handlers import ScriptedHandler
@@ -63,20 +64,20 @@ def test_pings_only_while_the_dispatcher_makes_progress(
     worker_and_socket: tuple[Worker, socket.socket],
 ) -> None:
     worker, sock = worker_and_socket
-    worker._progressed()  # the dispatcher's loop came round: it pings at once
+    worker.watchdog.progressed()  # the dispatcher's loop came round: it pings at once
     assert _pinged(sock)
     # The main loop's once-a-second call, long after the dispatcher's last progress:
-    worker._last_progress -= DISPATCHER_STALL_S + 1
-    worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
-    worker._last_watchdog = 0.0
+    worker.watchdog._last_progress -= DISPATCHER_STALL_S + 1
+    worker.watchdog._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
+    worker.watchdog._last_watchdog = 0.0
     with capture_logs() as logs:
-        worker._watchdog()
-        worker._watchdog()
+        worker.watchdog.look()
+        worker.watchdog.look()
     assert not _pinged(sock)
     stalled = [e for e in logs if e["event"] == "dispatcher_stalled"]
     assert len(stalled) == 1 and stalled[0]["log_level"] == "error"
     # Progress again (e.g. a long backend probe ended): the pings resume.
-    worker._progressed()
+    worker.watchdog.progressed()
     assert _pinged(sock)
 
 
@@ -104,18 +105,18 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
             return row is not None and row[0] == "Lock"
 
         assert wait_until(waiting_for_the_lock, timeout=10)
-        worker._last_progress -= DISPATCHER_STALL_S + 1  # as if it had waited 2 minutes
-        worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
-        worker._last_watchdog = 0.0
+        worker.watchdog._last_progress -= DISPATCHER_STALL_S + 1  # as if it had waited 2 minutes
+        worker.watchdog._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
+        worker.watchdog._last_watchdog = 0.0
         with capture_logs() as logs:
-            worker._watchdog()
+            worker.watchdog.look()
             assert _received(sock) == [
                 "STATUS=running: claiming waits for a lock on pending_triage"
                 f" (held by pid {blocker_pid})",
                 "WATCHDOG=1",
             ]
-            worker._last_watchdog = 0.0
-            worker._watchdog()  # the next look is 10 s away: the answer is remembered
+            worker.watchdog._last_watchdog = 0.0
+            worker.watchdog.look()  # the next look is 10 s away: the answer is remembered
             assert _received(sock) == ["WATCHDOG=1"]
         events = [e["event"] for e in logs]
         assert "dispatcher_stalled" not in events
@@ -136,7 +137,7 @@ def test_a_dispatcher_waiting_for_another_sessions_lock_is_named_not_restarted(
     claim.join(10)
     assert not claim.is_alive()
     with capture_logs() as logs:
-        worker._progressed()  # the dispatcher's next round
+        worker.watchdog.progressed()  # the dispatcher's next round
     assert [e["event"] for e in logs] == ["dispatcher_lock_released"]
     assert _received(sock)[0].startswith("STATUS=running: 0 of ")
     assert logs[0]["waited_s"] >= DISPATCHER_STALL_S
@@ -148,11 +149,11 @@ def test_a_dispatcher_stalled_outside_any_lock_wait_is_still_reported(
     """The look finds no lock (here: no statement in progress): the stall stops the pings."""
     worker, sock = worker_and_socket
     worker.runner.dispatcher_backend_pid = None
-    worker._last_progress -= DISPATCHER_STALL_S + 1
-    worker._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
-    worker._last_watchdog = 0.0
+    worker.watchdog._last_progress -= DISPATCHER_STALL_S + 1
+    worker.watchdog._last_look = time.monotonic()  # (the main loop looks every 0.25 s)
+    worker.watchdog._last_watchdog = 0.0
     with capture_logs() as logs:
-        worker._watchdog()
+        worker.watchdog.look()
     assert not _pinged(sock)
     assert [e["event"] for e in logs] == ["dispatcher_stalled"]
 
@@ -171,10 +172,10 @@ def test_a_status_line_written_after_a_lock_wait_says_the_state_as_it_is(
     "running" while the worker waited for the database or was stopping (the tick's look at
     the state came before its write)."""
     worker, sock = worker_and_socket
-    worker._lock_wait = object()  # type: ignore[assignment]  # a wait the next round ends
+    worker.watchdog._lock_wait = object()  # type: ignore[assignment]  # a wait the next round ends
     worker.runner.state, worker.runner.state_detail = state, detail
     with capture_logs():
-        worker._progressed()
+        worker.watchdog.progressed()
     assert expected in _received(sock), state
 
 
@@ -186,10 +187,10 @@ def test_a_process_stopped_as_a_whole_is_not_a_stalled_dispatcher(
     systemd restarted a worker that had only been paused). Its own look was as late."""
     worker, sock = worker_and_socket
     frozen = DISPATCHER_STALL_S + 5
-    worker._last_progress -= frozen
-    worker._last_look -= frozen
-    worker._last_watchdog = 0.0
+    worker.watchdog._last_progress -= frozen
+    worker.watchdog._last_look -= frozen
+    worker.watchdog._last_watchdog = 0.0
     with capture_logs() as logs:
-        worker._watchdog()
+        worker.watchdog.look()
     assert _pinged(sock)
     assert "dispatcher_stalled" not in [e["event"] for e in logs]
