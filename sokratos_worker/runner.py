@@ -6,7 +6,10 @@ settles the previous one, so under load an item costs about one commit. A proces
 holds more items than it has slots.
 
 The items held and the claims on their way to them are kept by :mod:`inflight` (which a
-stop waits on), their leases by the renewer of :mod:`leases`.
+stop waits on), their leases by the renewer of :mod:`leases`; how each attempt ends in the
+database (saved, retried, given back, dead-lettered, fenced) is written by :mod:`settle`. This
+module keeps the lifecycle, the dispatcher, the slots and the worker's state (running, waiting
+for the database, no backend, stopping).
 """
 
 from __future__ import annotations
@@ -16,49 +19,39 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import structlog
 from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import (
-    INVALID_PAYLOAD_PREFIX,
-    DatabaseUnavailable,
-    InvalidPayload,
-    ItemError,
-    TableLocked,
-)
+from sokratos_worker.errors import DatabaseUnavailable, ItemError, TableLocked
 from sokratos_worker.handlers import Handler
 from sokratos_worker.inflight import InFlight
 from sokratos_worker.leases import LeaseRenewer
-from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
-from sokratos_worker.policy import Step, after_failure, describe, retry_delay
+from sokratos_worker.model import Effects, Item, Queue
+from sokratos_worker.policy import describe
 from sokratos_worker.queue_shares import QueueShares
+from sokratos_worker.settle import (
+    ABANDONED,
+    RELEASE_STATEMENT_TIMEOUT_MS,
+    Settler,
+    last_attempt,
+    no_attempt_left,
+    outcome_already_recorded,
+    reused_id_hint,
+)
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database, time_limited
+from sokratos_worker.store.connection import Connection, Database
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
-WORKER_DIED = "worker died during the last attempt"
-ATTEMPTS_USED_UP = "attempts used up"
-# The unique key of work_outcomes (queue, item_id): a settle refused by it means the item's id
-# was handed out again (sql/0042_fresh_item_ids.sql).
-OUTCOME_KEY = "work_outcomes_queue_item_id_key"
-# The stop's release of unfinished items waits no longer behind a lock (a migration holding
-# a queue table): the leases expire instead, and the process exits.
-RELEASE_STATEMENT_TIMEOUT_MS = 5000
-# Then the dispatcher's claim still waiting is cancelled: the cancel and the wait for the claim
-# to end share this bound (a stop takes at most the grace + 5 s + 2 s).
+# After the stop's release (RELEASE_STATEMENT_TIMEOUT_MS), the dispatcher's claim still waiting
+# is cancelled: the cancel and the wait for the claim to end share this bound (a stop takes at
+# most the grace + 5 s + 2 s).
 CLAIM_CANCEL_TIMEOUT_S = 2.0
 
-# How an attempt ended when it did not end the item (besides the outcomes of Outcome):
-RETRY = "retry"  # failed, scheduled again after a backoff
-RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
 _AWAY_HINT = (
     "items in flight keep their leases and settle when PostgreSQL answers again; nothing is"
     " lost. Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker check' tells)"
@@ -67,32 +60,10 @@ _LOCKED_HINT = (
     "another session holds a queue table locked (dispatcher_waiting_for_lock names it); claiming"
     " goes on when it lets go, and nothing is lost"
 )
-_FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
-LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
-ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
 
 
 def _no_contact_report(reached: bool) -> None:
     """The default of ``Runner(on_database_contact=...)``: nobody listens."""
-
-
-def _outcome_already_recorded(exc: BaseException) -> bool:
-    """A settle refused because work_outcomes holds an outcome under this item's id already."""
-    return isinstance(exc, pg_errors.UniqueViolation) and exc.diag.constraint_name == OUTCOME_KEY
-
-
-def _reused_id_hint(item: Item) -> str:
-    """What to do about an item whose id an earlier item's outcome holds (it cannot settle)."""
-    queue = item.queue.value
-    return (
-        f"{queue} item {item.id} has the id of an earlier item whose outcome is recorded (the"
-        " id sequence was reset, or the row bypassed the sokratos_fresh_id trigger of migration"
-        " 0042: session_replication_role = replica, an UPDATE of id), so it can never be"
-        " settled and runs again at every lease expiry. As the tables' owner, give it a fresh"
-        f" id: UPDATE {queue} SET id = sokratos_next_item_id('{queue}') WHERE id = {item.id}"
-        " RETURNING id; and point its key there: UPDATE sokratos_idempotency_keys SET item_id ="
-        f" <that id> WHERE queue = '{queue}' AND key = <its idempotency_key>"
-    )
 
 
 class State:
@@ -164,6 +135,18 @@ class Runner:
             contact_failed=self._contact_failed,
             wake=lambda: self.wake(notified=False),
         )
+        # How each attempt ends in the database; it reaches the slots and the state only
+        # through these callables.
+        self._settler = Settler(
+            settings=settings,
+            database=database,
+            worker_id=worker_id,
+            count=self._count,
+            untrack=self._untrack,
+            database_lost=self._database_lost,
+            database_back=self._database_back,
+            pause=self._pause,
+        )
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
         self._notified = False
@@ -228,7 +211,7 @@ class Runner:
             time.sleep(0.05)
         leftovers = self._inflight.take_all()
         give_up_at = time.monotonic() + RELEASE_STATEMENT_TIMEOUT_MS / 1000
-        released = self._release(leftovers)
+        released = len(self._settler.release(leftovers))
         self._inflight.await_claims(give_up_at, CLAIM_CANCEL_TIMEOUT_S)
         for _ in range(self.settings.concurrency):
             self._handoff.put(None)
@@ -247,6 +230,13 @@ class Runner:
         """Count one event in the stats (under the lock :meth:`take_stats` swaps them with)."""
         with self._lock:
             self._stats.add(queue, kind, backend)
+
+    def _release_unrun(self, items: list[Item], on: Connection | None = None) -> None:
+        """Give back items claimed as the stop came, counted as given_back in the stats."""
+        released = self._settler.release(items, on)
+        with self._lock:
+            for item in released:
+                self._stats.add(item.queue, "given_back")
 
     def take_stats(self) -> Stats:
         """The counts since the last call (for ``tick_finished``)."""
@@ -358,7 +348,7 @@ class Runner:
                         short.add(q)
                     fresh = self._track_claimed(items)
                     if fresh is None:
-                        self._release(items, conn, count_given_back=True)
+                        self._release_unrun(items, conn)
                         break
                     for item in fresh:
                         self._handoff.put(item)
@@ -511,18 +501,23 @@ class Runner:
         # (A claim past the limit is not an attempt: its lines name the last one counted, as
         # its dead letter does.)
         with structlog.contextvars.bound_contextvars(
-            queue=item.queue.value, item_id=item.id, attempt=self._last_attempt(item)
+            queue=item.queue.value,
+            item_id=item.id,
+            attempt=last_attempt(item, self.settings.max_attempts),
         ):
             return self._handle_and_settle(item)
 
     def _handle_and_settle(self, item: Item) -> Item | None:
         """:meth:`_process` within the item's log context."""
         started = time.monotonic()
-        bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=self._last_attempt(item))
+        max_attempts = self.settings.max_attempts
+        bound = log.bind(
+            queue=item.queue.value, item_id=item.id, attempt=last_attempt(item, max_attempts)
+        )
         handler = self.handlers[item.queue]
         try:
-            if item.attempt > self.settings.max_attempts:
-                raise ItemError(self._no_attempt_left(item))
+            if item.attempt > max_attempts:
+                raise ItemError(no_attempt_left(item, max_attempts))
             problem = store.payload_problem(item)
             if problem is not None:
                 raise problem
@@ -536,8 +531,8 @@ class Runner:
         except Exception as exc:
             # A write the database refuses (constraint, range, dimension) is a failed attempt;
             # escaping here, it would kill the slot thread and leave the item leased for ever.
-            if _outcome_already_recorded(exc):
-                bound.error("item_id_reused", error=describe(exc), hint=_reused_id_hint(item))
+            if outcome_already_recorded(exc):
+                bound.error("item_id_reused", error=describe(exc), hint=reused_id_hint(item))
             self._failed(item, started, exc, handler, bound)
             return None
         self._finished(item, started, kind)
@@ -554,7 +549,8 @@ class Runner:
         """Settle a failed attempt, then wake the dispatcher: only a success claims the slot's
         next item with its settle, so without the wake the backlog waits up to 5 s for the
         free slot."""
-        self._finished(item, started, self._fail(item, exc, handler, bound))
+        latest = self._inflight.latest_claim(item)
+        self._finished(item, started, self._settler.fail(latest, exc, handler, bound))
         self.wake(notified=False)
 
     def _finished(self, item: Item, started: float, kind: str) -> None:
@@ -591,337 +587,25 @@ class Runner:
     ) -> tuple[Item | None, str]:
         """The settle of :meth:`_settle_success`, claiming the next item from ``claim_from``
         unless it is None."""
-
-        def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
-            return store.settle_success(
-                conn,
-                item,
-                effects,
-                owner=self.worker_id,
-                claim_next=claim_from is not None,
-                claim_from=claim_from,
-                lease_s=self.settings.lease,
-            )
-
-        done = self._with_database(item, settle, bound)
+        done = self._settler.write_success(item, effects, bound, claim_from=claim_from)
         if done is None:
             return None, ABANDONED
         result, next_items = done
         if claim_from is not None:
             self._shares.claimed(claim_from, all_asked=bool(next_items))
-        if result.settled:
-            outcome = (result.outcome or effects.outcome).value
-            if outcome != effects.outcome.value:
-                bound.info(
-                    "settled_as_near_duplicate", planned=effects.outcome.value, outcome=outcome
-                )
-            self._count(item.queue, outcome, effects.backend)
-            # Debug: one line per item is the cost of a JSON render and a write per item
-            # (the pipelines log what they saved; the tick reports the counts at info).
-            bound.debug(
-                "item_settled",
-                outcome=outcome,
-                memory_ids=list(result.memory_ids),
-                backend=effects.backend,
-                duration_ms=round((time.monotonic() - started) * 1000, 1),
-            )
-            kind = outcome
-        else:
-            kind = self._report_fenced(item, bound, released=LEASE_LOST)
+        kind = self._settler.report_success(item, effects, result, bound, started)
         # Tracked first, so in-flight never reads 0 in between.
         fresh = self._track_claimed(next_items)
         self._untrack(item)
         if fresh is None:
             # Claimed as the stop came: given back, not run (and not left to the lease).
-            self._release(next_items, count_given_back=True)
+            self._release_unrun(next_items)
             return None, kind
         if claim_from is not None and not next_items and len(self.queues) > 1:
             # The other queue may have items: the dispatcher fills the slot now (it would wait
             # up to 5 s), once the item is untracked so that it counts the slot free.
             self.wake(notified=False)
         return (fresh[0] if fresh else None), kind
-
-    def _fail(
-        self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
-    ) -> str:
-        """Settle a failed attempt; a settle the database refuses must not kill the slot."""
-        item = self._inflight.latest_claim(item)
-        try:
-            return self._settle_failure(item, exc, handler, bound)
-        except Exception as settle_exc:
-            if _outcome_already_recorded(settle_exc):
-                bound.error(
-                    "item_id_reused", error=describe(settle_exc), hint=_reused_id_hint(item)
-                )
-                self._untrack(item, leave_leased=True)
-                return ABANDONED
-            bound.error(
-                "settle_failed",
-                error=describe(settle_exc),
-                item_error=describe(exc),
-                hint="the item stays leased until its lease expires, then runs again"
-                " (this attempt counts); fix the database error above",
-            )
-            # Not renewed: the lease runs out and the item runs again (this attempt counts).
-            self._untrack(item, leave_leased=True)
-            return ABANDONED
-
-    def _settle_failure(
-        self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
-    ) -> str:
-        """Retry, give back or dead-letter the item; returns how the attempt ended."""
-        kind = ABANDONED  # unless a settle below lands
-        decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
-        backend = getattr(exc, "backend", None)
-        if decision.step is Step.GIVE_BACK:
-            given = self._with_database(
-                item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
-            )
-            if given is not None:
-                kind = RELEASED if given else self._report_fenced(item, bound, released=RELEASED)
-            self._count(item.queue, "given_back")
-            bound.warning("attempt_given_back", reason=decision.reason)
-            self._pause(decision.reason)
-        elif decision.step is Step.RETRY:
-            delay = retry_delay(
-                item.attempt, base_s=self.settings.retry_base, max_s=self.settings.retry_max
-            )
-            ok = self._with_database(
-                item,
-                lambda c: store.schedule_retry(
-                    c,
-                    item,
-                    owner=self.worker_id,
-                    error=decision.reason,
-                    delay_s=delay,
-                    backend=backend,
-                ),
-                bound,
-            )
-            if ok:
-                kind = RETRY
-                self._count(item.queue, "retried")
-                bound.warning(
-                    "item_retry_scheduled", error=decision.reason, retry_in_s=round(delay, 1)
-                )
-            elif ok is False:
-                kind = self._report_fenced(item, bound, released=RETRY)
-        else:
-            memories = (
-                () if isinstance(exc, InvalidPayload) else self._archive(handler, item, bound)
-            )
-            result = self._dead_letter(item, decision.reason, backend, memories, bound)
-            if result is not None and result.settled:
-                kind = Outcome.ARCHIVED.value if result.memory_ids else Outcome.FAILED.value
-                self._count(item.queue, kind)
-                replay = result.failure_id if result.failure_id is not None else "ID"
-                hint = (
-                    f"see 'sokratos-worker failed show {replay}'; the payload itself is invalid,"
-                    " so a replay fails the same way: fix what produced it"
-                    if decision.reason.startswith(INVALID_PAYLOAD_PREFIX)
-                    else f"see 'sokratos-worker failed show {replay}'; once the cause is fixed"
-                    f" replay it with 'sokratos-worker failed retry {replay}'"
-                )
-                bound.error(
-                    "item_dead_lettered",
-                    op_type=item.op_type,
-                    error=decision.reason,
-                    outcome=kind,
-                    memory_count=len(result.memory_ids),  # (an archive can be thousands)
-                    first_memory_ids=list(result.memory_ids[:10]),
-                    failure_id=result.failure_id,
-                    hint=hint,
-                )
-            elif result is not None:
-                kind = self._report_fenced(item, bound, released=LEASE_LOST)
-        self._untrack(item)
-        return kind
-
-    def _dead_letter(
-        self,
-        item: Item,
-        error: str,
-        backend: str | None,
-        memories: tuple[NewMemory, ...],
-        bound: structlog.BoundLogger,
-    ) -> SettleResult | None:
-        """failed_operations + outcome + delete; without the archive if it is refused."""
-
-        def write(with_memories: tuple[NewMemory, ...]) -> SettleResult | None:
-            return self._with_database(
-                item,
-                lambda c: store.dead_letter(
-                    c,
-                    item,
-                    owner=self.worker_id,
-                    error=error,
-                    backend=backend,
-                    memories=with_memories,
-                    last_attempt=self._last_attempt(item),
-                    # A claim past the limit ended the item unrun: the history already says
-                    # how its last attempt ended.
-                    ran=not (error == WORKER_DIED or error.startswith(ATTEMPTS_USED_UP)),
-                ),
-                bound,
-            )
-
-        if not memories:
-            return write(())
-        try:
-            return write(memories)
-        except Exception as exc:
-            # The payload in failed_operations still keeps the conversation: never lose it
-            # because its raw-archive memory cannot be written (constraint, no embedding).
-            bound.error(
-                "archive_memory_refused",
-                error=describe(exc),
-                hint="the item goes to failed_operations without its raw-archive memory;"
-                " replay it with 'sokratos-worker failed retry ID' once the cause is fixed",
-            )
-            return write(())
-
-    def _no_attempt_left(self, item: Item) -> str:
-        """Why a claim past SOKRATOS_MAX_ATTEMPTS ends the item unrun: only a claim that took
-        over an expired lease found an attempt that died; otherwise none was running."""
-        if item.took_over_lease or store.died_in(item, item.attempt - 1):
-            # (The second: the claim that took the lease over was given back since.)
-            return WORKER_DIED
-        limit = self.settings.max_attempts
-        return (
-            f"{ATTEMPTS_USED_UP}: {item.attempt - 1} of SOKRATOS_MAX_ATTEMPTS={limit} before"
-            " this claim (inserted with attempts preset, or the limit was lowered); the item"
-            " never ran in this attempt"
-        )
-
-    def _last_attempt(self, item: Item) -> int:
-        """The attempt a dead letter records: a claim past the limit (the last attempt died,
-        or attempts were used up) is not an attempt of its own (durability.md), so the last
-        attempt counted before it is named."""
-        return item.attempt - 1 if item.attempt > self.settings.max_attempts else item.attempt
-
-    @staticmethod
-    def _archive(
-        handler: Handler, item: Item, bound: structlog.BoundLogger
-    ) -> tuple[NewMemory, ...]:
-        try:
-            return handler.final_failure_memories(item)
-        except Exception as exc:
-            bound.warning("archive_memories_failed", error=describe(exc))
-            return ()
-
-    def _report_fenced(self, item: Item, bound: structlog.BoundLogger, released: str) -> str:
-        """Say why a settle changed nothing, and return how the attempt really ended: the
-        outcome an earlier commit of ours recorded (its answer lost with the connection),
-        ``released`` when the item waits unleased (our retry or give-back landed), or
-        ``lease_lost`` (another worker holds it, or finished it)."""
-        try:
-            with self.database.connection() as conn:
-                recorded = store.outcome_of(conn, item)
-                exists, owner = store.lease_owner(conn, item)
-        except DatabaseUnavailable as exc:
-            # Only the refusal is known: not who holds the item now, nor whether it is done.
-            bound.warning(
-                "settle_refused_owner_unknown",
-                error=str(exc),
-                hint="this settle changed nothing (the item's lease or attempt was no longer"
-                " this worker's); the database could not be asked who holds it now. Whoever"
-                " does finishes it, else its lease expires and it runs again",
-            )
-            return LEASE_LOST
-        if recorded is not None:
-            outcome, by_attempt = recorded
-            if by_attempt not in (None, item.attempt):
-                # A worker that took the item over (ours was frozen or cut off past its
-                # lease) finished it: its outcome, counted by it, is not this attempt's.
-                bound.warning(
-                    "lease_lost",
-                    finished_by_attempt=by_attempt,
-                    outcome=outcome,
-                    hint="this worker held the item past its lease (frozen, suspended or cut"
-                    " off from the database) and another took it over and finished it; this"
-                    " attempt's result was dropped. If it recurs, raise SOKRATOS_LEASE",
-                )
-                return LEASE_LOST
-            bound.info("item_already_settled", outcome=outcome)
-            self._count(item.queue, outcome)
-            return outcome
-        if exists and owner is not None:
-            bound.warning(
-                "lease_lost",
-                new_owner=owner,
-                hint="another worker took the item over; it finishes it",
-            )
-            return LEASE_LOST
-        if exists:
-            # A retry or give-back of ours landed before the connection dropped.
-            bound.info("item_already_released")
-            return released
-        bound.warning("item_gone", hint="its row was deleted outside the worker")
-        return LEASE_LOST
-
-    def _with_database(
-        self,
-        item: Item,
-        fn: Callable[[Connection], T],
-        bound: structlog.BoundLogger,
-    ) -> T | None:
-        """Run a settle, retrying through a database outage while the lease lasts."""
-        deadline = time.monotonic() + self.settings.lease * 0.8
-        delay = _FIRST_SETTLE_DELAY
-        while True:
-            try:
-                with self.database.connection() as conn:
-                    result = fn(conn)
-            except DatabaseUnavailable as exc:
-                self._database_lost(exc)
-                if time.monotonic() + delay > deadline:
-                    bound.error(
-                        "settle_abandoned",
-                        error=str(exc),
-                        hint="the lease expires and the item is claimed again",
-                    )
-                    self._untrack(item, leave_leased=True)
-                    return None
-                # The outage is said once (waiting_for_database); each item's first wait is
-                # worth a line, its every retry is not.
-                say = bound.info if delay == _FIRST_SETTLE_DELAY else bound.debug
-                say("settle_waiting_for_database", error=str(exc), retry_in_s=delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            else:
-                self._database_back()
-                return result
-
-    # -- give-backs ------------------------------------------------------------------
-
-    def _release(
-        self, items: list[Item], on: Connection | None = None, *, count_given_back: bool = False
-    ) -> int:
-        """Give back ``items`` (attempt uncounted), on ``on`` or a pooled connection;
-        ``count_given_back``: count those released as given_back in the stats."""
-        if not items:
-            return 0
-        try:
-            with ExitStack() as stack:
-                conn = on if on is not None else stack.enter_context(self.database.connection())
-                stack.enter_context(time_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS))
-                released = [i for i in items if store.give_back(conn, i, owner=self.worker_id)]
-        except (DatabaseUnavailable, pg_errors.QueryCanceled) as exc:
-            log.warning(
-                "release_failed",
-                error=str(exc).strip(),
-                hint="the leases expire instead and the items run again (a table locked by a"
-                " migration or a long transaction, or the database away)",
-            )
-            return 0
-        if count_given_back:
-            with self._lock:
-                for item in released:
-                    self._stats.add(item.queue, "given_back")
-        for item in released:
-            # Its own attempt: a slot's context names the item it settled, not this one.
-            log.info("item_released", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
-        return len(released)
 
     # -- reporting -------------------------------------------------------------------
 

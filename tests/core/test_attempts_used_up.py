@@ -9,7 +9,8 @@ import psycopg
 import pytest
 
 from sokratos_worker.model import Effects, Outcome, Queue
-from sokratos_worker.runner import ATTEMPTS_USED_UP, WORKER_DIED, Runner
+from sokratos_worker.runner import Runner
+from sokratos_worker.settle import ATTEMPTS_USED_UP, WORKER_DIED
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes

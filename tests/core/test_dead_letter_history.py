@@ -14,7 +14,8 @@ import pytest
 
 from sokratos_worker.errors import ItemError
 from sokratos_worker.model import Effects, Item, NewMemory, Queue
-from sokratos_worker.runner import WORKER_DIED, Runner
+from sokratos_worker.runner import Runner
+from sokratos_worker.settle import WORKER_DIED
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.core.test_attempts_used_up import _dead_letter, _drain

@@ -11,7 +11,8 @@ from structlog.testing import capture_logs
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import LEASE_LOST, RETRY, Runner
+from sokratos_worker.runner import Runner
+from sokratos_worker.settle import LEASE_LOST, RETRY
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import count, enqueue_many, outcomes
@@ -200,7 +201,9 @@ def test_a_refused_settle_with_the_database_away_does_not_claim_a_new_owner(
     monkeypatch.setattr(database, "connection", unreachable)
     try:
         with capture_logs() as logs:
-            kind = runner._report_fenced(item, structlog.get_logger().bind(), released=RETRY)
+            kind = runner._settler.report_fenced(
+                item, structlog.get_logger().bind(), released=RETRY
+            )
     finally:
         monkeypatch.undo()
         database.close()

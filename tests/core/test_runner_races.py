@@ -79,13 +79,13 @@ def test_a_claim_landing_between_give_back_and_untrack_is_run_not_leaked(
     runner, _ = _runner(database, done)
     (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
     runner._track(item)
-    real_pause = runner._pause
+    real_pause = runner._settler._pause
 
     def pause_after_a_concurrent_claim(reason: str, **kwargs: Any) -> None:
         runner._claim_for_idle_slots()  # another thread's claim lands in this window
         real_pause(reason, **kwargs)
 
-    monkeypatch.setattr(runner, "_pause", pause_after_a_concurrent_claim)
+    monkeypatch.setattr(runner._settler, "_pause", pause_after_a_concurrent_claim)
     runner._process(item)
     database.close()
     assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (1, "test")
