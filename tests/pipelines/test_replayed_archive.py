@@ -1,5 +1,6 @@
-"""A dead-lettered distillation replayed with ``failed retry`` that fails again keeps one raw
-archive: the replay lists the memories its earlier items saved (real runner and pipelines)."""
+"""A distillation that never distils is kept as a raw archive, every chunk under an origin of
+its own; replayed with ``failed retry`` and failing again, it keeps one raw archive: the
+replay lists the memories its earlier items saved (real runner and pipelines)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,39 @@ def test_a_keyless_replay_keeps_one_raw_archive_when_its_failure_row_was_purged(
         f"the conversation's raw archive was saved {len(archives)} times: {archives};"
         f" outcomes {keys}"
     )
+
+
+# A mutation review (session 29) gave every chunk the first one's origin: the memory insert is
+# idempotent by origin, so all but the first ~1,000 bytes were lost, and no test saw it (they
+# looked at the planned rows, not at the table).
+MESSAGES = [f"message {n}: " + "the user talked about the garden in Oslo. " * 20 for n in range(8)]
+
+
+def test_a_long_conversation_archived_after_failing_keeps_every_chunk(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    payload = {"messages": [{"role": "user", "content": text} for text in MESSAGES]}
+    enqueued = db.execute(
+        "SELECT sokratos_enqueue_distillation(%s::jsonb)", (json.dumps(payload),)
+    ).fetchone()
+    assert enqueued is not None
+    (item_id,) = enqueued
+    with ScriptedLLM(chat=_never_valid) as server:
+        _drain(database_url, server)
+    row = db.execute(
+        "SELECT outcome, memory_ids FROM work_outcomes WHERE item_id = %s", (item_id,)
+    ).fetchone()
+    assert row is not None, "no outcome recorded"
+    outcome, memory_ids = row
+    assert outcome == "archived"
+    rows = db.execute(
+        "SELECT origin, summary FROM memories WHERE source = 'conversation_archive' ORDER BY id"
+    ).fetchall()
+    assert len(rows) > 1  # the conversation is several chunks long
+    assert sorted(memory_ids) == sorted(
+        r[0] for r in db.execute("SELECT id FROM memories WHERE source = 'conversation_archive'")
+    )
+    assert len({origin for origin, _ in rows}) == len(rows)
+    archived = "\n".join(summary for _, summary in rows)
+    for n in range(len(MESSAGES)):
+        assert f"message {n}: " in archived, f"message {n} was lost from the raw archive"
