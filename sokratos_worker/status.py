@@ -237,7 +237,7 @@ def _worker_lines(report: dict[str, Any], unknown: list[str]) -> list[str]:
             f"worker {w['worker_id']}: {_worker_state(w)}, last tick {w['last_tick_at']},"
             f" backends: {backends}"
             + (f", embeddings: {embeddings}" if embeddings else "")
-            + f", version {w.get('version', 'unknown')}"
+            + f", version {w['version']}"
         )
     if builds := _builds_line(report["workers"]):
         lines.append(builds)
@@ -247,7 +247,7 @@ def _worker_lines(report: dict[str, Any], unknown: list[str]) -> list[str]:
 def _builds_line(workers: list[dict[str, Any]]) -> str | None:
     """Said when the live workers run different code (a rolling upgrade part-way, or a
     worker left on the old code), with how many run each."""
-    running = Counter(str(w.get("version")) for w in workers if not w.get("overdue"))
+    running = Counter(str(w["version"]) for w in workers if not w.get("overdue"))
     if len(running) < 2:
         return None
     each = ", ".join(f"{version} ({n})" for version, n in sorted(running.items()))

@@ -31,7 +31,13 @@ def _report(backends: list[dict[str, Any]]) -> dict[str, Any]:
         "queues": {},
         "failures_24h": {},
         "workers": [
-            {"worker_id": "w1", "state": "no backend", "last_tick_at": "now", "backends": backends}
+            {
+                "worker_id": "w1",
+                "state": "no backend",
+                "last_tick_at": "now",
+                "backends": backends,
+                "version": "0.1.0+0000000000",  # (every heartbeat row has one: NOT NULL)
+            }
         ],
         "email_accounts": [],
         "embeddings": "off",
