@@ -28,7 +28,7 @@ from psycopg import errors as pg_errors
 from sokratos_worker.build import build_version
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
-from sokratos_worker.errors import DatabaseUnavailable, TableLocked
+from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, reached_database
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
@@ -565,9 +565,9 @@ class Worker:
         return server
 
     def _contact_failed(self, exc: DatabaseUnavailable) -> None:
-        """Record an outage, unless ``exc`` shows a reachable database (a locked table). A
-        pool that lent no connection within 5 s counts: that is how an outage shows to it."""
-        if not isinstance(exc, TableLocked):
+        """Record an outage, unless ``exc`` shows a reachable database (a locked table, a pool
+        whose every connection stayed lent)."""
+        if not reached_database(exc):
             self.database_contact.failed()
 
     def _ready(self) -> bool:
@@ -597,6 +597,13 @@ class Worker:
                 timeout_ms=METRICS_STATEMENT_TIMEOUT_MS,
                 hint="the queue and failure gauges keep their last values; is a table locked"
                 " (a migration, a long transaction) or the backlog very large?",
+            )
+        except PoolBusy as exc:
+            log.warning(
+                "metrics_refresh_slow",
+                error=str(exc),
+                hint="the queue and failure gauges keep their last values; readiness stays as"
+                " it was (the server answers)",
             )
         except DatabaseUnavailable as exc:
             self._contact_failed(exc)

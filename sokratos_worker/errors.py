@@ -4,7 +4,8 @@ The classes of this module, and (in brackets) the modules that add to the tree::
 
     WorkerError
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
-    │   └── TableLocked              another session holds a table the command must write
+    │   ├── TableLocked              another session holds a table the command must write
+    │   └── PoolBusy                 every pooled connection stayed in use (the server answers)
     ├── ItemError                    this item's attempt failed (counts as an attempt)
     │   ├── InvalidPayload           never retried: straight to failed_operations
     │   ├── BackendsUnavailable      not the item's fault: the attempt is given back
@@ -35,6 +36,16 @@ class DatabaseUnavailable(WorkerError):
 class TableLocked(DatabaseUnavailable):
     """A command gave up waiting for a table another session holds locked; the message
     names the session and how to end it."""
+
+
+class PoolBusy(DatabaseUnavailable):
+    """No pooled connection came free in time while every one the pool may open was lent
+    out: the database was reached, its statements are slow or wait for locks."""
+
+
+def reached_database(exc: DatabaseUnavailable) -> bool:
+    """True when ``exc`` shows the database answering (a lock or a full pool), not away."""
+    return isinstance(exc, TableLocked | PoolBusy)
 
 
 class ItemError(WorkerError):

@@ -15,7 +15,7 @@ from psycopg_pool.base import AttemptWithBackoff
 
 from sokratos_worker import libpq
 from sokratos_worker.config import ConfigError
-from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.errors import DatabaseUnavailable, PoolBusy
 
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
 # 25006: a server that takes no writes (a standby before or after a failover) is waited out.
@@ -363,6 +363,8 @@ class Database:
         self.conninfo = conninfo
         self.pool = make_pool(conninfo, size=size, keep_open=keep_open, configure=configure)
         self._held = threading.local()  # .conn, .used, .depth of a thread inside holding()
+        self._lent = 0  # connections this process's threads hold now
+        self._lent_lock = threading.Lock()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the connections kept open are open (and configured); False at timeout.
@@ -397,7 +399,12 @@ class Database:
         """A pooled connection (the held one inside ``holding``); transient failures surface
         as DatabaseUnavailable."""
         if getattr(self._held, "depth", None) is None:
-            with translated(), self.pool.connection() as conn:
+            with (
+                translated(),
+                self._busy_or_away(),
+                self.pool.connection() as conn,
+                self._counted_as_lent(),
+            ):
                 yield conn
             return
         held = self._held
@@ -405,8 +412,9 @@ class Database:
         if held.depth == 0 and held.conn is not None and idle > HELD_IDLE_S:
             self._return_held()
         if held.conn is None:
-            with translated():
+            with translated(), self._busy_or_away():
                 held.conn = self.pool.getconn()
+            self._count_lent(+1)
         held.depth += 1
         try:
             with translated():
@@ -435,7 +443,37 @@ class Database:
     def _return_held(self) -> None:
         conn, self._held.conn = self._held.conn, None
         if conn is not None:
+            self._count_lent(-1)
             self.pool.putconn(conn)
+
+    @contextmanager
+    def _busy_or_away(self) -> Iterator[None]:
+        """A checkout that timed out while every connection was lent is :class:`PoolBusy`:
+        the server answers, so the wait is no outage (``/readyz`` stays ready)."""
+        try:
+            yield
+        except PoolTimeout as exc:
+            with self._lent_lock:
+                all_lent = self._lent >= self.pool.max_size
+            if not all_lent:
+                raise  # some are being (re)opened and failing: an outage, as translated
+            raise PoolBusy(
+                f"all {self.pool.max_size} pooled connections stayed in use for"
+                f" {self.pool.timeout:g}s: the worker's statements are slow or wait for locks"
+                " (pg_stat_activity shows what they wait for)"
+            ) from exc
+
+    @contextmanager
+    def _counted_as_lent(self) -> Iterator[None]:
+        self._count_lent(+1)
+        try:
+            yield
+        finally:
+            self._count_lent(-1)
+
+    def _count_lent(self, change: int) -> None:
+        with self._lent_lock:
+            self._lent += change
 
     def close(self) -> None:
         """Close every pooled connection."""

@@ -64,14 +64,16 @@ def test_a_scrape_held_up_by_a_locked_table_serves_the_last_values(
 def test_database_up_recovers_after_a_scrape_that_could_not_get_a_connection(
     db: psycopg.Connection, database_url: str
 ) -> None:
-    """A scrape that gets no pooled connection (all busy, or a blip the idle runner never saw)
-    reports the database down, and /readyz with it; an idle runner changes no state to set them
-    back, so the next successful scrape must."""
+    """A scrape that gets no pooled connection while the pool cannot open one (a blip the idle
+    runner never saw) reports the database down, and /readyz with it; an idle runner changes no
+    state to set them back, so the next successful scrape must."""
     database = Database(database_url, size=1)
     metrics = Metrics()
     worker = _worker(database, metrics)
     try:
-        busy = database.pool.getconn()  # the only connection, in use (a slot's, say)
+        # The pool's only connection, out of reach and not lent to any thread of the worker:
+        # what the scrape sees while the pool is reopening its connections.
+        busy = database.pool.getconn()
         worker._refresh_metrics(metrics)  # PoolTimeout
         assert metrics.registry.get_sample_value("sokratos_database_up") == 0
         assert not worker._ready()
@@ -80,6 +82,33 @@ def test_database_up_recovers_after_a_scrape_that_could_not_get_a_connection(
         assert _ready(metrics) == 0  # this scrape did reach the database
         assert metrics.registry.get_sample_value("sokratos_database_up") == 1
         assert worker._ready()
+    finally:
+        database.close()
+
+
+def test_a_scrape_behind_connections_the_worker_holds_keeps_readiness(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Every pooled connection lent to the worker's threads for 5 s (slow statements, lock
+    waits) is no outage: the scrape serves the last values, says why, and /readyz stays 200.
+    It answered 503 before, until some other path next reached the database."""
+    enqueue_many(db, 2)
+    database = Database(database_url, size=1)
+    metrics = Metrics()
+    worker = _worker(database, metrics)
+    try:
+        worker._refresh_metrics(metrics)
+        assert _ready(metrics) == 2
+        enqueue_many(db, 1, prefix="later")
+        with database.connection(), capture_logs() as logs:  # a slot's, in a slow statement
+            worker._refresh_metrics(metrics)
+        [slow] = [e for e in logs if e["event"] == "metrics_refresh_slow"]
+        assert "all 1 pooled connections stayed in use" in slow["error"]
+        assert _ready(metrics) == 2  # the last values
+        assert metrics.registry.get_sample_value("sokratos_database_up") == 1
+        assert worker._ready()
+        worker._refresh_metrics(metrics)
+        assert _ready(metrics) == 3
     finally:
         database.close()
 

@@ -1,0 +1,81 @@
+"""A pool whose every connection the worker's own threads hold is busy, not an outage.
+
+Before, a checkout that waited 5 s behind them raised the same DatabaseUnavailable as a server
+that was gone: a scrape then made ``/readyz`` answer 503 while PostgreSQL answered, and the
+runner's log told the operator to check whether the server was up.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from contextlib import ExitStack
+
+import pytest
+
+from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, TableLocked, reached_database
+from sokratos_worker.store.connection import Database
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_checkout_behind_connections_the_process_holds_is_pool_busy(database_url: str) -> None:
+    database = Database(database_url, size=2, keep_open=2)
+    try:
+        with ExitStack() as held:
+            held.enter_context(database.connection())
+            held.enter_context(database.connection())
+            with pytest.raises(PoolBusy, match="all 2 pooled connections stayed in use"):
+                database.connection().__enter__()
+        with database.connection() as conn:  # given back, they are lent again
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        database.close()
+
+
+def test_a_connection_held_by_a_slot_between_uses_counts_as_lent(database_url: str) -> None:
+    """A slot keeps its connection through its handler's calls (``holding``): in use too."""
+    database = Database(database_url, size=2, keep_open=2)
+    slot_holds, release = threading.Event(), threading.Event()
+
+    def slot() -> None:
+        with database.holding():
+            with database.connection() as conn:
+                conn.execute("SELECT 1")
+            slot_holds.set()  # between two uses, still holding it
+            release.wait(30)
+
+    thread = threading.Thread(target=slot)
+    thread.start()
+    try:
+        assert slot_holds.wait(30)
+        with database.connection(), pytest.raises(PoolBusy):
+            database.connection().__enter__()
+    finally:
+        release.set()
+        thread.join(30)
+        database.close()
+    assert not thread.is_alive()
+
+
+def test_a_checkout_from_an_absent_server_stays_an_outage() -> None:
+    database = Database(
+        f"postgresql://sokratos@127.0.0.1:{_closed_port()}/sokratos", size=1, keep_open=1
+    )
+    try:
+        with pytest.raises(DatabaseUnavailable) as raised:
+            database.connection().__enter__()
+        assert not isinstance(raised.value, PoolBusy)
+        assert not reached_database(raised.value)
+    finally:
+        database.close()
+
+
+def test_which_errors_show_the_database_answering() -> None:
+    assert reached_database(PoolBusy("busy"))
+    assert reached_database(TableLocked("locked"))
+    assert not reached_database(DatabaseUnavailable("away"))
