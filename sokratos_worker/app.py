@@ -16,7 +16,6 @@ from sokratos_worker.daemon import SIGNAL_POLL_S, Worker, build_worker
 from sokratos_worker.exit_codes import EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
-from sokratos_worker.runner import State
 from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
@@ -24,6 +23,7 @@ from sokratos_worker.store import queue_sql
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.migrations import apply_migrations, history_differences
 from sokratos_worker.store.sessions import refuse_shared_sessions
+from sokratos_worker.worker_state import State
 
 log = structlog.get_logger(__name__)
 

@@ -32,7 +32,7 @@ from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, reached_databa
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import Runner, State
+from sokratos_worker.runner import Runner
 from sokratos_worker.service.clock_steps import ClockStepWatch, run_jobs_now
 from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 from sokratos_worker.service.metrics import Metrics, MetricsServer
@@ -44,6 +44,7 @@ from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database, connect, time_limited
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
+from sokratos_worker.worker_state import State
 
 log = structlog.get_logger(__name__)
 

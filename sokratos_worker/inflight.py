@@ -6,7 +6,7 @@ the count of claim statements sent and not yet tracked or given back, and the di
 claim that a stop may have to cancel. A stop relies on one lock covering them: it sets the
 stop, takes the items in flight and waits for the claims under the same lock a claim is tracked
 under, so a claim either lands before the take (and is released with the rest) or sees the
-stop, never neither. The runner guards its stats and pause state with this lock too.
+stop, never neither. The runner guards its stats with this lock too.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ holds more items than it has slots.
 
 The items held and the claims on their way to them are kept by :mod:`inflight` (which a
 stop waits on), their leases by the renewer of :mod:`leases`; how each attempt ends in the
-database (saved, retried, given back, dead-lettered, fenced) is written by :mod:`settle`. This
-module keeps the lifecycle, the dispatcher, the slots and the worker's state (running, waiting
-for the database, no backend, stopping).
+database (saved, retried, given back, dead-lettered, fenced) is written by :mod:`settle`; the
+worker's state (running, waiting for the database, no backend, stopping), the pause of claiming
+when no backend answers and its health probe are kept by :mod:`worker_state`, which the threads
+here tell what they meet. This module keeps the lifecycle, the dispatcher and the slots.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import structlog
 from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import DatabaseUnavailable, ItemError, TableLocked
+from sokratos_worker.errors import DatabaseUnavailable, ItemError
 from sokratos_worker.handlers import Handler
 from sokratos_worker.inflight import InFlight
 from sokratos_worker.leases import LeaseRenewer
@@ -44,6 +45,7 @@ from sokratos_worker.settle import (
 )
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Connection, Database
+from sokratos_worker.worker_state import State, WorkerState
 
 log = structlog.get_logger(__name__)
 
@@ -52,27 +54,9 @@ log = structlog.get_logger(__name__)
 # most the grace + 5 s + 2 s).
 CLAIM_CANCEL_TIMEOUT_S = 2.0
 
-_AWAY_HINT = (
-    "items in flight keep their leases and settle when PostgreSQL answers again; nothing is"
-    " lost. Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker check' tells)"
-)
-_LOCKED_HINT = (
-    "another session holds a queue table locked (dispatcher_waiting_for_lock names it); claiming"
-    " goes on when it lets go, and nothing is lost"
-)
-
 
 def _no_contact_report(reached: bool) -> None:
     """The default of ``Runner(on_database_contact=...)``: nobody listens."""
-
-
-class State:
-    """What the worker is doing, as logs, ``status`` and sd_notify report it."""
-
-    RUNNING = "running"
-    WAITING_FOR_DATABASE = "waiting for database"
-    NO_BACKEND = "no backend"
-    STOPPING = "stopping"
 
 
 @dataclass
@@ -112,16 +96,20 @@ class Runner:
         self.handlers = dict(handlers)
         self.worker_id = worker_id
         self.queues = [q for q in Queue if q in self.handlers]
-        self.state = State.RUNNING
-        self.state_detail = ""
-        self._on_state = on_state
         self._on_progress = on_progress
         self._on_item_done = on_item_done
-        self._on_database_contact = on_database_contact
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
-        # The items held and the claims on their way to us; its lock also guards the stats
-        # and the pause state below.
+        # The worker's state; the threads below tell it what they meet.
+        self._worker_state = WorkerState(
+            handlers=self.handlers.values(),
+            stopping=self._stop_claiming,
+            progress=self._progress,
+            wake=lambda: self.wake(notified=False),
+            on_state=on_state,
+            on_database_contact=on_database_contact,
+        )
+        # The items held and the claims on their way to us; its lock also guards the stats.
         self._inflight = InFlight(self._stop_claiming)
         self._lock = self._inflight.lock
         self._renewer = LeaseRenewer(
@@ -132,7 +120,7 @@ class Runner:
             inflight=self._inflight,
             stopped=self._stopped,
             on_database_contact=on_database_contact,
-            contact_failed=self._contact_failed,
+            contact_failed=self._worker_state.contact_failed,
             wake=lambda: self.wake(notified=False),
         )
         # How each attempt ends in the database; it reaches the slots and the state only
@@ -143,20 +131,13 @@ class Runner:
             worker_id=worker_id,
             count=self._count,
             untrack=self._untrack,
-            database_lost=self._database_lost,
-            database_back=self._database_back,
-            pause=self._pause,
+            database_lost=self._worker_state.database_lost,
+            database_back=self._worker_state.database_back,
+            pause=self._worker_state.pause,
         )
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
         self._notified = False
-        self._paused_until = 0.0
-        self._pause_delay = 5.0
-        # When the database outage in progress was first met (None: no outage), so it is
-        # said once, by whichever thread meets it, and its end with how long it lasted.
-        self._outage_since: float | None = None
-        self._report_lock = threading.Lock()  # state reports go out one at a time
-        self._reported = (self.state, self.state_detail)
         self._budget_ends = float("inf")  # run --once: no claims after SOKRATOS_TICK_BUDGET
         self._stats = Stats()
         self._threads: list[threading.Thread] = []
@@ -165,6 +146,16 @@ class Runner:
         # The server process of the dispatcher's statement in progress (None between them):
         # the watchdog asks PostgreSQL what it waits for when the dispatcher stops coming round.
         self.dispatcher_backend_pid: int | None = None
+
+    @property
+    def state(self) -> str:
+        """What the worker is doing (:class:`State`), as the daemon and ``run --once`` read it."""
+        return self._worker_state.state
+
+    @property
+    def state_detail(self) -> str:
+        """Why, when the state is not running ("" otherwise)."""
+        return self._worker_state.detail
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -204,7 +195,7 @@ class Runner:
         Returns how many items were released (their attempt given back).
         """
         self.request_stop()  # first: the state's report may wait behind a heartbeat's write
-        self._set_state(State.STOPPING, "")
+        self._worker_state.set(State.STOPPING, "")
         deadline = time.monotonic() + grace_s
         while self.inflight_count() and time.monotonic() < deadline:
             self._progress()  # items finishing within the grace is progress too
@@ -254,15 +245,16 @@ class Runner:
                 if self._budget_spent():
                     log.info("tick_budget_spent", budget_s=budget_s)
                     break
-                if self._paused() and drain_only:
+                if self._worker_state.paused() and drain_only:
                     log.info("drain_ended_paused", reason=self.state_detail)
                     break  # run --once: a paused tick ends instead of waiting out its budget
-                if self._paused():
+                if self._worker_state.paused():
                     # A wake while paused would end every wait at once (a busy loop); the
                     # resume wakes the dispatcher itself.
                     self._wake.clear()
-                    self._wait(min(1.0, max(0.05, self._paused_until - time.monotonic())))
-                    self._maybe_resume()
+                    resume_in = self._worker_state.paused_until - time.monotonic()
+                    self._wait(min(1.0, max(0.05, resume_in)))
+                    self._worker_state.maybe_resume()
                     continue
                 self._wake.clear()
                 self._notified = False
@@ -270,7 +262,7 @@ class Runner:
                     asked, got = self._claim_for_idle_slots()
                     next_in = None if got or asked == 0 else self._next_ready_in()
                 except DatabaseUnavailable as exc:
-                    self._database_lost(exc)
+                    self._worker_state.database_lost(exc)
                     log.debug("claim_waiting_for_database", error=str(exc), retry_in_s=db_delay)
                     self._wait(db_delay)
                     db_delay = min(db_delay * 2, 5.0)
@@ -312,7 +304,7 @@ class Runner:
     def _claimed_without_error(self, asked: int) -> None:
         """The dispatcher's pass ended without a database error: leave any wait for it."""
         if asked:  # a claim was sent (none when every slot is busy): the database answered
-            self._database_back()
+            self._worker_state.database_back()
 
     def _wait(self, seconds: float) -> None:
         # Wake at least every second so the watchdog sees progress.
@@ -412,73 +404,6 @@ class Runner:
             self._handoff.put(again)
         return found
 
-    # -- pause when no backend can be reached ----------------------------------------
-
-    def _paused(self) -> bool:
-        return time.monotonic() < self._paused_until or self.state == State.NO_BACKEND
-
-    def _pause(self, reason: str, *, probe_failed: bool = False) -> None:
-        with self._lock:
-            already = self.state == State.NO_BACKEND
-            if (already and not probe_failed) or self.state == State.STOPPING:
-                return  # more items of the same outage must not escalate the probe backoff
-            self._paused_until = time.monotonic() + self._pause_delay
-            if already:
-                self._pause_delay = min(self._pause_delay * 2, 60.0)
-            # Taken under the lock: two items failing at once pause (and say it) once.
-            self.state, self.state_detail = State.NO_BACKEND, reason
-        if not already:
-            log.warning(
-                "claiming_paused",
-                reason=reason,
-                retry_in_s=self._pause_delay,
-                hint="items wait, their attempts given back, and claiming resumes by itself when"
-                " a health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the"
-                " embedding server up? ('sokratos-worker check' probes them)",
-            )
-        self._report_state()
-
-    def _maybe_resume(self) -> None:
-        if time.monotonic() < self._paused_until:
-            return
-        if self._probe_while_alive():
-            self._pause_delay = 5.0
-            self._paused_until = 0.0
-            # Back to waiting if the database went away meanwhile: its end sets running.
-            away = self._outage_since is not None
-            self._move(
-                State.WAITING_FOR_DATABASE if away else State.RUNNING,
-                "database unavailable" if away else "",
-                only_from=(State.NO_BACKEND,),
-            )
-            log.info("claiming_resumed")
-            self.wake(notified=False)
-        else:
-            self._pause(self.state_detail or "backends still unreachable", probe_failed=True)
-
-    def _probe_while_alive(self) -> bool:
-        """Probe the handlers in a thread, proving progress meanwhile: a probe of several
-        hung backends can outlast the watchdog, and waiting for it is not being stuck."""
-        healthy: list[bool] = []
-        thread = threading.Thread(
-            target=lambda: healthy.append(any(self._probe(h) for h in self.handlers.values())),
-            name="probe",
-            daemon=True,
-        )
-        thread.start()
-        while thread.is_alive() and not self._stop_claiming.is_set():
-            thread.join(1.0)
-            self._progress()
-        return bool(healthy and healthy[0])
-
-    @staticmethod
-    def _probe(handler: Handler) -> bool:
-        try:
-            return handler.probe()
-        except Exception as exc:
-            log.warning("backend_probe_failed", error=describe(exc))
-            return False
-
     # -- slots -----------------------------------------------------------------------
 
     def _slot_loop(self) -> None:
@@ -564,7 +489,10 @@ class Runner:
         item = self._inflight.latest_claim(item)
         # Past the tick's budget the items in flight finish, but none is claimed after them;
         # after the stop, none either (begin_claim checks it).
-        want_next = not (self._paused() or self._budget_spent()) and self._inflight.begin_claim()
+        want_next = (
+            not (self._worker_state.paused() or self._budget_spent())
+            and self._inflight.begin_claim()
+        )
         claim_from = item.queue
         if want_next and len(self.queues) > 1:
             claim_from = self._shares.for_settle(item.queue, self._inflight.by_queue())
@@ -608,66 +536,6 @@ class Runner:
         return (fresh[0] if fresh else None), kind
 
     # -- reporting -------------------------------------------------------------------
-
-    def _set_state(self, state: str, detail: str) -> None:
-        with self._lock:
-            self.state, self.state_detail = state, detail
-        self._report_state()
-
-    def _move(self, state: str, detail: str, *, only_from: tuple[str, ...]) -> None:
-        """Change to ``state`` only from one of ``only_from`` (checked and changed under the
-        lock: a settle's view of the database must not end a backend pause or a stop)."""
-        with self._lock:
-            if self.state not in only_from:
-                return
-            self.state, self.state_detail = state, detail
-        self._report_state()
-
-    def _report_state(self) -> None:
-        """Tell the daemon the state as it is now, when it changed. One report at a time, each
-        reading the state afresh, so the last report made is of the latest state."""
-        with self._report_lock:
-            now = (self.state, self.state_detail)
-            if now == self._reported or self._on_state is None:
-                return
-            self._reported = now
-            self._on_state(*now)
-
-    def _contact_failed(self, exc: DatabaseUnavailable) -> None:
-        """Report a contact that did not reach the database; a locked table did reach it."""
-        if not isinstance(exc, TableLocked):
-            self._on_database_contact(False)
-
-    def _database_lost(self, exc: DatabaseUnavailable) -> None:
-        """A claim or settle met the database away: the first to meet an outage says so; the
-        state turns to waiting from running only (a backend pause or a stop stays)."""
-        self._contact_failed(exc)
-        with self._lock:
-            first = self._outage_since is None
-            if first:
-                self._outage_since = time.monotonic()
-            if self.state == State.RUNNING:
-                self.state, self.state_detail = State.WAITING_FOR_DATABASE, str(exc)
-        if first:
-            log.warning(
-                "waiting_for_database",
-                error=str(exc),
-                hint=_LOCKED_HINT if isinstance(exc, TableLocked) else _AWAY_HINT,
-            )
-        self._report_state()
-
-    def _database_back(self) -> None:
-        """A claim or settle reached the database: the end of an outage is said once."""
-        self._on_database_contact(True)
-        if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
-            return  # the hot path: no lock when there is no outage
-        with self._lock:
-            since, self._outage_since = self._outage_since, None
-            if self.state == State.WAITING_FOR_DATABASE:
-                self.state, self.state_detail = State.RUNNING, ""
-        if since is not None:
-            log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
-        self._report_state()
 
     def _progress(self) -> None:
         if self._on_progress is not None:

@@ -3,8 +3,9 @@
 Every write here is fenced by the item's lease and attempt (durability.md): a settle that
 changes nothing is explained by :meth:`Settler.report_fenced`. A settle that meets the database
 away is retried while the lease lasts, then abandoned to the lease's expiry. The runner owns
-the slots and the worker's state; a :class:`Settler` reaches them only through the callables
-it is given: ``count``, ``untrack``, ``database_lost``, ``database_back`` and ``pause``.
+the slots, :mod:`worker_state` the worker's state; a :class:`Settler` reaches them only through
+the callables it is given: ``count``, ``untrack``, ``database_lost``, ``database_back`` and
+``pause``.
 """
 
 from __future__ import annotations

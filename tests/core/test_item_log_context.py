@@ -148,7 +148,7 @@ def test_the_dispatchers_lines_carry_no_item(db: psycopg.Connection, database_ur
         handlers={Queue.TRIAGE: handler},
         worker_id="ctx",
     )
-    runner._pause_delay = 0.1  # the first probe at once, not after 5 s
+    runner._worker_state._pause_delay = 0.1  # the first probe at once, not after 5 s
     try:
         with json_lines() as lines:
             runner.start()

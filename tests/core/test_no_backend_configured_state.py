@@ -22,11 +22,11 @@ from sokratos_worker.config import Settings
 from sokratos_worker.daemon import NO_BACKEND_CONFIGURED, Worker
 from sokratos_worker.handlers import HandlerContext
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import State
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.status import cannot_process, render_status
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.status import live_workers
+from sokratos_worker.worker_state import State
 from tests.support.handlers import ScriptedHandler
 
 
@@ -135,7 +135,7 @@ def test_a_backend_outage_keeps_its_own_reason(
     database = Database(database_url, size=2)
     try:
         worker = _worker(database, path, handlers={Queue.TRIAGE: ScriptedHandler()})
-        worker.runner._set_state(State.NO_BACKEND, "no LLM backend reachable (scripted)")
+        worker.runner._worker_state.set(State.NO_BACKEND, "no LLM backend reachable (scripted)")
     finally:
         database.close()
     (w,) = _status_report(db)["workers"]

@@ -12,9 +12,14 @@ import threading
 from contextlib import ExitStack
 
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, TableLocked, reached_database
+from sokratos_worker.model import Queue
+from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
+from sokratos_worker.worker_state import State
+from tests.support.handlers import ScriptedHandler, fast_settings
 
 
 def _closed_port() -> int:
@@ -79,3 +84,32 @@ def test_which_errors_show_the_database_answering() -> None:
     assert reached_database(PoolBusy("busy"))
     assert reached_database(TableLocked("locked"))
     assert not reached_database(DatabaseUnavailable("away"))
+
+
+def test_the_runner_waiting_on_a_busy_pool_says_so_and_reports_no_failed_contact(
+    database_url: str,
+) -> None:
+    """The runner still waits (its claim got no connection), but its hint names the full pool
+    rather than asking whether the server is up, and readiness hears of no failed contact."""
+    contacts: list[bool] = []
+    database = Database(database_url, size=2)
+    runner = Runner(
+        settings=fast_settings(),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="busy",
+        on_database_contact=contacts.append,
+    )
+    try:
+        with capture_logs() as logs:
+            runner._worker_state.database_lost(PoolBusy("all 2 pooled connections stayed in use for 5s"))
+        assert runner.state == State.WAITING_FOR_DATABASE
+        [waiting] = [e for e in logs if e["event"] == "waiting_for_database"]
+        assert "every pooled connection is held" in waiting["hint"]
+        assert "Is the server up" not in waiting["hint"]
+        assert False not in contacts
+        runner._worker_state.database_back()
+        assert runner.state == State.RUNNING
+        assert contacts[-1] is True
+    finally:
+        database.close()

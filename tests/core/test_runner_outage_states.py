@@ -1,7 +1,7 @@
 """The runner's state machine across a database outage and a backend pause, in the orders the
 threads meet them (the dispatcher's claims, each slot's settles, the resume probe, the stop).
 
-Each test drives the Runner's own methods in the order its threads call them; the Runner is a
+Each test drives the Runner's own WorkerState in the order its threads call it; the Runner is a
 real one over a real database (nothing mocked but the order of events). A review found each
 order wrong the day settles began to report outages (2026-12-05).
 """
@@ -15,8 +15,9 @@ import pytest
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import Runner, State
+from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
+from sokratos_worker.worker_state import State
 from tests.support.handlers import ScriptedHandler, fast_settings
 
 AWAY = "connection failed: connection refused (is the server running?)"
@@ -49,19 +50,20 @@ def test_a_settle_meeting_an_outage_during_a_backend_pause_does_not_end_the_paus
 ) -> None:
     """Concurrency 2, the host's network drops: slot 1's model call fails (no backend: its
     attempt given back, claiming paused, NO_BACKEND); slot 2's settle then meets the database
-    away (_settle_with_retry -> _database_lost) and lands when it is back (_database_back).
+    away (_with_database -> database_lost) and lands when it is back (database_back).
 
     The settle's outage must not overwrite NO_BACKEND, nor its end set RUNNING: the pause
-    would be forgotten (_paused() is false once _paused_until passes), claiming would resume
+    would be forgotten (paused() is false once paused_until passes), claiming would resume
     with no health probe while every backend is still down."""
     states: list[tuple[str, str]] = []
     runner = make_runner(states, probe_ok=False)
-    runner._pause("no LLM backend reachable")  # slot 1, after its give-back landed
-    runner._database_lost(DatabaseUnavailable(AWAY))  # slot 2's settle meets the outage
-    runner._database_back()  # slot 2's settle retry lands
+    worker_state = runner._worker_state
+    worker_state.pause("no LLM backend reachable")  # slot 1, after its give-back landed
+    worker_state.database_lost(DatabaseUnavailable(AWAY))  # slot 2's settle meets the outage
+    worker_state.database_back()  # slot 2's settle retry lands
     assert runner.state == State.NO_BACKEND, states
-    runner._paused_until = 0.0  # the pause's first 5 s are over
-    assert runner._paused(), "claiming resumed without a health probe"
+    worker_state.paused_until = 0.0  # the pause's first 5 s are over
+    assert worker_state.paused(), "claiming resumed without a health probe"
 
 
 def test_a_resume_during_an_outage_leaves_the_state_waiting_for_the_database(
@@ -76,11 +78,12 @@ def test_a_resume_during_an_outage_leaves_the_state_waiting_for_the_database(
     the rest of the outage."""
     states: list[tuple[str, str]] = []
     runner = make_runner(states, probe_ok=True)
-    runner._database_lost(DatabaseUnavailable(AWAY))  # the dispatcher's claim
-    runner._pause("no LLM backend reachable")  # an item's give-back (its settle abandoned)
-    runner._paused_until = 0.0
-    runner._maybe_resume()  # the probe succeeds: claiming resumed
-    runner._database_lost(DatabaseUnavailable(AWAY))  # the next claim: still away
+    worker_state = runner._worker_state
+    worker_state.database_lost(DatabaseUnavailable(AWAY))  # the dispatcher's claim
+    worker_state.pause("no LLM backend reachable")  # an item's give-back (its settle abandoned)
+    worker_state.paused_until = 0.0
+    worker_state.maybe_resume()  # the probe succeeds: claiming resumed
+    worker_state.database_lost(DatabaseUnavailable(AWAY))  # the next claim: still away
     assert runner.state == State.WAITING_FOR_DATABASE, states
 
 
@@ -88,24 +91,25 @@ def test_an_outage_ending_while_it_is_being_said_does_not_leave_the_runner_waiti
     db: psycopg.Connection, make_runner: MakeRunner
 ) -> None:
     """The dispatcher's claim times out on the pool (DatabaseUnavailable) just as a slot's
-    settle, on a connection it already had, succeeds. Had _database_lost marked the outage
-    and set WAITING_FOR_DATABASE in two steps, the settle's _database_back in between would
+    settle, on a connection it already had, succeeds. Had database_lost marked the outage
+    and set WAITING_FOR_DATABASE in two steps, the settle's database_back in between would
     leave the state waiting with no outage marked, for good: /readyz 503 on a healthy worker.
     (Marked and set under one lock now, the window is gone; the wrapper stays as a guard.)"""
     states: list[tuple[str, str]] = []
     runner = make_runner(states, probe_ok=True)
-    set_state = runner._set_state
+    worker_state = runner._worker_state
+    set_state = worker_state.set
 
     def settle_lands_in_between(state: str, detail: str) -> None:
         if state == State.WAITING_FOR_DATABASE:
-            runner._database_back()  # the other thread's settle, in the window
+            worker_state.database_back()  # the other thread's settle, in the window
         set_state(state, detail)
 
-    runner._set_state = settle_lands_in_between  # type: ignore[method-assign]
-    runner._database_lost(DatabaseUnavailable(AWAY))
-    runner._set_state = set_state  # type: ignore[method-assign]
+    worker_state.set = settle_lands_in_between  # type: ignore[method-assign]
+    worker_state.database_lost(DatabaseUnavailable(AWAY))
+    worker_state.set = set_state  # type: ignore[method-assign]
     # The database answers from now on: the next claims and settles land.
-    runner._database_back()
+    worker_state.database_back()
     runner._claimed_without_error(1)
     assert runner.state == State.RUNNING, states
 
@@ -118,7 +122,8 @@ def test_a_settle_meeting_an_outage_during_shutdown_does_not_report_running(
     would send sd_notify STATUS=running and write a 'running' heartbeat while it stops)."""
     states: list[tuple[str, str]] = []
     runner = make_runner(states, probe_ok=True)
-    runner._set_state(State.STOPPING, "")  # as shutdown() does first
-    runner._database_lost(DatabaseUnavailable(AWAY))  # an item's settle in the grace
-    runner._database_back()  # its retry lands
+    worker_state = runner._worker_state
+    worker_state.set(State.STOPPING, "")  # as shutdown() does first
+    worker_state.database_lost(DatabaseUnavailable(AWAY))  # an item's settle in the grace
+    worker_state.database_back()  # its retry lands
     assert runner.state == State.STOPPING, states

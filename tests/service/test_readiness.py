@@ -17,8 +17,8 @@ import pytest
 from sokratos_worker.config import Settings
 from sokratos_worker.daemon import build_worker
 from sokratos_worker.model import Queue
-from sokratos_worker.runner import State
 from sokratos_worker.store.connection import Database
+from sokratos_worker.worker_state import State
 from tests.support.daemon import daemon_env, start_daemon, wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
@@ -53,12 +53,12 @@ def test_a_failed_contact_makes_the_worker_not_ready_in_any_state(database_url: 
     try:
         worker = build_worker(Settings(), database, lambda _ctx: {}, None, None)
         assert worker._ready()
-        worker.runner.state = State.NO_BACKEND
+        worker.runner._worker_state.state = State.NO_BACKEND
         worker.database_contact.failed()  # the listener lost its connection, say
         assert not worker._ready()
         worker.database_contact.succeeded()  # it listens again
         assert worker._ready()
-        worker.runner.state = State.WAITING_FOR_DATABASE
+        worker.runner._worker_state.state = State.WAITING_FOR_DATABASE
         assert not worker._ready()  # its claims still fail (the pool is exhausted, say)
     finally:
         database.close()

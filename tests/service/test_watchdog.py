@@ -173,7 +173,7 @@ def test_a_status_line_written_after_a_lock_wait_says_the_state_as_it_is(
     the state came before its write)."""
     worker, sock = worker_and_socket
     worker.watchdog._lock_wait = object()  # type: ignore[assignment]  # a wait the next round ends
-    worker.runner.state, worker.runner.state_detail = state, detail
+    worker.runner._worker_state.state, worker.runner._worker_state.detail = state, detail
     with capture_logs():
         worker.watchdog.progressed()
     assert expected in _received(sock), state

@@ -1,0 +1,232 @@
+"""The worker's state (running, waiting for the database, no backend, stopping) and why.
+
+The runner's threads tell a :class:`WorkerState` what they meet: the dispatcher's claims, the
+slots' settles and the lease renewer how each contact with PostgreSQL ended
+(:meth:`~WorkerState.database_lost`, :meth:`~WorkerState.database_back`), a settle that no
+backend can be reached (:meth:`~WorkerState.pause`), the stop that it stops
+(:meth:`~WorkerState.set`). The dispatcher asks it whether claiming is paused and, once the
+pause is over, to probe the backends and resume (:meth:`~WorkerState.maybe_resume`).
+
+The rules: an outage turns running into waiting for the database, and its end turns waiting
+back into running; a backend pause and a stop outlast any outage; a resume during an outage
+goes back to waiting. Each outage and its end are said once, by whichever thread meets them,
+and each change of state is reported to the daemon (``on_state``: sd_notify, metrics,
+heartbeat) once, the last report being of the latest state.
+
+Its lock guards the state alone (the runner's in-flight lock guards the items and the stats):
+no other lock is taken while it is held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+
+import structlog
+
+from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, TableLocked, reached_database
+from sokratos_worker.handlers import Handler
+from sokratos_worker.policy import describe
+
+log = structlog.get_logger(__name__)
+
+_AWAY_HINT = (
+    "items in flight keep their leases and settle when PostgreSQL answers again; nothing is"
+    " lost. Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker check' tells)"
+)
+_LOCKED_HINT = (
+    "another session holds a queue table locked (dispatcher_waiting_for_lock names it); claiming"
+    " goes on when it lets go, and nothing is lost"
+)
+_BUSY_HINT = (
+    "the server answers, but every pooled connection is held by a statement that is slow or"
+    " waits for a lock; claiming goes on when one comes free, and nothing is lost"
+)
+
+
+def _waiting_hint(exc: DatabaseUnavailable) -> str:
+    if isinstance(exc, TableLocked):
+        return _LOCKED_HINT
+    return _BUSY_HINT if isinstance(exc, PoolBusy) else _AWAY_HINT
+
+
+class State:
+    """What the worker is doing, as logs, ``status`` and sd_notify report it."""
+
+    RUNNING = "running"
+    WAITING_FOR_DATABASE = "waiting for database"
+    NO_BACKEND = "no backend"
+    STOPPING = "stopping"
+
+
+class WorkerState:
+    """The worker's state and why, the database outage in progress, and the backend pause."""
+
+    def __init__(
+        self,
+        *,
+        handlers: Collection[Handler],
+        stopping: threading.Event,
+        progress: Callable[[], None],
+        wake: Callable[[], None],
+        on_state: Callable[[str, str], None] | None,
+        on_database_contact: Callable[[bool], None],
+    ) -> None:
+        """``handlers``: probed to end a backend pause, while ``progress`` is reported and
+        until ``stopping`` is set; ``wake``: the dispatcher claims again after a resume;
+        ``on_state(state, detail)``: a change of state; ``on_database_contact(reached)``: how
+        a claim, settle or renewal ended (called on the hot path)."""
+        self.state = State.RUNNING
+        self.detail = ""
+        self._handlers = handlers
+        self._stopping = stopping
+        self._progress = progress
+        self._wake = wake
+        self._on_state = on_state
+        self._on_database_contact = on_database_contact
+        self._lock = threading.Lock()
+        # When the next health probe is due (monotonic); 0 when claiming is not paused.
+        self.paused_until = 0.0
+        self._pause_delay = 5.0
+        # When the database outage in progress was first met (None: no outage), so it is
+        # said once, by whichever thread meets it, and its end with how long it lasted.
+        self._outage_since: float | None = None
+        self._report_lock = threading.Lock()  # state reports go out one at a time
+        self._reported = (self.state, self.detail)
+
+    # -- changes ---------------------------------------------------------------------
+
+    def set(self, state: str, detail: str) -> None:
+        """Change to ``state`` from any state (the stop does)."""
+        with self._lock:
+            self.state, self.detail = state, detail
+        self._report()
+
+    def _move(self, state: str, detail: str, *, only_from: tuple[str, ...]) -> None:
+        """Change to ``state`` only from one of ``only_from`` (checked and changed under the
+        lock: a settle's view of the database must not end a backend pause or a stop)."""
+        with self._lock:
+            if self.state not in only_from:
+                return
+            self.state, self.detail = state, detail
+        self._report()
+
+    def _report(self) -> None:
+        """Tell the daemon the state as it is now, when it changed. One report at a time, each
+        reading the state afresh, so the last report made is of the latest state."""
+        with self._report_lock:
+            now = (self.state, self.detail)
+            if now == self._reported or self._on_state is None:
+                return
+            self._reported = now
+            self._on_state(*now)
+
+    # -- database outages ------------------------------------------------------------
+
+    def contact_failed(self, exc: DatabaseUnavailable) -> None:
+        """Report a contact that did not reach the database (a lock or a full pool did)."""
+        if not reached_database(exc):
+            self._on_database_contact(False)
+
+    def database_lost(self, exc: DatabaseUnavailable) -> None:
+        """A claim or settle met the database away: the first to meet an outage says so; the
+        state turns to waiting from running only (a backend pause or a stop stays)."""
+        self.contact_failed(exc)
+        with self._lock:
+            first = self._outage_since is None
+            if first:
+                self._outage_since = time.monotonic()
+            if self.state == State.RUNNING:
+                self.state, self.detail = State.WAITING_FOR_DATABASE, str(exc)
+        if first:
+            log.warning(
+                "waiting_for_database",
+                error=str(exc),
+                hint=_waiting_hint(exc),
+            )
+        self._report()
+
+    def database_back(self) -> None:
+        """A claim or settle reached the database: the end of an outage is said once."""
+        self._on_database_contact(True)
+        if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
+            return  # the hot path: no lock when there is no outage
+        with self._lock:
+            since, self._outage_since = self._outage_since, None
+            if self.state == State.WAITING_FOR_DATABASE:
+                self.state, self.detail = State.RUNNING, ""
+        if since is not None:
+            log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
+        self._report()
+
+    # -- pause when no backend can be reached ----------------------------------------
+
+    def paused(self) -> bool:
+        """Claiming waits: no backend can be reached, or the pause's probe is not due yet."""
+        return time.monotonic() < self.paused_until or self.state == State.NO_BACKEND
+
+    def pause(self, reason: str, *, probe_failed: bool = False) -> None:
+        """No backend can be reached: stop claiming until a health probe succeeds."""
+        with self._lock:
+            already = self.state == State.NO_BACKEND
+            if (already and not probe_failed) or self.state == State.STOPPING:
+                return  # more items of the same outage must not escalate the probe backoff
+            self.paused_until = time.monotonic() + self._pause_delay
+            if already:
+                self._pause_delay = min(self._pause_delay * 2, 60.0)
+            # Taken under the lock: two items failing at once pause (and say it) once.
+            self.state, self.detail = State.NO_BACKEND, reason
+        if not already:
+            log.warning(
+                "claiming_paused",
+                reason=reason,
+                retry_in_s=self._pause_delay,
+                hint="items wait, their attempts given back, and claiming resumes by itself when"
+                " a health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the"
+                " embedding server up? ('sokratos-worker check' probes them)",
+            )
+        self._report()
+
+    def maybe_resume(self) -> None:
+        """Once the pause's probe is due (the dispatcher asks), probe the backends: resume
+        claiming if one answers, else pause again, for twice as long."""
+        if time.monotonic() < self.paused_until:
+            return
+        if self._probe_while_alive():
+            self._pause_delay = 5.0
+            self.paused_until = 0.0
+            # Back to waiting if the database went away meanwhile: its end sets running.
+            away = self._outage_since is not None
+            self._move(
+                State.WAITING_FOR_DATABASE if away else State.RUNNING,
+                "database unavailable" if away else "",
+                only_from=(State.NO_BACKEND,),
+            )
+            log.info("claiming_resumed")
+            self._wake()
+        else:
+            self.pause(self.detail or "backends still unreachable", probe_failed=True)
+
+    def _probe_while_alive(self) -> bool:
+        """Probe the handlers in a thread, proving progress meanwhile: a probe of several
+        hung backends can outlast the watchdog, and waiting for it is not being stuck."""
+        healthy: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: healthy.append(any(self._probe(h) for h in self._handlers)),
+            name="probe",
+            daemon=True,
+        )
+        thread.start()
+        while thread.is_alive() and not self._stopping.is_set():
+            thread.join(1.0)
+            self._progress()
+        return bool(healthy and healthy[0])
+
+    @staticmethod
+    def _probe(handler: Handler) -> bool:
+        try:
+            return handler.probe()
+        except Exception as exc:
+            log.warning("backend_probe_failed", error=describe(exc))
+            return False
