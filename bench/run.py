@@ -512,7 +512,9 @@ def code_version() -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return "unknown (not a git checkout)"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "sokratos_worker", "bench")
+    # (the results a run writes are not code)
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "sokratos_worker", "sql",
+                "bench", ":!bench/results")
     return commit + (" with uncommitted changes" if dirty else "")
 
 
