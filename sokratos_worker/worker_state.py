@@ -40,8 +40,8 @@ _LOCKED_HINT = (
     " goes on when it lets go, and nothing is lost"
 )
 _BUSY_HINT = (
-    "the server answers, but every pooled connection is held by a statement that is slow or"
-    " waits for a lock; claiming goes on when one comes free, and nothing is lost"
+    "the server answers, but every pooled connection stayed in use (slow statements, lock"
+    " waits); claiming goes on when one comes free, and nothing is lost"
 )
 
 

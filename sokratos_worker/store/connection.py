@@ -459,8 +459,8 @@ class Database:
                 raise  # some are being (re)opened and failing: an outage, as translated
             raise PoolBusy(
                 f"all {self.pool.max_size} pooled connections stayed in use for"
-                f" {self.pool.timeout:g}s: the worker's statements are slow or wait for locks"
-                " (pg_stat_activity shows what they wait for)"
+                f" {self.pool.timeout:g}s (the server answers: pg_stat_activity shows what the"
+                " worker's sessions are doing or waiting for)"
             ) from exc
 
     @contextmanager

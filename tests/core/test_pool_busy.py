@@ -105,7 +105,7 @@ def test_the_runner_waiting_on_a_busy_pool_says_so_and_reports_no_failed_contact
             runner._worker_state.database_lost(PoolBusy("all 2 pooled connections stayed in use for 5s"))
         assert runner.state == State.WAITING_FOR_DATABASE
         [waiting] = [e for e in logs if e["event"] == "waiting_for_database"]
-        assert "every pooled connection is held" in waiting["hint"]
+        assert "every pooled connection stayed in use" in waiting["hint"]
         assert "Is the server up" not in waiting["hint"]
         assert False not in contacts
         runner._worker_state.database_back()
