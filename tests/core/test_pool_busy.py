@@ -19,6 +19,7 @@ from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
 from sokratos_worker.worker_state import State
+from tests.support.daemon import wait_until
 from tests.support.handlers import ScriptedHandler, fast_settings
 
 
@@ -65,6 +66,48 @@ def test_a_connection_held_by_a_slot_between_uses_counts_as_lent(database_url: s
         thread.join(30)
         database.close()
     assert not thread.is_alive()
+
+
+def test_connections_given_back_by_every_path_no_longer_count_as_lent(database_url: str) -> None:
+    """Each way a connection goes back (a plain use, one that raised, a slot's held one after a
+    use that raised, a slot's at its end, one lent to a waiting thread) is counted back: a count
+    left behind would call a later timeout busy while the pool was in fact reopening."""
+    database = Database(database_url, size=1, keep_open=1)
+    try:
+        with database.connection() as conn:
+            conn.execute("SELECT 1")
+        with pytest.raises(ZeroDivisionError), database.connection():
+            raise ZeroDivisionError
+        with database.holding():
+            with pytest.raises(ZeroDivisionError), database.connection():
+                raise ZeroDivisionError
+            with database.connection() as conn:
+                conn.execute("SELECT 1")
+        with database.holding():
+            with database.connection() as conn:
+                conn.execute("SELECT 1")
+
+            def use() -> None:
+                with database.connection() as other:
+                    other.execute("SELECT 1")
+
+            waiter = threading.Thread(target=use)
+            waiter.start()  # another thread waits for the held connection
+            waiting = lambda: database.pool.get_stats().get("requests_waiting", 0) == 1  # noqa: E731
+            assert wait_until(waiting, timeout=10)
+            database.lend_if_wanted()
+            waiter.join(30)
+            assert not waiter.is_alive()
+        # The only connection, taken past the worker's threads (as while it is being reopened).
+        outside = database.pool.getconn()
+        try:
+            with pytest.raises(DatabaseUnavailable) as raised:
+                database.connection().__enter__()
+            assert not isinstance(raised.value, PoolBusy)
+        finally:
+            database.pool.putconn(outside)
+    finally:
+        database.close()
 
 
 def test_a_checkout_from_an_absent_server_stays_an_outage() -> None:
