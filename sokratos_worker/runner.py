@@ -223,7 +223,7 @@ class Runner:
             self._stats.add(queue, kind, backend)
 
     def _release_unrun(self, items: list[Item], on: Connection | None = None) -> None:
-        """Give back items claimed as the stop came, counted as given_back in the stats."""
+        """Give back items claimed as the stop or a pause came (counted as given_back)."""
         released = self._settler.release(items, on)
         with self._lock:
             for item in released:
@@ -338,7 +338,7 @@ class Runner:
                     self._shares.claimed(q, all_asked=len(items) >= limit)
                     if len(items) < limit:
                         short.add(q)
-                    fresh = self._track_claimed(items)
+                    fresh = None if self._paused_meanwhile(items) else self._track_claimed(items)
                     if fresh is None:
                         self._release_unrun(items, conn)
                         break
@@ -377,6 +377,11 @@ class Runner:
                 yield conn
             finally:
                 self.dispatcher_backend_pid = None
+
+    def _paused_meanwhile(self, claimed: list[Item]) -> bool:
+        """True when claiming paused while ``claimed`` was being claimed: nothing starts once a
+        pause has begun (an item just given back would run again at once)."""
+        return bool(claimed) and self._worker_state.paused()
 
     def _track(self, item: Item) -> bool:
         """Record one claimed item; False when a slot here is already running it, or the stop
@@ -523,10 +528,10 @@ class Runner:
             self._shares.claimed(claim_from, all_asked=bool(next_items))
         kind = self._settler.report_success(item, effects, result, bound, started)
         # Tracked first, so in-flight never reads 0 in between.
-        fresh = self._track_claimed(next_items)
+        fresh = None if self._paused_meanwhile(next_items) else self._track_claimed(next_items)
         self._untrack(item)
         if fresh is None:
-            # Claimed as the stop came: given back, not run (and not left to the lease).
+            # Claimed as the stop or a pause came: given back, not run (nor left to the lease).
             self._release_unrun(next_items)
             return None, kind
         if claim_from is not None and not next_items and len(self.queues) > 1:

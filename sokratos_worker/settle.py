@@ -244,7 +244,9 @@ class Settler:
         return kind
 
     def _give_back(self, item: Item, decision: Decision, bound: structlog.BoundLogger) -> str:
-        """Not the item's fault: its attempt given back, and claiming paused."""
+        """Not the item's fault: claiming paused, and its attempt given back."""
+        # Paused first: an item given back before the pause was claimed again at once.
+        self._pause(decision.reason)
         kind = ABANDONED  # unless the give-back lands
         given = self._with_database(
             item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
@@ -253,7 +255,6 @@ class Settler:
             kind = RELEASED if given else self.report_fenced(item, bound, released=RELEASED)
         self._count(item.queue, "given_back")
         bound.warning("attempt_given_back", reason=decision.reason)
-        self._pause(decision.reason)
         return kind
 
     def _schedule_retry(

@@ -70,29 +70,31 @@ def test_a_refused_settle_after_an_adopted_reclaim_is_retried_under_the_new_clai
     assert done == [("pending_triage", "retry")] and runner.inflight_count() == 0
 
 
-def test_a_claim_landing_between_give_back_and_untrack_is_run_not_leaked(
+def test_a_claim_landing_between_give_back_and_untrack_is_given_back_not_leaked(
     db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (item_id,) = enqueue_many(db, 1, behaviour="unavailable")
+    """The give-back has landed and the slot still tracks the item when another thread's claim
+    takes it again. Claiming paused before the give-back (test_pause_before_give_back.py), so
+    that claim gives it back too, its attempt uncounted: not run, not left leased."""
+    enqueue_many(db, 1, behaviour="unavailable")
     database = Database(database_url, size=4)
     done: list[tuple[str, str]] = []
     runner, _ = _runner(database, done)
     (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
     runner._track(item)
-    real_pause = runner._settler._pause
+    real_count = runner._settler._count
 
-    def pause_after_a_concurrent_claim(reason: str, **kwargs: Any) -> None:
+    def count_after_a_concurrent_claim(*args: Any, **kwargs: Any) -> None:
         runner._claim_for_idle_slots()  # another thread's claim lands in this window
-        real_pause(reason, **kwargs)
+        real_count(*args, **kwargs)
 
-    monkeypatch.setattr(runner._settler, "_pause", pause_after_a_concurrent_claim)
+    monkeypatch.setattr(runner._settler, "_count", count_after_a_concurrent_claim)
     runner._process(item)
     database.close()
-    assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (1, "test")
-    # The new claim (its attempt counted) goes to a slot, tracked and renewed like any other.
-    assert runner.inflight_count() == 1 and not runner._inflight._adopted
-    handed = runner._handoff.get_nowait()
-    assert handed is not None and (handed.id, handed.attempt) == (item_id, 1)
+    assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (0, None)
+    assert runner.inflight_count() == 0 and not runner._inflight._adopted
+    assert runner._handoff.empty()
+    assert runner.take_stats().counts[Queue.TRIAGE]["given_back"] == 2
 
 
 def test_an_abandoned_attempt_counts_even_when_its_lease_expires_unclaimed(
