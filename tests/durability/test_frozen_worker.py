@@ -125,13 +125,15 @@ def test_frozen_while_idle_resumes_quietly(
         try:
             assert wait_until(lambda: "worker_started" in log_a.read_text(), timeout=60)
             time.sleep(2.0)
-            # Someone else's item, leased to another worker, while A sleeps.
-            other = enqueue_triage(db, exchange("tokoth1", save=True))
-            db.execute(
-                "UPDATE pending_triage SET lease_owner = 'someone-else', attempts = 1,"
-                " lease_expires_at = now() + interval '60 seconds' WHERE id = %s",
-                (other[1],),
-            )
+            # Someone else's item, leased to another worker, while A sleeps: enqueued and
+            # leased in one transaction, so A (woken by the commit's NOTIFY) never claims it.
+            with db.transaction():
+                other = enqueue_triage(db, exchange("tokoth1", save=True))
+                db.execute(
+                    "UPDATE pending_triage SET lease_owner = 'someone-else', attempts = 1,"
+                    " lease_expires_at = now() + interval '60 seconds' WHERE id = %s",
+                    (other[1],),
+                )
             os.kill(a.pid, signal.SIGSTOP)
             time.sleep(10.0)
             resumed = time.time()
