@@ -127,9 +127,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _running(pid: int, module: str) -> bool:
-    """``pid`` runs ``module`` (it has exec'd the server command)."""
+    """``pid`` runs ``module`` (it has exec'd the server command): the module is one of its
+    arguments. A child forked but not yet exec'd shows the driver's command line, whose code
+    names the module inside a longer argument (CI once saw two "servers" that way)."""
     try:
-        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
 
