@@ -202,3 +202,40 @@ def test_a_long_conversation_archived_after_failing_keeps_every_chunk(
     archived = "\n".join(summary for _, summary in rows)
     for n in range(len(MESSAGES)):
         assert f"message {n}: " in archived, f"message {n} was lost from the raw archive"
+
+
+def test_a_replayed_archive_with_identical_chunks_lists_each_earlier_chunk_once(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Three chunks of one text (a pasted log, say) were saved as three memories; the replay
+    failing again lists those three, each once (a mutation review reused the first id for all
+    three: the outcome then named one memory three times and two were nobody's)."""
+    line = "tail -f /var/log/syslog: the backup finished without errors. " * 17 + "\n"
+    payload = {"archive_text": line * 3}
+    (item_id,) = db.execute(
+        "SELECT sokratos_enqueue_distillation(%s::jsonb)", (json.dumps(payload),)
+    ).fetchone()
+    with ScriptedLLM(chat=_never_valid) as server:
+        _drain(database_url, server)
+        (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            replay = failures.retry_failure(conn, failure_id)
+        assert replay.item_id is not None, replay.message
+        _drain(database_url, server)  # the replay fails the same way
+    saved = [
+        row[0]
+        for row in db.execute(
+            "SELECT id FROM memories WHERE source = 'conversation_archive' ORDER BY id"
+        )
+    ]
+    assert len(saved) == 3, f"expected the three chunks once each, found memories {saved}"
+    first, again = (
+        db.execute(
+            "SELECT outcome, memory_ids FROM work_outcomes WHERE item_id = %s", (id_,)
+        ).fetchone()
+        for id_ in (item_id, replay.item_id)
+    )
+    assert first is not None and again is not None
+    assert first[0] == again[0] == "archived"
+    assert sorted(first[1]) == saved
+    assert sorted(again[1]) == saved, f"the replay listed {again[1]}, not each chunk once"
