@@ -163,3 +163,18 @@ def test_a_source_that_is_neither_conversation_nor_email_is_named_before_the_dat
     with psycopg.connect(database_url) as conn, pytest.raises(InvalidPayload, match="source"):
         client.enqueue(conn, Queue.TRIAGE, payload, source=source)
     assert db.execute("SELECT count(*) FROM pending_triage").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("exchange", "stdin"), [("  \n", None), ("-", "\n\t\n")], ids=["argument", "stdin"]
+)
+def test_a_blank_exchange_is_refused_before_the_database_or_the_spool(
+    tmp_path: Path, exchange: str, stdin: str | None
+) -> None:
+    """A blank exchange (an empty variable, an empty pipe) is nothing to triage: refused
+    naming --exchange, never spooled to be dead-lettered by a worker later."""
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL="postgresql://x@127.0.0.1:1/none")
+    done = run_cli(["enqueue", "triage", "--exchange", exchange], env, stdin=stdin)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.strip() == "sokratos-worker: invalid payload: --exchange is empty"
+    assert not (tmp_path / "data" / "spool").exists()
