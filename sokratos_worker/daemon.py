@@ -10,14 +10,12 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
-import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import structlog
@@ -29,7 +27,6 @@ from sokratos_worker.build import build_version
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, reached_database
-from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
@@ -38,6 +35,7 @@ from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, sc
 from sokratos_worker.service.metrics import Metrics, MetricsServer
 from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
+from sokratos_worker.service.stop_requests import StopRequests
 from sokratos_worker.service.watchdog import DispatcherWatchdog
 from sokratos_worker.spool import import_spool
 from sokratos_worker.store import failures as failures_store
@@ -59,10 +57,6 @@ SIGNAL_POLL_S = 0.25
 EMAIL_CHECK_EVERY_S = 60.0
 # A stopped email check ends within moments (its session is cut); never wait on it longer.
 EMAIL_STOP_WAIT_S = 5.0
-SECOND_SIGNAL_LINE = (
-    '{{"event": "second_signal_exiting_now", "signal": "{signal}", "level": "warning",'
-    ' "hint": "the leases of the items in flight expire and they run again"}}\n'
-)
 
 # Why a worker without handlers claims nothing: its reported state is "no backend" with this.
 NO_BACKEND_CONFIGURED = (
@@ -91,25 +85,14 @@ class Worker:
     runner: Runner = field(init=False)
     watchdog: DispatcherWatchdog = field(init=False)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _signal_name: str | None = None  # the operator's signal: set by the handler, acted on
-    _signal_logged: bool = False  # by the main thread; logged once
-    _internal_stop: str | None = None  # stop_with's reason (never read by the handler)
-    # When each stop came (monotonic): each is written by its own side only, so which came
-    # first decides the exit code without a check-then-write race between the two threads.
-    _signal_at: float | None = None
-    _internal_at: float | None = None
-    _internal_code: int = EXIT_OK
+    stops: StopRequests = field(default_factory=StopRequests)
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
 
     @property
     def exit_code(self) -> int:
         """What serve() returns: 0, or stop_with()'s code when no operator signal came first."""
-        if self._internal_at is None:
-            return EXIT_OK
-        if self._signal_at is not None and self._signal_at <= self._internal_at:
-            return EXIT_OK
-        return self._internal_code
+        return self.stops.exit_code
 
     def __post_init__(self) -> None:
         # (Its callbacks read the runner, built next: the runner reports progress to it.)
@@ -430,52 +413,29 @@ class Worker:
 
     def stop_with(self, code: int, reason: str) -> None:
         """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
-        (the local model server that keeps dying).
-
-        Kept apart from the operator's signal: the handler's first-or-second decision reads
-        only :attr:`_signal_name`, so the operator's first SIGTERM after this is still a first
-        signal (items in flight keep their grace). ``code`` is the exit code only when no
-        operator signal came first: a requested stop exits 0 whatever happens meanwhile.
-        """
-        if self._internal_stop is None:
-            self._internal_code = code
-            self._internal_at = time.monotonic()
-            self._internal_stop = reason
+        (the local model server that keeps dying) unless an operator's signal came first."""
+        self.stops.request(code, reason)
 
     @property
     def stop_requested(self) -> bool:
         """A stop signal arrived, or :meth:`stop_with` asked for a stop."""
-        return self._signal_name is not None or self._internal_stop is not None
+        return self.stops.requested
 
     def install_signals(self) -> None:
         """SIGTERM, SIGINT and SIGHUP stop claiming and let items in flight finish (a hangup,
-        such as a closed terminal, would otherwise kill the process with items leased).
-
-        The handler only records the signal: it runs between two bytecodes of the main
-        thread, which may hold the log's lock at that moment, and a handler that logged there
-        deadlocked on a second signal. The main thread acts on it (:meth:`notice_signal`).
-        """
-
-        def handle(signum: int, _frame: FrameType | None) -> None:
-            name = signal.Signals(signum).name
-            if self._signal_name is not None:
-                # No logger here (its lock may be held): one line straight to stderr.
-                os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
-                os._exit(EXIT_FAILURE)
-            self._signal_at = time.monotonic()
-            self._signal_name = name
-
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, handle)
+        such as a closed terminal, would otherwise kill the process with items leased); the
+        main thread acts on them in :meth:`notice_signal`."""
+        self.stops.install()
 
     def notice_signal(self) -> bool:
         """In the main thread: act on a recorded stop signal or :meth:`stop_with` (stop
         claiming); True once stopping."""
-        signal_name, internal = self._signal_name, self._internal_stop
+        stops = self.stops
+        signal_name, internal = stops.signal_name, stops.internal_reason
         if signal_name is None and internal is None:
             return False
-        if signal_name is not None and not self._signal_logged:
-            self._signal_logged = True
+        if signal_name is not None and not stops.signal_logged:
+            stops.signal_logged = True
             log.info(
                 "signal_received",
                 signal=signal_name,

@@ -6,25 +6,23 @@ from __future__ import annotations
 
 import signal
 import sys
-from types import SimpleNamespace
 
 import pytest
 import structlog
 
-from sokratos_worker.daemon import Worker
+from sokratos_worker.service.stop_requests import STOP_SIGNALS, StopRequests
 
 
 @pytest.mark.timeout(10)
 def test_a_signal_landing_inside_a_log_write_is_recorded_without_taking_a_lock() -> None:
-    stub = SimpleNamespace(_signal_name=None)
-    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.getsignal(s) for s in stops}
+    stops = StopRequests()
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
-        Worker.install_signals(stub)  # type: ignore[arg-type]
+        stops.install()
         stderr_lock = structlog._output._get_lock_for_file(sys.stderr)
         with stderr_lock:  # a log line is being written when the signal lands
             signal.raise_signal(signal.SIGHUP)
-        assert stub._signal_name == "SIGHUP"
+        assert stops.signal_name == "SIGHUP"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

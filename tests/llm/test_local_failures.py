@@ -384,16 +384,16 @@ os._exit(0)
 )
 
 
-# The operator's signal lands while the watcher is inside stop_with (after its first line):
-# the old check-then-write saw no signal yet and wrote 75 after it, so a stop the operator
-# asked for exited 75. A trace on the watcher thread puts the signal exactly there.
+# The operator's signal lands while the watcher is inside stop_with's request (after its first
+# line): the old check-then-write saw no signal yet and wrote 75 after it, so a stop the
+# operator asked for exited 75. A trace on the watcher thread puts the signal exactly there.
 _SIGTERM_INSIDE_GIVE_UP = (
     _GIVE_UP_PRELUDE
     + """
 lines = []
 
 def tracer(frame, event, arg):
-    if frame.f_code.co_name != "stop_with":
+    if frame.f_code.co_name != "request":  # (StopRequests.request, which stop_with calls)
         return None
     def on_line(frame, event, arg):
         if event == "line":

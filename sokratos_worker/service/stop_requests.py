@@ -1,0 +1,78 @@
+"""Who asked the daemon to stop, and so which exit code it ends with.
+
+Two kinds of stop arrive from two places: the operator's signal (SIGTERM, SIGINT, SIGHUP),
+recorded by a signal handler in the main thread, and the worker's own stop (the local model
+server that keeps dying), requested from a watcher thread. Each side writes only its own
+fields, with the moment it came, so the exit code is decided by which came first without a
+check-then-write race between the threads: a stop the operator asked for exits 0 whatever
+happens meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+
+from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
+
+SECOND_SIGNAL_LINE = (
+    '{{"event": "second_signal_exiting_now", "signal": "{signal}", "level": "warning",'
+    ' "hint": "the leases of the items in flight expire and they run again"}}\n'
+)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StopRequests:
+    """The operator's stop signal and the worker's own stop request, kept apart."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None  # set by the handler, acted on by the main thread
+        self.signal_logged = False  # (the main thread logs it once)
+        self.internal_reason: str | None = None  # request()'s reason: the handler never reads it
+        self._signal_at: float | None = None  # (monotonic)
+        self._internal_at: float | None = None
+        self._internal_code = EXIT_OK
+
+    def install(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP ask for a stop; a second one exits at once.
+
+        The handler only records the signal: it runs between two bytecodes of the main
+        thread, which may hold the log's lock at that moment, and a handler that logged there
+        deadlocked on a second signal. The main thread acts on it (Worker.notice_signal).
+        """
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            # No logger here (its lock may be held): one line straight to stderr.
+            os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
+            os._exit(EXIT_FAILURE)
+        self._signal_at = time.monotonic()
+        self.signal_name = name
+
+    def request(self, code: int, reason: str) -> None:
+        """From any thread: the worker's own stop, to exit ``code`` unless the operator's
+        signal came first. Only the first request counts; it is never a first signal, so the
+        operator's first SIGTERM after it still lets items in flight finish."""
+        if self.internal_reason is None:
+            self._internal_code = code
+            self._internal_at = time.monotonic()
+            self.internal_reason = reason
+
+    @property
+    def requested(self) -> bool:
+        """A stop signal arrived, or :meth:`request` asked for a stop."""
+        return self.signal_name is not None or self.internal_reason is not None
+
+    @property
+    def exit_code(self) -> int:
+        """0, or :meth:`request`'s code when no operator signal came first."""
+        if self._internal_at is None:
+            return EXIT_OK
+        if self._signal_at is not None and self._signal_at <= self._internal_at:
+            return EXIT_OK
+        return self._internal_code
