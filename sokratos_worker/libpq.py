@@ -45,6 +45,8 @@ _INTEGERS = (
     "tcp_user_timeout",
 )
 _AUTH_METHODS = ("password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none")
+# What Linux's setsockopt accepts for each (TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT).
+_KEEPALIVE_MOST = {"keepalives_idle": 32767, "keepalives_interval": 32767, "keepalives_count": 127}
 
 
 def option_problem(options: Mapping[str, object], *, combined: bool = True) -> str | None:
@@ -92,7 +94,25 @@ def option_problem(options: Mapping[str, object], *, combined: bool = True) -> s
         value = options.get(key)
         if value is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", str(value)):
             return f"has an invalid {key} {str(value)!r} (a whole number)"
+    if (problem := _keepalive_problem(options)) is not None:
+        return problem
     return _require_auth_problem(options.get("require_auth"))
+
+
+def _keepalive_problem(options: Mapping[str, object]) -> str | None:
+    """A keepalive setting the kernel refuses, unless keepalives=0 leaves them unused.
+
+    libpq hands each to setsockopt at every TCP connect, and Linux refuses one out of its
+    range ("setsockopt(TCP_KEEPIDLE) failed: Invalid argument"): waited out as an outage,
+    exit 75 and restarted for ever, instead of this configuration error."""
+    keepalives = options.get("keepalives")
+    if keepalives is not None and int(str(keepalives)) == 0:
+        return None
+    for key, most in _KEEPALIVE_MOST.items():
+        value = options.get(key)
+        if value is not None and not 1 <= int(str(value)) <= most:
+            return f"has {key} {int(str(value))}: the kernel refuses it (Linux accepts 1-{most})"
+    return None
 
 
 def sslmode_problem(options: Mapping[str, object]) -> tuple[str, str] | None:

@@ -105,7 +105,8 @@ def _missing_privileges(conn: psycopg.Connection) -> list[ConfigError]:
            SELECT s.oid::regclass::text, 'USAGE'
            FROM pg_depend d JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
            WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
-             AND d.deptype IN ('a', 'i')
+             -- (a serial's sequence: an identity column's needs no grant to number rows)
+             AND d.deptype = 'a'
              AND d.refobjid IN (SELECT rel FROM wanted WHERE privilege = 'INSERT')
              -- CASE: the planner may ask before the join has kept sequences only.
              AND CASE WHEN s.relkind = 'S' THEN NOT has_sequence_privilege(s.oid, 'USAGE')
