@@ -172,7 +172,8 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
         return record, _parse(record)
     except FileNotFoundError:
         _taken(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    # (RecursionError: nesting too deep for json; left out, the file held up every later one)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         _reject(path, database, f"unreadable spool file: {exc}", None)
     return None
 
