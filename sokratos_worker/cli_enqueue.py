@@ -77,6 +77,8 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
         payload = json.loads(text)
     except ValueError as exc:
         raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # (deeper than Python's limit: "[[[[…" in a loop)
+        raise InvalidPayload("--file", "is nested too deeply to read as JSON") from exc
     if not isinstance(payload, dict):
         raise InvalidPayload("--file", "must hold a JSON object")
     client.check_distillation(payload)

@@ -358,7 +358,7 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
     for path in files:
         try:
             meant_for = json.loads(path.read_text(encoding="utf-8")).get("database")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue  # unreadable: the next import reports it as a failure
         if isinstance(meant_for, str) and meant_for != identity:
             counts[meant_for] = counts.get(meant_for, 0) + 1
