@@ -24,7 +24,7 @@ import time
 import types
 from collections.abc import Iterator
 from contextlib import redirect_stderr
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from pydantic import SecretStr
 from structlog.testing import capture_logs
 
 from sokratos_worker.config import BackendConfig
-from sokratos_worker.llm.local import MODEL_ALIAS, LocalModelError, listens_on
+from sokratos_worker.llm.local import LocalModelError, listens_on
 from sokratos_worker.logs import (
     REDACTED,
     RepeatedLineFilter,
@@ -52,6 +52,7 @@ from sokratos_worker.store.embedded import (
     _clear_interrupted_initdb,
     prune_dead_holders,
 )
+from tests.llm.test_local_failures import _OtherModelServer
 from tests.llm.test_local_process import StandIn, _StandInHandler
 from tests.support.daemon import ROOT, wait_until
 from tests.support.operator import REPO, cli_env
@@ -409,21 +410,6 @@ def test_restarts_older_than_ten_minutes_do_not_count(watched: _Watched) -> None
     assert watched.gave_up == []
     assert watched.stop_event.backoffs == [1.0]
     assert len(watched.server.restarts) == 1
-
-
-class _OtherModelServer(BaseHTTPRequestHandler):
-    """Another process's model server: same alias, answers /v1/models."""
-
-    def do_GET(self) -> None:
-        data = json.dumps({"data": [{"id": MODEL_ALIAS, "object": "model"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 def _take_port(port: int, timeout: float = 5.0) -> ThreadingHTTPServer:
