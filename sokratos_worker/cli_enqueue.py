@@ -10,11 +10,11 @@ spooled then; a spool that cannot be written either ends the command with exit 7
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sokratos_worker import jsontext
 from sokratos_worker.command_database import EmbeddedUnavailable, database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, WorkerError
@@ -74,11 +74,11 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
     except UnicodeDecodeError as exc:
         raise InvalidPayload("--file", f"is not UTF-8 text: {exc.reason}") from exc
     try:
-        payload = json.loads(text)
+        payload = jsontext.loads(text)
+    except jsontext.NestedTooDeeply as exc:
+        raise InvalidPayload("--file", f"is {exc}") from exc
     except ValueError as exc:
         raise InvalidPayload("--file", f"is not valid JSON: {exc}") from exc
-    except RecursionError as exc:  # (deeper than Python's limit: "[[[[…" in a loop)
-        raise InvalidPayload("--file", "is nested too deeply to read as JSON") from exc
     if not isinstance(payload, dict):
         raise InvalidPayload("--file", "must hold a JSON object")
     client.check_distillation(payload)

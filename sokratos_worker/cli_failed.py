@@ -17,7 +17,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from sokratos_worker import closed_stdout
+from sokratos_worker import closed_stdout, jsontext
 from sokratos_worker.command_database import database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import InvalidPayload, TableLocked
@@ -116,11 +116,11 @@ def _failure_document(found: dict[str, Any]) -> str:
         return placeholder
 
     try:
-        parsed = None if context is None else json.loads(context, parse_float=number)
+        parsed = None if context is None else jsontext.loads(context, parse_float=number)
         document = json.dumps(
             {**found, "context_data": parsed}, default=str, indent=2, ensure_ascii=False
         )
-    except (RecursionError, ValueError):  # ValueError: an integer over Python's 4300 digits
+    except ValueError:  # too deep, or an integer over Python's 4300 digits
         pass
     else:
         for placeholder, text in stored.items():

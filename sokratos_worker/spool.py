@@ -19,6 +19,7 @@ import structlog
 from psycopg import errors as pg_errors
 from psycopg.types.json import Jsonb
 
+from sokratos_worker import jsontext
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
@@ -168,12 +169,11 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
 def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:
     """The file's record and its fields; None when it is gone or was rejected as unreadable."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = jsontext.loads(path.read_text(encoding="utf-8"))
         return record, _parse(record)
     except FileNotFoundError:
         _taken(path)
-    # (RecursionError: nesting too deep for json; left out, the file held up every later one)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         _reject(path, database, f"unreadable spool file: {exc}", None)
     return None
 
@@ -357,8 +357,8 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
         files = []  # said by spool_problems
     for path in files:
         try:
-            meant_for = json.loads(path.read_text(encoding="utf-8")).get("database")
-        except (OSError, ValueError, AttributeError, RecursionError):
+            meant_for = jsontext.loads(path.read_text(encoding="utf-8")).get("database")
+        except (OSError, ValueError, AttributeError):
             continue  # unreadable: the next import reports it as a failure
         if isinstance(meant_for, str) and meant_for != identity:
             counts[meant_for] = counts.get(meant_for, 0) + 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from sokratos_worker import jsontext
 from sokratos_worker.llm.http import excerpt
 from sokratos_worker.llm.reply import ReplyInvalid
 
@@ -30,8 +31,8 @@ class Answer:
 def completion(response: httpx.Response) -> tuple[Any, str | None]:
     """The parsed body, and why it is not an OpenAI chat completion (None when it is one)."""
     try:
-        payload = response.json()
-    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
+        payload = jsontext.loads(response.content)
+    except ValueError:
         kind = response.headers.get("content-type", "no content type").split(";")[0]
         return None, f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):

@@ -33,6 +33,7 @@ from tenacity import (
     wait_random,
 )
 
+from sokratos_worker import jsontext
 from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.http import (
     ClientPerThread,
@@ -285,12 +286,11 @@ class HttpEmbedder:
 
     def _vectors(self, response: httpx.Response, expected: int) -> list[list[float]]:
         try:
-            payload: Any = response.json()
+            payload: Any = jsontext.loads(response.content)
             data = payload["data"]
             raw = [d["embedding"] for d in data]
             indices = [d.get("index") for d in data]
-        # (RecursionError: a body nested past Python's limit)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise EmbeddingReplyInvalid("embedding response is not in the OpenAI format") from exc
         if len(raw) != expected:
             raise EmbeddingReplyInvalid(
@@ -342,8 +342,8 @@ def _too_large(status: int, body_start: str) -> bool:
 def _server_message(response: httpx.Response, body_start: str) -> str:
     """An OpenAI-style error body's message (Ollama's too), else the body's first bytes."""
     try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError, RecursionError):
+        error = jsontext.loads(response.content).get("error")
+    except (ValueError, AttributeError):
         return body_start
     message = error.get("message") if isinstance(error, dict) else error
     return message if isinstance(message, str) and message.strip() else body_start

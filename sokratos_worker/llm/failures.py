@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from sokratos_worker import jsontext
 from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.backend import Backend
 from sokratos_worker.llm.http import Verdict
@@ -122,8 +123,8 @@ def _server_says(response: httpx.Response, secrets: Sequence[str] = ()) -> str:
     """``: <the error message>`` of an OpenAI-style error body (bounded, ``secrets`` masked),
     or nothing."""
     try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError, RecursionError):
+        error = jsontext.loads(response.content).get("error")
+    except (ValueError, AttributeError):
         return ""
     message = error.get("message") if isinstance(error, dict) else error
     if not isinstance(message, str) or not message.strip():

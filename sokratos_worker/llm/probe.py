@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import httpx
 from pydantic import BaseModel
 
+from sokratos_worker import jsontext
 from sokratos_worker.config import BackendConfig, Settings
 from sokratos_worker.errors import BackendsUnavailable
 from sokratos_worker.llm.chat import RUN_CHECK, FallbackChatClient, RetryPolicy
@@ -121,8 +122,8 @@ def _check_models(config: BackendConfig) -> str | None:
     if response.status_code != 200:
         return None  # not every server offers the list; the structured call decides
     try:
-        ids = [str(m.get("id")) for m in response.json().get("data", [])]
-    except (ValueError, AttributeError, RecursionError):
+        ids = [str(m.get("id")) for m in jsontext.loads(response.content).get("data", [])]
+    except (ValueError, AttributeError):
         return None
     if ids and not any(_same_model(config.model, i) for i in ids):
         return f"model {config.model!r} not offered (server has: {', '.join(ids[:5])})"

@@ -6,12 +6,12 @@ validate is a failed call (the caller feeds the error back once, then moves on).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from sokratos_worker import jsontext
 from sokratos_worker.llm.cleaning import clean_llm_json
 
 T = TypeVar("T", bound=BaseModel)
@@ -53,7 +53,7 @@ def _load(text: str) -> Any:
     could cut a string that mentions a code fence or ``</think>`` apart."""
     try:
         strict = _json(text)
-    except (ValueError, RecursionError):  # nested past Python's limit ("[[[[…" in a loop)
+    except ValueError:
         strict = None
     if isinstance(strict, dict):
         return strict
@@ -61,14 +61,12 @@ def _load(text: str) -> Any:
         return _json(clean_llm_json(text))
     except ValueError as exc:
         raise ReplyInvalid(f"the reply is not a JSON object ({exc})") from exc
-    except RecursionError as exc:
-        raise ReplyInvalid("the reply is not a JSON object (nested too deeply)") from exc
 
 
 def _json(text: str) -> Any:
     """``json.loads`` without NaN and Infinity, which JSON does not have and which would slip
     past every range check (NaN compares false with any bound)."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    return jsontext.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
 def _no_constant(name: str) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from sokratos_worker import libpq
+from sokratos_worker import jsontext, libpq
 from sokratos_worker.child_environment import secrets_withheld
 
 log = structlog.get_logger(__name__)
@@ -374,7 +374,7 @@ def _holder_alive(pid: int) -> bool:
 
 def _read_pids(path: Path) -> list[int] | None:
     try:
-        values = json.loads(path.read_text("utf-8"))
+        values = jsontext.loads(path.read_text("utf-8"))
     except FileNotFoundError:
         return []
     except (OSError, ValueError):

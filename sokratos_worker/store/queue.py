@@ -17,6 +17,7 @@ from psycopg.abc import Params
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
+from sokratos_worker import jsontext
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.store.memories import Written, archive_already_saved, write_effects
@@ -67,8 +68,8 @@ def _safe_loads(data: bytes | str) -> Any:
     deeper than Python's recursion limit, an integer of over 4300 digits) becomes a marker
     holding the text, instead of crashing the claim (which had leased the batch already)."""
     try:
-        return json.loads(data)
-    except (RecursionError, ValueError):  # ValueError: an integer over Python's 4300 digits
+        return jsontext.loads(data)
+    except ValueError:
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
         return {UNPARSABLE_KEY: text}
 
