@@ -99,7 +99,8 @@ class Runner:
         self._on_progress = on_progress
         self._on_item_done = on_item_done
         self._stop_claiming = threading.Event()
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # shut down: the lease renewer ends with it
+        self._drained = threading.Event()  # a drain-only dispatcher has finished
         # The worker's state; the threads below tell it what they meet.
         self._worker_state = WorkerState(
             handlers=self.handlers.values(),
@@ -187,7 +188,7 @@ class Runner:
 
     def wait_drained(self, timeout: float | None = None) -> bool:
         """Block until the dispatcher has finished a drain-only run."""
-        return self._stopped.wait(timeout)
+        return self._drained.wait(timeout)
 
     def shutdown(self, grace_s: float) -> int:
         """Stop claiming, let in-flight items finish within ``grace_s``, release the rest.
@@ -287,7 +288,9 @@ class Runner:
                 deadline = time.monotonic() + self.settings.shutdown_grace + extra
                 while self.inflight_count() and time.monotonic() < deadline:
                     time.sleep(0.02)
-                self._stopped.set()
+                # Not _stopped: items still in flight keep their leases renewed until the
+                # shutdown settles or releases them.
+                self._drained.set()
 
     def _budget_spent(self) -> bool:
         """``run --once`` claims nothing once its SOKRATOS_TICK_BUDGET is spent (contract §1)."""
