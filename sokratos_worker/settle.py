@@ -240,22 +240,24 @@ class Settler:
             kind = self._dead_letter_failed(
                 item, exc, decision, backend, handler=handler, bound=bound
             )
-        self._untrack(item)
+        if kind != ABANDONED:  # an abandoned settle untracked it, and a newer claim may run now
+            self._untrack(item)
         return kind
 
     def _give_back(self, item: Item, decision: Decision, bound: structlog.BoundLogger) -> str:
         """Not the item's fault: claiming paused, and its attempt given back."""
         # Paused first: an item given back before the pause was claimed again at once.
         self._pause(decision.reason)
-        kind = ABANDONED  # unless the give-back lands
         given = self._with_database(
             item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
         )
-        if given is not None:
-            kind = RELEASED if given else self.report_fenced(item, bound, released=RELEASED)
-        self._count(item.queue, "given_back")
-        bound.warning("attempt_given_back", reason=decision.reason)
-        return kind
+        if given:
+            self._count(item.queue, "given_back")
+            bound.warning("attempt_given_back", reason=decision.reason)
+            return RELEASED
+        if given is False:
+            return self.report_fenced(item, bound, released=RELEASED)
+        return ABANDONED
 
     def _schedule_retry(
         self,
