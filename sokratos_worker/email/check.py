@@ -368,20 +368,28 @@ def check_account(
     )
 
 
+_ACCOUNT_HINT = (
+    "no mail is lost: the next check starts where the last good one ended; if this repeats,"
+    " check the account's host, port, security and password ('sokratos-worker check' tries them)"
+)
+_NOT_RECORDED_HINT = (
+    "no mail is lost: the next check starts again at this message; fix what the database said"
+    " (a missing privilege: apply sql/roles.sql; 'sokratos-worker check' lists what is missing)"
+)
+
+
 def _failed(
-    conn: store.Connection, account: EmailAccountConfig, error: str, now: datetime
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    error: str,
+    now: datetime,
+    *,
+    hint: str = _ACCOUNT_HINT,
 ) -> AccountReport:
     error = clean_text(error)  # an exception may quote mail bytes; last_error must be storable
     error = _without_password(account, error)
     store.record_error(conn, account.name, account.mailbox, error, now)
-    log.warning(
-        "email_check_failed",
-        account=account.name,
-        error=error,
-        hint="no mail is lost: the next check starts where the last good one ended; if this"
-        " repeats, check the account's host, port, security and password ('sokratos-worker"
-        " check' tries them)",
-    )
+    log.warning("email_check_failed", account=account.name, error=error, hint=hint)
     return AccountReport(name=account.name, error=error)
 
 
@@ -427,6 +435,8 @@ def _check_one(
         return AccountReport(name=account.name, error=str(exc))
     except ImapError as exc:
         return _failed(conn, account, str(exc), now)
+    except MessageNotRecorded as exc:  # the database's refusal, not a crash nor the account's
+        return _failed(conn, account, str(exc), now, hint=_NOT_RECORDED_HINT)
     except DatabaseUnavailable:
         raise
     except Exception as exc:  # one account's surprise never stops the others
