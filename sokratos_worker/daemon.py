@@ -194,9 +194,11 @@ class Worker:
                     "processed_emails": prune_processed_emails(
                         conn, self.settings.processed_emails_ttl_days
                     ),
-                    "failed_operations": status_store.prune_failures_ttl(
-                        conn, ttl_days=self.settings.failed_ops_ttl_days
-                    ),
+                    "failed_operations": failures_store.purge_failures(
+                        conn, older_than_days=self.settings.failed_ops_ttl_days
+                    )
+                    if self.settings.failed_ops_ttl_days > 0
+                    else 0,
                     "worker_heartbeats": status_store.prune_heartbeats(
                         conn, older_than_s=7 * 86400
                     ),

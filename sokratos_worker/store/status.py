@@ -188,16 +188,6 @@ def prune_heartbeats(conn: psycopg.Connection, *, older_than_s: float) -> int:
     ).rowcount
 
 
-def prune_failures_ttl(conn: psycopg.Connection, *, ttl_days: int) -> int:
-    """The optional failed_operations TTL (0 keeps everything)."""
-    if ttl_days <= 0:
-        return 0
-    return conn.execute(
-        "DELETE FROM failed_operations WHERE created_at < now() - make_interval(days => %s)",
-        (ttl_days,),
-    ).rowcount
-
-
 @dataclass(frozen=True)
 class EmbeddingColumn:
     """What memories.embedding demands of the configuration."""

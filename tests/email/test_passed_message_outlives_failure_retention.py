@@ -20,7 +20,7 @@ import pytest
 from dovecot import AccountFactory, Dovecot, make_settings
 
 from sokratos_worker.email import check_due_accounts
-from sokratos_worker.store.status import prune_failures_ttl
+from sokratos_worker.store.failures import purge_failures
 from tests.support.db import refuse_triage
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
@@ -47,7 +47,7 @@ def test_pruning_old_failures_does_not_make_a_quiet_mailbox_read_again(
 
     # Maintenance with SOKRATOS_FAILED_OPS_TTL_DAYS: the failure has aged past it.
     db.execute("UPDATE failed_operations SET created_at = now() - interval '31 days'")
-    assert prune_failures_ttl(db, ttl_days=30) == 1
+    assert purge_failures(db, older_than_days=30) == 1
 
     [report] = check_due_accounts(settings, database_url, now=NOW + timedelta(minutes=20))
     assert report.ok, report.error

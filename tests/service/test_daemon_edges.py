@@ -35,6 +35,7 @@ from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.spool import spool_enqueue
 from sokratos_worker.store.connection import Database
+from sokratos_worker.store.failures import PURGE_BATCH
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
 from sokratos_worker.store.status import live_workers
 from tests.llm.test_local_process import StandIn
@@ -109,6 +110,32 @@ def test_maintenance_prunes_each_table_by_its_own_retention(
         "failed_operations": 1,
         "worker_heartbeats": 1,
     }
+
+
+def test_maintenance_keeps_every_failure_without_a_ttl_and_purges_past_one_batch(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """SOKRATOS_FAILED_OPS_TTL_DAYS=0 (the default) keeps failures of any age; with a TTL the
+    hourly purge is `failed purge`'s, batch after batch until none is left."""
+    db.execute(
+        "INSERT INTO failed_operations (op_type, label, error_message, created_at)"
+        " SELECT 'distillation', 'old', 'e', now() - interval '10 years'"
+        " FROM generate_series(1, %s)",
+        (PURGE_BATCH * 2 + 5,),
+    )
+    database = Database(database_url, size=1)
+    try:
+        build_worker(Settings(), database, lambda _ctx: {}, None, None).maintenance()
+        kept = db.execute("SELECT count(*) FROM failed_operations").fetchone()
+        settings = Settings(failed_ops_ttl_days=30)
+        with capture_logs() as logs:
+            build_worker(settings, database, lambda _ctx: {}, None, None).maintenance()
+    finally:
+        database.close()
+    assert kept == (PURGE_BATCH * 2 + 5,)
+    assert db.execute("SELECT count(*) FROM failed_operations").fetchone() == (0,)
+    [finished] = _events(logs, "maintenance_finished")
+    assert finished["pruned"]["failed_operations"] == PURGE_BATCH * 2 + 5
 
 
 def test_a_heartbeat_that_cannot_reach_the_database_is_skipped_and_makes_the_worker_not_ready(
