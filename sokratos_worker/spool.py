@@ -23,16 +23,13 @@ from sokratos_worker import jsontext
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database, time_limited
+from sokratos_worker.store.connection import Database, refused_for_its_content, time_limited
 from sokratos_worker.store.failures import record_failure
 from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.sanitize import clean_text, sanitize_payload
 
 log = structlog.get_logger(__name__)
 
-# SQLSTATE classes that blame the value sent, not the database: data exceptions (22P05 a NUL
-# in jsonb, 22023 a missing field) and program limits (54000 an oversized jsonb).
-_REFUSED_CONTENT = ("22", "54")
 # An enqueue waits no longer than a command does behind a lock on the queue (a migration): the
 # import runs in the tick, and at start in the main thread, which must stay free to act on a
 # stop. A statement timeout, not the session's lock_timeout: the connection is the pool's.
@@ -153,7 +150,7 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
             # A file refused for what it holds must not hold up the files after it; any other
             # database error (no migrations, no privilege) blames no file and is raised.
-            if isinstance(exc, psycopg.Error) and not _blames_the_content(exc):
+            if isinstance(exc, psycopg.Error) and not refused_for_its_content(exc):
                 raise
             _reject(path, database, _refusal(exc), record)
             continue
@@ -219,14 +216,6 @@ def _parse(record: Any) -> tuple[Queue, Any, str, str | None]:
     if not isinstance(key, str) or not isinstance(source, str | None):
         raise TypeError("idempotency_key and source must be strings")
     return queue, record["payload"], key, source
-
-
-def _blames_the_content(exc: psycopg.Error) -> bool:
-    """True for an error the file's values caused: SQLSTATE class 22/54, or a DataError psycopg
-    raised itself before sending anything (no SQLSTATE: a NUL in a text parameter)."""
-    if exc.sqlstate is None:
-        return isinstance(exc, psycopg.DataError)
-    return exc.sqlstate.startswith(_REFUSED_CONTENT)
 
 
 def _refusal(exc: Exception) -> str:

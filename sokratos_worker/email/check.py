@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import psycopg
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig, Settings
@@ -52,6 +51,7 @@ from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.logs import as_echoed_by_imap, mask_secrets, maskable
 from sokratos_worker.model import CheckLine
 from sokratos_worker.store import email as store
+from sokratos_worker.store.connection import refused_for_its_content
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
@@ -59,17 +59,6 @@ log = structlog.get_logger(__name__)
 # A silent server must not hold up the tick: every socket read gives up after this (a server
 # that trickles is cut by the session's deadline, SOKRATOS_EMAIL_CHECK_DEADLINE).
 IMAP_TIMEOUT_S = 30.0
-
-
-# SQLSTATE classes that one message's content causes: data exceptions (a value the column or
-# function refuses) and program limits (an index row too large). Any other refusal (a missing
-# privilege or table, a full disk) would refuse every message, so the check stops at it.
-_CONTENT_SQLSTATE_CLASSES = ("22", "54")
-
-
-def refused_for_its_content(exc: BaseException) -> bool:
-    """True when the database refused a message's record because of what the message holds."""
-    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in _CONTENT_SQLSTATE_CLASSES
 
 
 # A message the server refuses on this many consecutive checks is recorded and passed.

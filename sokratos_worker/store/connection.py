@@ -61,6 +61,23 @@ READ_ONLY_SERVER = (
 )
 
 
+# SQLSTATE classes that blame the values sent, not the database: data exceptions (22P05 a NUL
+# in jsonb, 22023 a missing field) and program limits (54000 an oversized jsonb or index row).
+# Any other refusal (a missing privilege or table, a full disk) would refuse every input alike.
+_REFUSED_CONTENT = ("22", "54")
+
+
+def refused_for_its_content(exc: BaseException) -> bool:
+    """True when a statement was refused for the values it carried: SQLSTATE class 22 or 54,
+    or a DataError psycopg raised itself before sending (no SQLSTATE: a NUL in a text
+    parameter)."""
+    if not isinstance(exc, psycopg.Error):
+        return False
+    if exc.sqlstate is None:
+        return isinstance(exc, psycopg.DataError)
+    return exc.sqlstate.startswith(_REFUSED_CONTENT)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors that go away by themselves: lost connections, restarts, conflicts."""
     if isinstance(exc, PoolTimeout | DatabaseUnavailable):
