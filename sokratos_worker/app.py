@@ -143,7 +143,7 @@ def run_worker(
         configure=queue_sql.warm_up,
     )
     try:
-        # Claiming before they are open and warm made every slot's first settle wait.
+        # Claim once they are open and warm, or every slot's first settle waits for one.
         if not database.wait_ready(POOL_READY_TIMEOUT_S):
             log.warning(
                 "database_pool_not_full",
@@ -230,7 +230,7 @@ def run_once(worker: Worker) -> int:
     items were left waiting, which a timer-driven unit would otherwise never see.
     """
     worker.install_signals()  # a stopped timer unit must not leave its items leased
-    imported = worker.tick_without_report(email=False)
+    imported = worker.tick_without_report()
     _check_email_watching_signals(worker)
     worker.notice_signal()  # (a signal during the email checks: claim nothing)
     log.info("run_once_draining", spool_imported=imported, budget_s=worker.settings.tick_budget)

@@ -163,8 +163,8 @@ def _add_run(commands: argparse._SubParsersAction[_Parser]) -> None:
     run.add_argument(
         "--once",
         action="store_true",
-        help="one heartbeat tick then exit: lease sweep, spool import, due email checks,"
-        " drain every item ready now (up to SOKRATOS_TICK_BUDGET)",
+        help="one heartbeat tick then exit: spool import, due email checks, drain every"
+        " item ready now, expired leases included (up to SOKRATOS_TICK_BUDGET)",
     )
     run.add_argument(
         "--no-migrate",
@@ -533,5 +533,4 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "failed": cli_failed.failed,
     "check": cli_commands.check,
     "demo": cli_commands.demo,
-    "run": lambda a, s: cli_commands.run(a, s, None),
-}
+}  # (run is started by _run_command itself: it takes the handler factory)

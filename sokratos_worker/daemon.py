@@ -134,13 +134,14 @@ class Worker:
 
     # -- the tick --------------------------------------------------------------------
 
-    def tick(self, *, email: bool = True) -> None:
-        """One heartbeat: spool import, due email checks, heartbeat row, report, wake."""
-        self.report(self.tick_without_report(email=email))
+    def tick(self) -> None:
+        """One heartbeat: spool import, wake the dispatcher, heartbeat row, report. (Email is
+        checked by its own thread, so a slow server never holds up a heartbeat.)"""
+        self.report(self.tick_without_report())
         if self.runner.state == State.RUNNING:  # other states say why on their own
             self.notifier.status(self._running_status())
 
-    def tick_without_report(self, *, email: bool = True) -> int:
+    def tick_without_report(self) -> int:
         """The tick up to its report; returns the spool files imported. ``run --once`` reports
         after its drain: one tick_finished with the import and the drain's counts."""
         imported = self._safely(
@@ -149,8 +150,6 @@ class Worker:
                 self.settings.spool_dir, self.database, self.settings.database_identity
             ),
         )
-        if email and self.settings.email_accounts and self.settings.email_check_interval > 0:
-            self.check_email()
         self.runner.wake(notified=False)
         self._record_heartbeat()
         return int(imported or 0)
@@ -374,7 +373,7 @@ class Worker:
         gc.collect()
         gc.freeze()
         self.runner.start()
-        self.tick(email=False)
+        self.tick()
         self.notifier.ready(self._running_status())
         log.info(
             "worker_started",
@@ -497,8 +496,6 @@ class Worker:
         scheduler.add_job(
             self.tick,
             "interval",
-            # Email is the email thread's: a slow server must not stop the heartbeats.
-            kwargs={"email": False},
             seconds=interval,
             id="heartbeat",
             misfire_grace_time=max(1, int(interval)),

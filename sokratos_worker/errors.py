@@ -6,7 +6,8 @@ The classes of this module, and (in brackets) the modules that add to the tree::
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
     │   ├── TableLocked              another session holds a table the command must write
     │   └── PoolBusy                 every pooled connection stayed in use (the server answers)
-    ├── ItemError                    this item's attempt failed (counts as an attempt)
+    ├── ItemError                    raised while handling an item (policy.after_failure
+    │   │                            decides whether the attempt counts)
     │   ├── InvalidPayload           never retried: straight to failed_operations
     │   ├── BackendsUnavailable      not the item's fault: the attempt is given back
     │   │   ├── BackendsMisconfigured  every backend said 401/403/404
@@ -49,7 +50,8 @@ def reached_database(exc: DatabaseUnavailable) -> bool:
 
 
 class ItemError(WorkerError):
-    """Processing this item failed; the attempt is used and the item retried later."""
+    """Handling this item failed. Whether the attempt counts is policy.after_failure's
+    decision: it does for this class itself (retried later), not for BackendsUnavailable."""
 
     def __init__(self, message: str, *, backend: str | None = None) -> None:
         super().__init__(message)

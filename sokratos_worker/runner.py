@@ -268,7 +268,7 @@ class Runner:
                     self._wait(db_delay)
                     db_delay = min(db_delay * 2, 5.0)
                     continue
-                except Exception:  # any other claim error ended this thread: claiming stopped
+                except Exception:  # keep claiming: an error escaping here would end the dispatcher
                     log.exception("claim_failed", retry_in_s=db_delay)
                     self._wait(db_delay)
                     db_delay = min(db_delay * 2, 5.0)
@@ -385,11 +385,6 @@ class Runner:
         """True when claiming paused while ``claimed`` was being claimed: nothing starts once a
         pause has begun (an item just given back would run again at once)."""
         return bool(claimed) and self._worker_state.paused()
-
-    def _track(self, item: Item) -> bool:
-        """Record one claimed item; False when a slot here is already running it, or the stop
-        came (then it is not recorded)."""
-        return bool(self._track_claimed([item]))
 
     def _track_claimed(self, items: list[Item]) -> list[Item] | None:
         """Record claimed items (:meth:`InFlight.track_claimed`), counted as claimed in the

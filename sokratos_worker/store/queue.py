@@ -83,7 +83,7 @@ class _SafeJsonbBinaryLoader(JsonbBinaryLoader):
 
 
 def _parse_safely(conn: psycopg.Connection) -> None:
-    # A 5000-deep payload raised RecursionError in the dispatcher: it stopped claiming for good.
+    # A payload Python cannot parse (5,000 deep) must not fail a claim that leased its batch.
     if conn.adapters.get_loader(_JSONB_OID, pq.Format.TEXT) is not _SafeJsonbLoader:
         conn.adapters.register_loader("jsonb", _SafeJsonbLoader)
         conn.adapters.register_loader("jsonb", _SafeJsonbBinaryLoader)

@@ -125,7 +125,7 @@ def test_the_slot_restores_its_context_after_the_item(
     try:
         with database.connection() as conn:
             (item,) = store.claim(conn, Queue.TRIAGE, owner="ctx", limit=1, lease_s=30)
-        assert runner._track(item)
+        assert runner._track_claimed([item]) == [item]
         assert runner._process(item) is None
         after = structlog.contextvars.get_contextvars()
     finally:

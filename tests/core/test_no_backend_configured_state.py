@@ -85,7 +85,7 @@ def test_a_worker_without_handlers_reports_no_backend_everywhere(
     try:
         worker = _worker(database, path, handlers={})
         with capture_logs() as logs:
-            worker.tick(email=False)
+            worker.tick()
         scraped = generate_latest(worker.metrics.registry).decode()
         ready = worker._ready()
     finally:
@@ -116,7 +116,7 @@ def test_a_worker_with_handlers_still_reports_running(
     database = Database(database_url, size=2)
     try:
         worker = _worker(database, path, handlers={Queue.TRIAGE: ScriptedHandler()})
-        worker.tick(email=False)
+        worker.tick()
     finally:
         database.close()
     assert worker.reported_state() == (State.RUNNING, "")

@@ -55,7 +55,7 @@ def test_a_refused_settle_after_an_adopted_reclaim_is_retried_under_the_new_clai
     done: list[tuple[str, str]] = []
     runner, _ = _runner(database, done)
     (first,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
-    runner._track(first)  # a slot runs it (attempt 1) ...
+    runner._track_claimed([first])  # a slot runs it (attempt 1) ...
     db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 s'")
     assert runner._claim_for_idle_slots() == (1, 1)  # ... and it is claimed again: adopted
 
@@ -81,7 +81,7 @@ def test_a_claim_landing_between_give_back_and_untrack_is_given_back_not_leaked(
     done: list[tuple[str, str]] = []
     runner, _ = _runner(database, done)
     (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
-    runner._track(item)
+    runner._track_claimed([item])
     real_count = runner._settler._count
 
     def count_after_a_concurrent_claim(*args: Any, **kwargs: Any) -> None:

@@ -287,7 +287,7 @@ def test_a_tick_step_failing_outside_the_database_is_said_and_the_tick_goes_on(
     try:
         worker = build_worker(settings, database, lambda _ctx: {}, None, None)
         with capture_logs() as logs:
-            imported = worker.tick_without_report(email=False)
+            imported = worker.tick_without_report()
         ready = worker._ready()
     finally:
         database.close()
@@ -315,7 +315,7 @@ def test_each_tick_writes_the_running_status_line(tmp_path: Path, database_url: 
             None,
             notifier=Notifier({"NOTIFY_SOCKET": path}),
         )
-        worker.tick(email=False)
+        worker.tick()
         said = receiver.recv(4096)
     finally:
         database.close()
@@ -759,7 +759,7 @@ def test_a_spool_file_too_deep_to_parse_is_rejected_and_holds_up_no_later_file(
     database = Database(database_url, size=1)
     try:
         worker = build_worker(settings, database, lambda _ctx: {}, None, None)
-        worker.tick_without_report(email=False)
+        worker.tick_without_report()
     finally:
         database.close()
     assert (

@@ -128,7 +128,7 @@ def test_a_scrape_shows_the_circuit_as_it_is_now(database_url: str) -> None:
     try:
         worker = build_worker(settings, database, lambda _ctx: {}, chat, None, metrics=metrics)
         metrics.on_scrape(worker._refresh_metrics)
-        worker.tick(email=False)  # the heartbeat: both circuits closed
+        worker.tick()  # the heartbeat: both circuits closed
         metrics.render()
         assert _circuit(metrics, "primary") == 0
         breaker = chat.breaker("primary")
