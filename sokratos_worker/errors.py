@@ -13,6 +13,7 @@ The classes of this module, and (in brackets) the modules that add to the tree::
     │   │   ├── BackendsMisconfigured  every backend said 401/403/404
     │   │   │   └── [llm.types] LLMBackendsMisconfigured
     │   │   └── [llm.types] NoBackendReachable, EmbeddingsUnavailable
+    │   ├── NoAttemptLeft            a claim past SOKRATOS_MAX_ATTEMPTS: ends the item unrun
     │   └── [llm.types] ChatFailed (RequestRefused, ContextTooLong),
     │                   EmbeddingFailed (EmbeddingReplyInvalid)
     └── [elsewhere] ImapError (email.imap), MessageNotRecorded (email.check),
@@ -69,6 +70,11 @@ class InvalidPayload(ItemError):
         super().__init__(f"{INVALID_PAYLOAD_PREFIX}: {field} {problem}")
         self.field = field
         self.problem = problem
+
+
+class NoAttemptLeft(ItemError):
+    """A claim past SOKRATOS_MAX_ATTEMPTS: the item ends unrun, in failed_operations (its
+    history already says how its last attempt ended)."""
 
 
 class BackendsUnavailable(ItemError):

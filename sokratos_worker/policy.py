@@ -54,4 +54,5 @@ def describe(error: BaseException) -> str:
     if not text:
         return name
     first = text.splitlines()[0]
-    return first if name in {"ItemError", "InvalidPayload"} else f"{name}: {first}"
+    # These say it all themselves; other classes' names say what kind of failure it was.
+    return first if name in {"ItemError", "InvalidPayload", "NoAttemptLeft"} else f"{name}: {first}"

@@ -27,7 +27,7 @@ import structlog
 from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import DatabaseUnavailable, ItemError
+from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.handlers import Handler
 from sokratos_worker.inflight import InFlight
 from sokratos_worker.leases import LeaseRenewer
@@ -445,7 +445,7 @@ class Runner:
         handler = self.handlers[item.queue]
         try:
             if item.attempt > max_attempts:
-                raise ItemError(no_attempt_left(item, max_attempts))
+                raise no_attempt_left(item, max_attempts)
             problem = store.payload_problem(item)
             if problem is not None:
                 raise problem

@@ -19,7 +19,12 @@ import structlog
 from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import INVALID_PAYLOAD_PREFIX, DatabaseUnavailable, InvalidPayload
+from sokratos_worker.errors import (
+    INVALID_PAYLOAD_PREFIX,
+    DatabaseUnavailable,
+    InvalidPayload,
+    NoAttemptLeft,
+)
 from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Decision, Step, after_failure, describe, retry_delay
@@ -79,13 +84,13 @@ def reused_id_hint(item: Item) -> str:
     )
 
 
-def no_attempt_left(item: Item, max_attempts: int) -> str:
+def no_attempt_left(item: Item, max_attempts: int) -> NoAttemptLeft:
     """Why a claim past SOKRATOS_MAX_ATTEMPTS ends the item unrun: only a claim that took
     over an expired lease found an attempt that died; otherwise none was running."""
     if item.took_over_lease or store.died_in(item, item.attempt - 1):
         # (The second: the claim that took the lease over was given back since.)
-        return WORKER_DIED
-    return (
+        return NoAttemptLeft(WORKER_DIED)
+    return NoAttemptLeft(
         f"{ATTEMPTS_USED_UP}: {item.attempt - 1} of SOKRATOS_MAX_ATTEMPTS={max_attempts} before"
         " this claim (inserted with attempts preset, or the limit was lowered); the item"
         " never ran in this attempt"
@@ -303,7 +308,8 @@ class Settler:
         """The last attempt failed (or the payload is invalid): failed_operations, with the
         raw archive when the handler keeps one."""
         memories = () if isinstance(exc, InvalidPayload) else archive_memories(handler, item, bound)
-        result = self._dead_letter(item, decision.reason, backend, memories, bound)
+        ran = not isinstance(exc, NoAttemptLeft)
+        result = self._dead_letter(item, decision.reason, backend, memories, bound, ran=ran)
         if result is None:
             return ABANDONED
         if not result.settled:
@@ -329,8 +335,11 @@ class Settler:
         backend: str | None,
         memories: tuple[NewMemory, ...],
         bound: structlog.BoundLogger,
+        *,
+        ran: bool,
     ) -> SettleResult | None:
-        """failed_operations + outcome + delete; without the archive if it is refused."""
+        """failed_operations + outcome + delete; without the archive if it is refused.
+        ``ran``: this attempt ran the handler (not a claim past the limit)."""
 
         def write(with_memories: tuple[NewMemory, ...]) -> SettleResult | None:
             return self._with_database(
@@ -343,9 +352,7 @@ class Settler:
                     backend=backend,
                     memories=with_memories,
                     last_attempt=last_attempt(item, self.settings.max_attempts),
-                    # A claim past the limit ended the item unrun: the history already says
-                    # how its last attempt ended.
-                    ran=not (error == WORKER_DIED or error.startswith(ATTEMPTS_USED_UP)),
+                    ran=ran,
                 ),
                 bound,
             )
