@@ -174,7 +174,6 @@ class Settler:
                 item,
                 effects,
                 owner=self.worker_id,
-                claim_next=claim_from is not None,
                 claim_from=claim_from,
                 lease_s=self.settings.lease,
             )

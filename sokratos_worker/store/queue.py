@@ -173,18 +173,16 @@ def settle_success(
     effects: Effects,
     *,
     owner: str,
-    claim_next: bool = False,
     claim_from: Queue | None = None,
     lease_s: float = 300.0,
 ) -> tuple[SettleResult, list[Item]]:
-    """Commit the effects, the outcome row and the deletion; optionally claim the next item
-    (from ``claim_from``, by default the item's own queue).
+    """Commit the effects, the outcome row and the deletion; and claim the next item from
+    ``claim_from`` unless it is None.
 
     Claiming the next item in the same transaction saves a commit per item under load.
     Without memories to write, the settle and the claim are one statement.
     """
     next_items: list[Item] = []
-    claimed = claim_from or item.queue
     _parse_safely(conn)
     if not effects.memories and not effects.supersessions:
         return _settle_plain(
@@ -192,14 +190,14 @@ def settle_success(
             item,
             effects,
             owner=owner,
-            claim_from=claimed if claim_next else None,
+            claim_from=claim_from,
             lease_s=lease_s,
         )
     try:
         with conn.transaction():
             result = _settle_with_effects(conn, item, effects, owner)
-            if claim_next:
-                next_items = claim(conn, claimed, owner=owner, limit=1, lease_s=lease_s)
+            if claim_from is not None:
+                next_items = claim(conn, claim_from, owner=owner, limit=1, lease_s=lease_s)
     except _Fenced:
         return SettleResult(settled=False), []
     return result, next_items

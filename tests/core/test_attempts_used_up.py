@@ -55,7 +55,7 @@ def test_the_claim_says_whether_it_took_over_an_expired_lease(db: psycopg.Connec
     assert again.id == first and again.took_over_lease and again.attempt == 2
     # The slot's next item claimed with a settle says it too (the other claim statement).
     _, (fresh,) = store.settle_success(
-        db, again, Effects(Outcome.SKIPPED), owner="w2", claim_next=True, lease_s=60
+        db, again, Effects(Outcome.SKIPPED), owner="w2", claim_from=again.queue, lease_s=60
     )
     assert fresh.id == second and not fresh.took_over_lease
     db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 s'")
@@ -63,7 +63,7 @@ def test_the_claim_says_whether_it_took_over_an_expired_lease(db: psycopg.Connec
     item3 = store.claim(db, Queue.TRIAGE, owner="w3", limit=1, lease_s=60)[0]
     assert item3.id == second and item3.took_over_lease
     _, (taken,) = store.settle_success(
-        db, item3, Effects(Outcome.SKIPPED), owner="w3", claim_next=True, lease_s=60
+        db, item3, Effects(Outcome.SKIPPED), owner="w3", claim_from=item3.queue, lease_s=60
     )
     assert not taken.took_over_lease  # the third item, never leased
     store.give_back(db, taken, owner="w3")  # a released lease is no lease

@@ -295,7 +295,7 @@ def test_a_producers_skipped_retry_does_not_hold_up_the_settle_of_the_queued_ite
     ):
         assert producer.execute(RETRY, (PAYLOAD, "go-12")).rowcount == 0  # (not committed)
         settled, claimed = store.settle_success(
-            worker, item, Effects(Outcome.SKIPPED), owner="w", claim_next=True
+            worker, item, Effects(Outcome.SKIPPED), owner="w", claim_from=item.queue
         )
         assert settled.settled and [c.id for c in claimed] == [second]
         assert producer.execute(RETRY, (PAYLOAD, "go-13")).rowcount == 0

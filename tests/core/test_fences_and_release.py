@@ -86,7 +86,7 @@ def test_a_settle_after_its_own_lease_ran_out_lands_and_does_not_claim_the_item_
     (item,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     _expire(db)
     effects = Effects(Outcome.SKIPPED, detail="scripted skip")
-    result, next_items = store.settle_success(db, item, effects, owner="w", claim_next=True)
+    result, next_items = store.settle_success(db, item, effects, owner="w", claim_from=item.queue)
     assert result.settled and next_items == []
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
     assert db.execute("SELECT outcome, attempts FROM work_outcomes").fetchall() == [("skipped", 1)]

@@ -62,7 +62,7 @@ def test_a_lease_granted_after_waiting_behind_a_lock_is_a_whole_lease(
             _lock_then(
                 database_url,
                 lambda: store.settle_success(
-                    conn, first, effects, owner="w", claim_next=True, lease_s=LEASE_S
+                    conn, first, effects, owner="w", claim_from=first.queue, lease_s=LEASE_S
                 ),
             )
         else:

@@ -149,7 +149,7 @@ def test_a_settle_claims_across_tables(db: psycopg.Connection) -> None:
     [t7] = store.claim(db, T, owner="w", limit=1, lease_s=30)
     assert t7.id == 7
     result, [d7] = store.settle_success(
-        db, t7, Effects(Outcome.SKIPPED), owner="w", claim_next=True, claim_from=D
+        db, t7, Effects(Outcome.SKIPPED), owner="w", claim_from=D
     )
     assert result.settled
     assert (d7.queue, d7.id, d7.source, d7.attempt, d7.took_over_lease) == (
@@ -157,7 +157,7 @@ def test_a_settle_claims_across_tables(db: psycopg.Connection) -> None:
     )  # fmt: skip
     assert store.died_in(d7, 1)
     result, [t8] = store.settle_success(
-        db, d7, Effects(Outcome.SKIPPED), owner="w", claim_next=True, claim_from=T
+        db, d7, Effects(Outcome.SKIPPED), owner="w", claim_from=T
     )
     assert result.settled
     assert (t8.queue, t8.id, t8.source, t8.attempt) == (T, 8, "conversation", 1)

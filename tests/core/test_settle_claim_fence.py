@@ -30,7 +30,7 @@ def test_a_stale_settle_that_claims_next_is_fenced_by_its_owner(db: psycopg.Conn
     _expire(db)
     (new,) = store.claim(db, Queue.TRIAGE, owner="alive", limit=1, lease_s=60)
     assert store.give_back(db, new, owner="alive")
-    result, next_items = store.settle_success(db, old, _skip(), owner="dead", claim_next=True)
+    result, next_items = store.settle_success(db, old, _skip(), owner="dead", claim_from=old.queue)
     assert not result.settled and next_items == []
     assert count(db, "SELECT count(*) FROM work_outcomes") == 0
     row = db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone()
@@ -45,10 +45,10 @@ def test_a_stale_settle_that_claims_next_is_fenced_by_its_attempt(db: psycopg.Co
     (first,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
     _expire(db)
     (second,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
-    result, _ = store.settle_success(db, first, _skip(), owner="w", claim_next=True)
+    result, _ = store.settle_success(db, first, _skip(), owner="w", claim_from=first.queue)
     assert not result.settled
     assert count(db, "SELECT count(*) FROM work_outcomes") == 0
     assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (2, "w")
-    result, _ = store.settle_success(db, second, _skip(), owner="w", claim_next=True)
+    result, _ = store.settle_success(db, second, _skip(), owner="w", claim_from=second.queue)
     assert result.settled
     assert db.execute("SELECT outcome, attempts FROM work_outcomes").fetchall() == [("skipped", 2)]
