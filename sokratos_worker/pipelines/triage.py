@@ -41,8 +41,9 @@ COVERAGE_DISTANCE = 0.3
 COVERAGE_MIN_COUNT = 3
 
 # Adaptive threshold keys and their defaults (behaviour §1.6).
-TOOLS_THRESHOLD = ("triage_conversation_threshold", 3.0)
-PARAMETRIC_THRESHOLD = ("triage_conversation_unverified_threshold", 5.0)
+TOOLS_USED_THRESHOLD = ("triage_conversation_threshold", 3.0)
+# Go calls an exchange without tools "parametric": the answer came from the model unverified.
+NO_TOOLS_THRESHOLD = ("triage_conversation_unverified_threshold", 5.0)
 EMAIL_THRESHOLD = ("triage_email_threshold", 1.0)
 
 
@@ -56,7 +57,7 @@ class TriageRequest:
     memory_type: str
     threshold: tuple[str, float]
     honour_save_flag: bool
-    tool_context: bool
+    is_exchange: bool  # a conversation's turns (and tool context), bounded as such
     source_date: datetime | None
     pipeline_id: int | None
 
@@ -107,9 +108,9 @@ class TriageHandler:
             system=prompts.CONVERSATION_TRIAGE,
             domain="conversation",
             memory_type="general",
-            threshold=TOOLS_THRESHOLD if tools_used else PARAMETRIC_THRESHOLD,
+            threshold=TOOLS_USED_THRESHOLD if tools_used else NO_TOOLS_THRESHOLD,
             honour_save_flag=False,
-            tool_context=True,
+            is_exchange=True,
             source_date=fields.optional_iso_datetime(item.payload, "occurred_at"),
             pipeline_id=fields.optional_int(item.payload, "pipeline_id"),
         )
@@ -125,7 +126,7 @@ class TriageHandler:
             memory_type="email",
             threshold=EMAIL_THRESHOLD,
             honour_save_flag=True,
-            tool_context=False,
+            is_exchange=False,
             source_date=fields.lenient_datetime(item.payload.get("date")),
             pipeline_id=None,
         )
@@ -254,7 +255,7 @@ class TriageHandler:
 
 def _bounded(request: TriageRequest, note: str, limit: int) -> str:
     """The triage input within ``limit`` bytes (tool context bounded for conversations)."""
-    if request.tool_context:
+    if request.is_exchange:
         return bound_triage_input(request.text, note, limit)
     suffix = f"\n{note}" if note else ""
     return truncate_within(request.text, max(0, limit - byte_len(suffix))) + suffix
