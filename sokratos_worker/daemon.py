@@ -38,6 +38,7 @@ from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.service.stop_requests import StopRequests
 from sokratos_worker.service.watchdog import DispatcherWatchdog
 from sokratos_worker.spool import import_spool
+from sokratos_worker.store import email as email_store
 from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database, connect, time_limited
@@ -186,11 +187,9 @@ class Worker:
         """Retention: processed_emails, the optional failed_operations TTL, old heartbeats."""
 
         def prune() -> dict[str, int]:
-            from sokratos_worker.email.check import prune_processed_emails  # noqa: PLC0415
-
             with self.database.connection() as conn:
                 return {
-                    "processed_emails": prune_processed_emails(
+                    "processed_emails": email_store.prune_processed_emails(
                         conn, self.settings.processed_emails_ttl_days
                     ),
                     "failed_operations": failures_store.purge_failures(

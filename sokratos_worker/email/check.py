@@ -533,14 +533,3 @@ def account_statuses(
             }
         )
     return out
-
-
-def prune_processed_emails(conn: store.Connection, ttl_days: int) -> int:
-    """Delete processed_emails older than ``ttl_days`` that no checkpoint can fetch again.
-
-    Returns the number of rows deleted; see
-    :func:`sokratos_worker.store.email.prune_processed_emails` for the rule.
-    """
-    deleted = store.prune_processed_emails(conn, ttl_days)
-    log.info("processed_emails_pruned", deleted=deleted, ttl_days=ttl_days)
-    return deleted
