@@ -10,8 +10,6 @@ another worker's claim) was counted as given_back in tick_finished.
 
 from __future__ import annotations
 
-import socket
-
 import psycopg
 import structlog
 
@@ -23,17 +21,12 @@ from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
 from tests.support.db import enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.ports import unused_port
 
 
 def _runner_without_database(lease: float = 1) -> tuple[Runner, Database, ScriptedHandler]:
     """A runner whose database is down: every settle waits until 0.8 x lease, then gives up."""
-    down = Database(f"postgresql://nobody@127.0.0.1:{_closed_port()}/x?connect_timeout=2", size=1)
+    down = Database(f"postgresql://nobody@127.0.0.1:{unused_port()}/x?connect_timeout=2", size=1)
     handler = ScriptedHandler()
     runner = Runner(
         settings=fast_settings(lease=lease),

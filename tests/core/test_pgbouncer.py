@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from sokratos_worker.store.connection import option_refused
 from tests.core.test_cli import cli, env_for
 from tests.support.daemon import ROOT, daemon_env, start_daemon, wait_until
 from tests.support.db import count, enqueue_many
+from tests.support.ports import unused_port
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -40,12 +40,6 @@ def _pgbouncer_binary() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _run_as(host: str) -> list[str]:
@@ -67,7 +61,7 @@ def pgbouncer(server_url: str, pool_mode: str) -> Iterator[tuple[str, int]]:
     user = str(info.get("user") or "postgres")
     folder = Path(tempfile.mkdtemp(prefix="pgbouncer-", dir="/tmp"))
     folder.chmod(0o755)  # read by PgBouncer's own user when the tests run as root
-    port = _free_port()
+    port = unused_port()
     (folder / "users.txt").write_text(f'"{user}" ""\n')
     (folder / "pgbouncer.ini").write_text(
         f"[databases]\n* = host={host} port={info.get('port') or 5432}\n"

@@ -7,7 +7,6 @@ runner's log told the operator to check whether the server was up.
 
 from __future__ import annotations
 
-import socket
 import threading
 from contextlib import ExitStack
 
@@ -21,12 +20,7 @@ from sokratos_worker.store.connection import Database
 from sokratos_worker.worker_state import State
 from tests.support.daemon import wait_until
 from tests.support.handlers import ScriptedHandler, fast_settings
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.ports import unused_port
 
 
 def test_a_checkout_behind_connections_the_process_holds_is_pool_busy(database_url: str) -> None:
@@ -112,7 +106,7 @@ def test_connections_given_back_by_every_path_no_longer_count_as_lent(database_u
 
 def test_a_checkout_from_an_absent_server_stays_an_outage() -> None:
     database = Database(
-        f"postgresql://sokratos@127.0.0.1:{_closed_port()}/sokratos", size=1, keep_open=1
+        f"postgresql://sokratos@127.0.0.1:{unused_port()}/sokratos", size=1, keep_open=1
     )
     try:
         with pytest.raises(DatabaseUnavailable) as raised:

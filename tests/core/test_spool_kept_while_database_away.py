@@ -7,7 +7,6 @@ cannot is pointed at a port where no server listens (PostgreSQL down).
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import psycopg
@@ -16,12 +15,7 @@ from sokratos_worker.model import Queue
 from sokratos_worker.spool import import_spool, pending_files, spool_enqueue
 from sokratos_worker.store.connection import Database
 from tests.support.db import count
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.ports import unused_port
 
 
 def test_a_spool_file_outlives_an_import_while_the_database_is_down(
@@ -31,7 +25,7 @@ def test_a_spool_file_outlives_an_import_while_the_database_is_down(
     spool_enqueue(
         spool, Queue.TRIAGE, {"exchange": "user: hi"}, idempotency_key="k1", source="conversation"
     )
-    down = Database(f"postgresql://nobody@127.0.0.1:{_closed_port()}/x?connect_timeout=2", size=1)
+    down = Database(f"postgresql://nobody@127.0.0.1:{unused_port()}/x?connect_timeout=2", size=1)
     try:
         assert import_spool(spool, down) == 0
     finally:

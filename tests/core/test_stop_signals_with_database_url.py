@@ -6,7 +6,6 @@ printed). The embedded PostgreSQL's case is in test_embedded_start_stop_signals.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.operator import REPO, cli_env
+from tests.support.ports import unused_port
 
 pytestmark = [pytest.mark.subprocess]
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
@@ -30,7 +24,7 @@ def test_migrate_stopped_while_waiting_for_the_database_exits_1_with_one_line(
 ) -> None:
     env = cli_env(
         tmp_path,
-        SOKRATOS_DATABASE_URL=f"postgresql://nobody@127.0.0.1:{_closed_port()}/nodb",
+        SOKRATOS_DATABASE_URL=f"postgresql://nobody@127.0.0.1:{unused_port()}/nodb",
         SOKRATOS_STARTUP_TIMEOUT="60s",
     )
     proc = subprocess.Popen(

@@ -42,6 +42,7 @@ from tests.llm.test_local_process import StandIn
 from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
+from tests.support.ports import unused_port
 
 pytestmark = pytest.mark.postgres
 
@@ -354,16 +355,10 @@ def test_a_local_model_server_that_keeps_dying_stops_the_worker_with_exit_75(
     assert (said["reason"], said["exit_code"]) == ("local_model_gave_up", 75)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _unreachable_account() -> EmailAccountConfig:
     """An IMAP account whose server refuses connections: each check of it fails at once."""
     return EmailAccountConfig(
-        name="away", host="127.0.0.1", port=_closed_port(), username="u", password="p",
+        name="away", host="127.0.0.1", port=unused_port(), username="u", password="p",
         security="none",
     )  # fmt: skip
 

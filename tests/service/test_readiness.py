@@ -3,7 +3,6 @@ path (claims, listener, heartbeat, scrape) until one succeeds again, whatever th
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import urllib.error
@@ -22,12 +21,7 @@ from sokratos_worker.worker_state import State
 from tests.support.daemon import daemon_env, start_daemon, wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.ports import unused_port
 
 
 def _get(url: str, timeout: float = 12.0) -> tuple[int, str]:
@@ -71,7 +65,7 @@ def test_readyz_is_503_while_the_database_is_down(
 ) -> None:
     """An idle runner claims again only at its next heartbeat (300 s here): the listener's lost
     connection and the scrape's failure must make /readyz 503 by themselves."""
-    port = _free_port()
+    port = unused_port()
     env = daemon_env(
         database_url,
         tmp_path,
