@@ -428,8 +428,12 @@ def _raw_body(raw: bytes) -> bytes:
     return b""
 
 
+UNENCODABLE_NOTE = "characters UTF-8 cannot encode (lone surrogates) escaped as \\uXXXX"
+
+
 def _clean(text: str, notes: list[str]) -> str:
-    """Text PostgreSQL can store: NUL dropped, lone surrogates replaced by U+FFFD, and noted.
+    """Text PostgreSQL can store: NUL dropped, lone surrogates written as ``\\udXXX``
+    (:func:`clean_text`), and noted.
 
     Surrogates can still come from odd charsets (``raw-unicode-escape``, ``utf-7``) after the
     headers were decoded; they would fail at the payload's UTF-8 encoding.
@@ -439,7 +443,7 @@ def _clean(text: str, notes: list[str]) -> str:
         text = text.replace("\x00", "")
     storable = clean_text(text)
     if storable != text:
-        notes.append("invalid characters replaced by U+FFFD")
+        notes.append(UNENCODABLE_NOTE)
     return storable
 
 
