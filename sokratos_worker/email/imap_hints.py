@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import imaplib
+import re
 import socket
 import ssl
 from typing import Any
@@ -32,11 +33,16 @@ class NoGreeting(TimeoutError):
     """The server accepted the connection but sent no IMAP greeting; the text says why."""
 
 
+_ANSWER_BYTES = re.compile(r"""\[b(['"])(.*?)\1\]""")
+
+
 def describe(exc: BaseException) -> str:
     """One line for an error: what kind it is and its text (no bytes repr)."""
     text = str(exc).strip()
     if text.startswith(("b'", 'b"')):
         text = text[2:-1]
+    # imaplib quotes a refused command's answer as a list of bytes: "BAD [b'...']".
+    text = _ANSWER_BYTES.sub(r"\2", text)
     if isinstance(exc, NoGreeting):
         return text  # it says what happened in words: no class name needed
     # imaplib's own exception classes are all called "error": name them by what they are.

@@ -10,6 +10,7 @@ database (the processed_emails key, the triage payload) goes through a real Dove
 from __future__ import annotations
 
 import base64
+import imaplib
 import os
 import re
 import socket
@@ -36,6 +37,7 @@ from sokratos_worker.email.imap_answers import (
     MessageRef,
     plan_batches,
 )
+from sokratos_worker.email.imap_hints import describe
 from sokratos_worker.email.imap_sessions import SessionWatch
 from sokratos_worker.email.parse import (
     HTML_LIMIT_CHARS,
@@ -640,3 +642,10 @@ def test_the_statement_to_fetch_a_failed_message_again_runs_for_a_mailbox_with_a
         "SELECT mailbox, last_uid FROM email_checkpoints WHERE account = 'home'"
     ).fetchall() == [("Kunden's Post", 4)]
 
+
+
+def test_a_refused_commands_answer_is_shown_as_text_not_a_list_of_bytes() -> None:
+    """imaplib words a BAD answer as "EXAMINE command error: BAD [b'...']"; the operator's
+    error shows the server's words (seen in the mutation review's mailbox-quoting mutant)."""
+    refused = imaplib.IMAP4.error("EXAMINE command error: BAD [b'Mailbox name is not valid']")
+    assert describe(refused) == "IMAP error: EXAMINE command error: BAD Mailbox name is not valid"
