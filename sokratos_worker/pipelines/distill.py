@@ -187,7 +187,7 @@ class DistillationHandler:
             superseded=len(supersessions),
             backend=backend,
         )
-        below = f", {minor} below salience {NOTABLE_FACT_SALIENCE}" if minor else ""
+        below = f", {minor} below salience {NOTABLE_FACT_SALIENCE:g}" if minor else ""
         if not memories:
             detail = f"no new fact ({extracted} extracted, {known + len(existing)} known{below})"
             return Effects(
