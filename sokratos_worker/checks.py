@@ -141,9 +141,12 @@ def connections_line(settings: Settings, conn: Connection) -> CheckLine:
         """SELECT current_setting('max_connections')::int
                   - current_setting('superuser_reserved_connections')::int
                   - coalesce(current_setting('reserved_connections', true)::int, 0),
-                  (SELECT CASE WHEN rolsuper THEN -1 ELSE rolconnlimit END  -- (not for superusers)
+                  -- Neither limit holds a superuser back.
+                  (SELECT CASE WHEN rolsuper THEN -1 ELSE rolconnlimit END
                    FROM pg_roles WHERE rolname = current_user),
-                  (SELECT datconnlimit FROM pg_database WHERE datname = current_database()),
+                  (SELECT CASE WHEN (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+                               THEN -1 ELSE datconnlimit END
+                   FROM pg_database WHERE datname = current_database()),
                   -- Other roles' sessions show a NULL backend_type without pg_read_all_stats.
                   (SELECT CASE WHEN bool_or(backend_type IS NULL) THEN NULL
                                ELSE count(*) FILTER (WHERE backend_type = 'client backend'
