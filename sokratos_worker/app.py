@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import ConfigError, Settings, unknown_variables
-from sokratos_worker.daemon import SIGNAL_POLL_S, Worker, build_worker
+from sokratos_worker.daemon import EMAIL_STOP_WAIT_S, SIGNAL_POLL_S, Worker, build_worker
 from sokratos_worker.exit_codes import EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
@@ -189,15 +189,31 @@ def _once_restoring_signals(worker: Worker) -> int:
 
 def _check_email_watching_signals(worker: Worker) -> None:
     """The due email checks, in a thread: a stop signal cuts a session a slow server holds
-    (the main thread must stay free to act on it)."""
+    (the main thread must stay free to act on it).
+
+    Waited for as long as the checks' IMAP deadlines allow, and after a stop signal as long as
+    ``serve`` waits: a check waiting on a lock in the database (a migration, a transaction
+    left open) has no deadline of its own, and must not keep the drain or the exit waiting.
+    """
     settings = worker.settings
     if not settings.email_accounts or settings.email_check_interval <= 0:
         return
     thread = threading.Thread(target=worker.check_email, name="email", daemon=True)
     thread.start()
-    while thread.is_alive():
+    give_up_at = (
+        time.monotonic() + len(settings.email_accounts) * settings.email_check_deadline
+    ) + EMAIL_STOP_WAIT_S
+    while thread.is_alive() and time.monotonic() < give_up_at:
         thread.join(SIGNAL_POLL_S)
-        worker.notice_signal()
+        if worker.notice_signal():
+            give_up_at = min(give_up_at, time.monotonic() + EMAIL_STOP_WAIT_S)
+    if thread.is_alive():
+        log.warning(
+            "email_check_abandoned",
+            hint="the check is still waiting (on a lock in the database, or a server past its"
+            " deadline); the tick goes on without it, and what it committed stays (the"
+            " account is checked again at the next tick)",
+        )
 
 
 def _report_stuck_drain(worker: Worker) -> str:
