@@ -203,7 +203,7 @@ class Runner:
             time.sleep(0.05)
         leftovers = self._inflight.take_all()
         give_up_at = time.monotonic() + RELEASE_STATEMENT_TIMEOUT_MS / 1000
-        released = len(self._settler.release(leftovers))
+        released = self._give_back(leftovers)
         self._inflight.await_claims(give_up_at, CLAIM_CANCEL_TIMEOUT_S)
         for _ in range(self.settings.concurrency):
             self._handoff.put(None)
@@ -223,12 +223,14 @@ class Runner:
         with self._lock:
             self._stats.add(queue, kind, backend)
 
-    def _release_unrun(self, items: list[Item], on: Connection | None = None) -> None:
-        """Give back items claimed as the stop or a pause came (counted as given_back)."""
+    def _give_back(self, items: list[Item], on: Connection | None = None) -> int:
+        """Give back items not run, or still running at the end of the grace (attempt
+        uncounted); those released are counted as given_back. Returns how many."""
         released = self._settler.release(items, on)
         with self._lock:
             for item in released:
                 self._stats.add(item.queue, "given_back")
+        return len(released)
 
     def take_stats(self) -> Stats:
         """The counts since the last call (for ``tick_finished``)."""
@@ -341,9 +343,9 @@ class Runner:
                     self._shares.claimed(q, all_asked=len(items) >= limit)
                     if len(items) < limit:
                         short.add(q)
-                    fresh = None if self._paused_meanwhile(items) else self._track_claimed(items)
+                    fresh = self._take_claimed(items)
                     if fresh is None:
-                        self._release_unrun(items, conn)
+                        self._give_back(items, conn)
                         break
                     for item in fresh:
                         self._handoff.put(item)
@@ -381,10 +383,16 @@ class Runner:
             finally:
                 self.dispatcher_backend_pid = None
 
-    def _paused_meanwhile(self, claimed: list[Item]) -> bool:
-        """True when claiming paused while ``claimed`` was being claimed: nothing starts once a
-        pause has begun (an item just given back would run again at once)."""
-        return bool(claimed) and self._worker_state.paused()
+    def _take_claimed(self, items: list[Item]) -> list[Item] | None:
+        """Record claimed items, counted as claimed; None when they are to be given back
+        instead: claiming paused while they were claimed (nothing starts once a pause has
+        begun: an item just given back would run again at once), or the stop came."""
+        if items and self._worker_state.paused():
+            with self._lock:
+                for item in items:
+                    self._stats.add(item.queue, "claimed")
+            return None
+        return self._track_claimed(items)
 
     def _track_claimed(self, items: list[Item]) -> list[Item] | None:
         """Record claimed items (:meth:`InFlight.track_claimed`), counted as claimed in the
@@ -522,15 +530,15 @@ class Runner:
         if done is None:
             return None, ABANDONED
         result, next_items = done
-        if claim_from is not None:
+        if claim_from is not None and result.settled:  # (a fenced settle claimed nothing)
             self._shares.claimed(claim_from, all_asked=bool(next_items))
         kind = self._settler.report_success(item, effects, result, bound, started)
         # Tracked first, so in-flight never reads 0 in between.
-        fresh = None if self._paused_meanwhile(next_items) else self._track_claimed(next_items)
+        fresh = self._take_claimed(next_items)
         self._untrack(item)
         if fresh is None:
             # Claimed as the stop or a pause came: given back, not run (nor left to the lease).
-            self._release_unrun(next_items)
+            self._give_back(next_items)
             return None, kind
         if claim_from is not None and not next_items and len(self.queues) > 1:
             # The other queue may have items: the dispatcher fills the slot now (it would wait
