@@ -382,6 +382,7 @@ class Settler:
             with self.database.connection() as conn:
                 recorded = store.outcome_of(conn, item)
                 exists, owner = store.lease_owner(conn, item)
+                attempts = store.unleased_attempts(conn, item) if exists and not owner else None
         except DatabaseUnavailable as exc:
             # Only the refusal is known: not who holds the item now, nor whether it is done.
             bound.warning(
@@ -417,9 +418,21 @@ class Settler:
             )
             return LEASE_LOST
         if exists:
-            # A retry or give-back of ours landed before the connection dropped.
-            bound.info("item_already_released")
-            return released
+            # Our retry keeps the attempt counted, our give-back uncounts it; another
+            # worker's claim counted one more, whatever it did then.
+            ours = {RETRY: item.attempt, RELEASED: item.attempt - 1}.get(released)
+            if attempts is not None and attempts == ours:
+                # A retry or give-back of ours landed before the connection dropped.
+                bound.info("item_already_released")
+                self._count(item.queue, "retried" if released == RETRY else "given_back")
+                return released
+            bound.warning(
+                "lease_lost",
+                new_owner=None,
+                hint="another worker took the item over and has released it since; it runs"
+                " again under that worker's attempt count",
+            )
+            return LEASE_LOST
         bound.warning("item_gone", hint="its row was deleted outside the worker")
         return LEASE_LOST
 

@@ -479,6 +479,18 @@ def lease_owner(conn: psycopg.Connection, item: Item) -> tuple[bool, str | None]
     return (row is not None, row[0] if row is not None else None)
 
 
+def unleased_attempts(conn: psycopg.Connection, item: Item) -> int | None:
+    """The attempts counted on the item's row while nobody holds its lease (None: the row
+    is gone or leased): tells our landed retry or give-back from another worker's."""
+    row = conn.execute(
+        sql.SQL("SELECT attempts FROM {} WHERE id = %s AND lease_owner IS NULL").format(
+            sql.Identifier(item.queue.value)
+        ),
+        (item.id,),
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
 def next_ready_in(conn: psycopg.Connection, queues: Sequence[Queue]) -> float | None:
     """Seconds until the earliest item becomes claimable (backoff or lease), None if empty."""
     parts = [

@@ -3,7 +3,8 @@ has its ending counted too, and a settle that changed nothing tells the queue sh
 
 Found by a reader (2026-12-06): items released at the end of the stop's grace were never
 counted as given_back; claims given back because a pause began were counted as given_back but
-never as claimed; a fenced settle (which claims nothing) marked the queue it would have
+never as claimed; a retry or give-back whose answer was lost was not counted (and one by the
+worker that took the item over was taken for ours); a fenced settle (which claims nothing) marked the queue it would have
 claimed from as empty for a second.
 """
 
@@ -16,7 +17,8 @@ import psycopg
 import pytest
 import structlog
 
-from sokratos_worker.model import Effects, NewMemory, Outcome, Queue
+from sokratos_worker.errors import BackendsUnavailable, ItemError
+from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
@@ -103,3 +105,41 @@ def test_a_fenced_settle_does_not_mark_the_other_queue_empty(
     )
     assert (next_item, kind) == (None, "lease_lost")
     assert runner._shares._empty_until.get(Queue.DISTILLATION, 0.0) <= time.monotonic()
+
+
+def _fail(runner: Runner, item: Item, exc: Exception) -> str:
+    return runner._settler.fail(item, exc, ScriptedHandler(), structlog.get_logger().bind())
+
+
+def test_a_retry_or_give_back_that_landed_before_its_answer_was_lost_is_counted(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """The write committed, the connection dropped before its answer: the settle, tried
+    again, is fenced, finds the row released under this attempt, and counts it."""
+    enqueue_many(db, 2)
+    runner = _runner(database)
+    first, second = store.claim(db, Queue.TRIAGE, owner="w", limit=2, lease_s=60)
+    runner._track_claimed([first, second])
+    runner.take_stats()
+    assert store.schedule_retry(db, first, owner="w", error="x", delay_s=60)
+    assert _fail(runner, first, ItemError("scripted")) == "retry"
+    assert store.give_back(db, second, owner="w")
+    assert _fail(runner, second, BackendsUnavailable("every backend down")) == "released"
+    assert _counts(runner) == {"retried": 1, "given_back": 1}
+
+
+def test_a_release_by_the_worker_that_took_the_item_over_is_not_counted_as_ours(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """Our lease ran out, another worker claimed the item (attempt 2) and scheduled a retry:
+    our failed attempt's settle is fenced and says the lease was lost, counting nothing."""
+    enqueue_many(db, 1)
+    runner = _runner(database)
+    [ours] = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+    runner._track_claimed([ours])
+    runner.take_stats()
+    db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 second'")
+    [theirs] = store.claim(db, Queue.TRIAGE, owner="other", limit=1, lease_s=60)
+    assert store.schedule_retry(db, theirs, owner="other", error="x", delay_s=60)
+    assert _fail(runner, ours, ItemError("scripted")) == "lease_lost"
+    assert _counts(runner) == {}
