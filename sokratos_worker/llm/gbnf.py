@@ -24,27 +24,39 @@ array ::= "[" ws ( value ( "," ws value )* )? "]" ws
 """.strip()
 
 _PRIMITIVES = {"string", "integer", "number", "boolean", "null"}
+_RESERVED = {"root", "ws", "value", "object", "array", *_PRIMITIVES}  # the rules above
 
 
 class _Builder:
     def __init__(self, schema: dict[str, Any]) -> None:
         self.defs: dict[str, Any] = schema.get("$defs", {})
         self.rules: dict[str, str] = {}
+        self.ref_rules: dict[str, str] = {}  # $defs name -> its rule
 
     def rule_for(self, schema: dict[str, Any], name: str) -> str:
         """The name of a rule matching ``schema``, defining it (and its parts) if needed."""
         if "$ref" in schema:
             ref = schema["$ref"].rsplit("/", 1)[-1]
-            rule = _rule_name("def-" + ref)
-            if rule not in self.rules:
-                self.rules[rule] = ""  # reserve first: recursive models refer to themselves
+            if ref not in self.ref_rules:
+                # Reserved first: recursive models refer to themselves.
+                rule = self.ref_rules[ref] = self._new_rule("def-" + ref)
                 self.rules[rule] = self.body_for(self.defs.get(ref, {}), rule)
-            return rule
+            return self.ref_rules[ref]
         body = self.body_for(schema, name)
         if body in _PRIMITIVES or body == "value":
             return body
-        rule = _rule_name(name)
+        rule = self._new_rule(name)
         self.rules[rule] = body
+        return rule
+
+    def _new_rule(self, name: str) -> str:
+        """A rule name for ``name`` that no other rule has (``a_b`` and ``a__b`` both read
+        ``a-b``: one rule would have replaced the other), reserved."""
+        base = rule = _rule_name(name)
+        n = 2
+        while rule in self.rules or rule in _RESERVED:
+            rule, n = f"{base}-{n}", n + 1
+        self.rules[rule] = ""
         return rule
 
     def body_for(self, schema: dict[str, Any], name: str) -> str:
