@@ -17,6 +17,8 @@ from typing import Any
 
 import psycopg
 
+from tests.support.db import explain_from_now_on
+
 PAYLOAD = json.dumps({"exchange": "user: my sister moved to Porto\nassistant: noted"})
 ARCHIVE = json.dumps({"archive_text": "user: I moved to Lisbon\nassistant: noted"})
 OUR_TABLES = {"pending_triage", "pending_distillation", "sokratos_idempotency_keys", "work_outcomes"}
@@ -51,23 +53,7 @@ def test_every_lookup_of_an_enqueue_uses_its_index_in_full(db: psycopg.Connectio
             (ARCHIVE, f"direct-{i}"),
         )
 
-    plans: list[tuple[str, dict[str, Any]]] = []
-
-    def keep(diagnostic: psycopg.errors.Diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "plan:" in text:
-            found = json.loads(text.split("plan:", 1)[1])
-            plans.append((found["Query Text"], found["Plan"]))
-
-    db.add_notice_handler(keep)
-    for setting in (
-        "LOAD 'auto_explain'",
-        "SET auto_explain.log_min_duration = 0",
-        "SET auto_explain.log_nested_statements = on",
-        "SET auto_explain.log_format = json",
-        "SET auto_explain.log_level = notice",
-    ):
-        db.execute(setting)
+    plans = explain_from_now_on(db, nested=True)
     db.execute("SELECT sokratos_enqueue_triage(%s::jsonb, 'after-bulk')", (PAYLOAD,))
     db.execute(
         "INSERT INTO pending_distillation (payload, idempotency_key) VALUES (%s::jsonb, 'direct')",

@@ -24,7 +24,7 @@ from sokratos_worker.model import Effects, Outcome, Queue
 from sokratos_worker.store import email as email_store
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.migrations import apply_migrations, load_migrations
-from tests.support.db import count, enqueue_many
+from tests.support.db import count, enqueue_many, explain_from_now_on
 
 ROLES_SQL = (Path(__file__).resolve().parents[2] / "sql" / "roles.sql").read_text("utf-8")
 EXCHANGE = json.dumps({"exchange": "user: my sister moved to Porto\nassistant: noted"})
@@ -475,24 +475,10 @@ def test_the_rows_at_one_uid_are_read_through_the_uid_index(db: psycopg.Connecti
         " FROM generate_series(1, 20000) g"
     )
     db.execute("ANALYZE processed_emails")
-    plans: list[dict[str, Any]] = []
-
-    def keep(diagnostic: psycopg.errors.Diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "plan:" in text:
-            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
-
-    db.add_notice_handler(keep)
-    for setting in (
-        "LOAD 'auto_explain'",
-        "SET auto_explain.log_min_duration = 0",
-        "SET auto_explain.log_format = json",
-        "SET auto_explain.log_level = notice",
-    ):
-        db.execute(setting)
+    plans = explain_from_now_on(db)
     (found,) = email_store.recorded_at_uid(db, "home", "INBOX", 7, 12345)
     assert found.key == "home:<m12345@example.org>"
-    scans = [node for plan in plans for node in _scans_of(plan, "processed_emails")]
+    scans = [node for _, plan in plans for node in _scans_of(plan, "processed_emails")]
     assert scans, plans
     for node in scans:
         assert "uid" in node.get("Index Cond", ""), node
@@ -510,24 +496,10 @@ def test_a_claim_from_a_long_backlog_reads_the_queue_in_run_after_order(
         (payload,),
     )
     db.execute(f"ANALYZE {queue.value}")
-    plans: list[dict[str, Any]] = []
-
-    def keep(diagnostic: psycopg.errors.Diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "plan:" in text:
-            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
-
-    db.add_notice_handler(keep)
-    for setting in (
-        "LOAD 'auto_explain'",
-        "SET auto_explain.log_min_duration = 0",
-        "SET auto_explain.log_format = json",
-        "SET auto_explain.log_level = notice",
-    ):
-        db.execute(setting)
+    plans = explain_from_now_on(db)
     (item,) = store.claim(db, queue, owner="w", limit=1, lease_s=60)
     assert item.id == 1
-    scans = [node for plan in plans for node in _scans_of(plan, queue.value)]
+    scans = [node for _, plan in plans for node in _scans_of(plan, queue.value)]
     assert scans, plans
     assert all(node["Node Type"] != "Seq Scan" for node in scans), scans
     assert any(node.get("Index Name") == f"{queue.value}_run_after_idx" for node in scans), scans

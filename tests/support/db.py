@@ -70,3 +70,26 @@ def refuse_triage(
         "CREATE TRIGGER refuse_item BEFORE INSERT ON pending_triage"
         " FOR EACH ROW EXECUTE FUNCTION refuse_item()"
     )
+
+
+def explain_from_now_on(
+    conn: psycopg.Connection, *, nested: bool = False
+) -> list[tuple[str, dict[str, Any]]]:
+    """Every statement ``conn`` runs from now on has its plan appended to the list returned,
+    as (query text, plan) (auto_explain; ``nested``: statements inside functions too)."""
+    plans: list[tuple[str, dict[str, Any]]] = []
+
+    def keep(diagnostic: psycopg.errors.Diagnostic) -> None:
+        text = diagnostic.message_primary or ""
+        if "plan:" in text:
+            found = json.loads(text.split("plan:", 1)[1])
+            plans.append((found["Query Text"], found["Plan"]))
+
+    conn.add_notice_handler(keep)
+    conn.execute("LOAD 'auto_explain'")
+    conn.execute("SET auto_explain.log_min_duration = 0")
+    conn.execute("SET auto_explain.log_format = json")
+    conn.execute("SET auto_explain.log_level = notice")
+    if nested:
+        conn.execute("SET auto_explain.log_nested_statements = on")
+    return plans
