@@ -33,17 +33,24 @@ def parse_reply(model: type[T], text: str) -> tuple[T, list[str]]:
     if not isinstance(data, dict):
         raise ReplyInvalid("the reply must be one JSON object")
     clamped: list[str] = []
+    stepped: dict[tuple[int | str, ...], str] = {}  # fields stepped inside a strict bound
     for _ in range(20):  # each round clamps at least one field; bounded for safety
         by_validators: list[str] = []  # the fields the model's own validators clamped
         try:
             value = model.model_validate(data, context={"clamped": by_validators})
             return value, clamped + by_validators
         except ValidationError as exc:
-            fixes = [e for e in exc.errors() if e["type"] in _BOUND_ERRORS]
-            if not fixes or len(fixes) != len(exc.errors()):
+            errors = exc.errors()
+            fixes = [e for e in errors if e["type"] in _BOUND_ERRORS]
+            # 5.0 for an int field under lt=3 was stepped to 2.999…: the int field refuses it.
+            wholes = [e for e in errors if e["type"] == "int_from_float" and e["loc"] in stepped]
+            if not (fixes or wholes) or len(fixes) + len(wholes) != len(errors):
                 raise ReplyInvalid(_feedback(exc)) from exc
+            for error in wholes:
+                _whole_inside(data, error["loc"], stepped[error["loc"]])
             for error in fixes:
                 _clamp(data, error["loc"], error["ctx"], error["type"])
+                stepped[error["loc"]] = error["type"]
                 clamped.append(".".join(str(p) for p in error["loc"]))
     raise ReplyInvalid("the reply could not be brought into range")
 
@@ -93,6 +100,16 @@ def _clamp(data: Any, loc: tuple[int | str, ...], ctx: dict[str, Any], kind: str
         else:
             bound = math.nextafter(float(bound), -math.inf if down else math.inf)
     container[loc[-1]] = bound
+
+
+def _whole_inside(data: Any, loc: tuple[int | str, ...], kind: str) -> None:
+    """The whole number inside the bound a float was clamped to, for an int field that
+    refuses the fraction (``kind``: the bound's pydantic error type)."""
+    container = data
+    for part in loc[:-1]:
+        container = container[part]
+    stepped = float(container[loc[-1]])
+    container[loc[-1]] = math.floor(stepped) if kind.startswith("less") else math.ceil(stepped)
 
 
 def _feedback(exc: ValidationError) -> str:

@@ -7,6 +7,7 @@ Real HTTP servers and proxies on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import ssl
@@ -514,15 +515,26 @@ class Counted(BaseModel):
     count: int = Field(lt=3)
 
 
-# DEFECT: reply._clamp steps a strict integer bound down by one only when the reply's value is
-# an int; a whole number written as a float (5.0, which pydantic takes for an int field) is
-# clamped to math.nextafter(3.0, -inf) = 2.9999999999999996, which the int field then refuses as
-# fractional: an out-of-range number becomes a failed call, against contract section 5.
-@pytest.mark.xfail(
-    strict=True,
-    reason="5.0 for an int field with lt=3 is clamped to 2.9999999999999996, not 2, and refused",
-)
+# Found by the mutation review (fixed): reply._clamp steps a strict integer bound down by one
+# only when the reply's value is an int; a whole number written as a float (5.0, which
+# pydantic takes for an int field) was clamped to 2.9999999999999996, which the int field then
+# refused as fractional: an out-of-range number became a failed call (contract section 5).
 def test_a_whole_float_over_a_strict_integer_bound_is_clamped():
-    """``5.0`` for an integer field with ``lt=3`` clamps to 2, as ``5`` does."""
+    """``5.0`` for an integer field with ``lt=3`` clamps to 2, as ``5`` does; a float field
+    under the same bound still gets the nearest float inside it."""
     value, clamped = parse_reply(Counted, '{"count": 5.0}')
     assert (value.count, clamped) == (2, ["count"])
+    low, clamped = parse_reply(Counted, '{"count": -7.0}')
+    assert (low.count, clamped) == (-7, [])
+    ratio, clamped = parse_reply(Ratio, '{"share": 5.0}')
+    assert (ratio.share, clamped) == (math.nextafter(3.0, -math.inf), ["share"])
+    floor, _ = parse_reply(Floored, '{"count": -5.0}')
+    assert floor.count == 0
+
+
+class Ratio(BaseModel):
+    share: float = Field(lt=3)
+
+
+class Floored(BaseModel):
+    count: int = Field(gt=-1)
