@@ -425,10 +425,23 @@ class Runner:
             # The item's reads and settle, and the next items claimed with it, share one
             # connection: a slot never needs two.
             with self.database.holding():
-                while item is not None:
+                while item is not None and self._still_ours(item):
                     item = self._process(item)
             if self._notified:
                 self._wake.set()
+
+    def _still_ours(self, item: Item) -> bool:
+        """False for an item given back at the end of the stop's grace before a slot started
+        it: running it would spend an LLM call on a settle its lost lease fences."""
+        if self._inflight.get(item.queue, item.id) is not None:
+            return True
+        log.info(
+            "item_released_before_it_started",
+            queue=item.queue.value,
+            item_id=item.id,
+            attempt=item.attempt,
+        )
+        return False
 
     def _process(self, item: Item) -> Item | None:
         """Handle and settle one item; returns the next item claimed with the settle."""

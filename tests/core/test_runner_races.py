@@ -143,3 +143,22 @@ def test_a_settle_that_landed_before_its_answer_was_lost_counts_as_its_outcome(
     assert set(outcomes(db).values()) == {"saved"}
     assert done == [("pending_triage", "saved")]
     assert runner.take_stats().counts["pending_triage"]["saved"] == 1
+
+
+def test_an_item_given_back_at_the_grace_end_before_a_slot_took_it_is_not_run(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """An item still waiting in the handoff when the stop's grace ends is released with the
+    rest; the slot that takes it afterwards must not run it (its settle would be fenced, the
+    LLM call wasted)."""
+    enqueue_many(db, 1, behaviour="skip")
+    database = Database(database_url, size=4)
+    done: list[tuple[str, str]] = []
+    runner, handler = _runner(database, done, concurrency=1)
+    assert runner._claim_for_idle_slots() == (1, 1)  # claimed, tracked, in the handoff
+    assert runner.shutdown(0) == 1  # the grace ends before any slot started it
+    runner._slot_loop()  # the slot now takes it, then the stop's None
+    database.close()
+    assert handler.attempts == []
+    assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (0, None)
+    assert done == [] and outcomes(db) == {}
