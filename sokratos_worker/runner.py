@@ -196,8 +196,8 @@ class Runner:
         Returns how many items were released (their attempt given back).
         """
         self.request_stop()  # first: the state's report may wait behind a heartbeat's write
+        deadline = time.monotonic() + grace_s  # so may the grace's start: it counts from here
         self._worker_state.set(State.STOPPING, "")
-        deadline = time.monotonic() + grace_s
         while self.inflight_count() and time.monotonic() < deadline:
             self._progress()  # items finishing within the grace is progress too
             time.sleep(0.05)

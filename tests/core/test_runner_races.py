@@ -162,3 +162,37 @@ def test_an_item_given_back_at_the_grace_end_before_a_slot_took_it_is_not_run(
     assert handler.attempts == []
     assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (0, None)
     assert done == [] and outcomes(db) == {}
+
+
+def test_the_grace_counts_from_the_stop_not_from_a_state_report_that_waited(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The stop's STOPPING report can wait behind another report's heartbeat write; the grace
+    must not start only once it is made, or the stop outlasts SOKRATOS_SHUTDOWN_GRACE by that
+    wait (and systemd's TimeoutStopSec with it)."""
+    enqueue_many(db, 1, behaviour="sleep:8")
+    database = Database(database_url, size=4)
+    reported: dict[str, float] = {}
+
+    def slow_stopping_report(state: str, _detail: str) -> None:
+        if state == "stopping":
+            time.sleep(3)  # the heartbeat write it waits behind
+            reported[state] = time.monotonic()
+
+    runner = Runner(
+        settings=fast_settings(concurrency=1),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="test",
+        on_state=slow_stopping_report,
+    )
+    runner.start()
+    deadline = time.monotonic() + 20
+    while not runner.inflight_count() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert runner.shutdown(3) == 1  # still sleeping at the end of the grace: released
+    after_report = time.monotonic() - reported["stopping"]
+    database.close()
+    # The grace (3 s) had passed by the time the report was made: the release follows at once.
+    assert after_report < 1.5, after_report
+    assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (0, None)
