@@ -32,6 +32,7 @@ from sokratos_worker.llm.failures import (
     PROXY_REFUSED,
     RUN_CHECK,
     busy_reason,
+    form_unserved,
     not_the_items_fault,
     partly_misconfigured,
     refusal,
@@ -507,6 +508,8 @@ class FallbackChatClient:
         agrees, since the backend that was down may serve it. probe() then asks in that form
         and resumes claiming once it is served or every backend answers it, so the item's next
         call is decided by the backends themselves (no loop while one is down, none after).
+        With no refusal, a backend that answered 5xx, fails that form and serves a plain
+        one-token request is misconfigured (its structured_output): probe() asks the form.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
@@ -542,6 +545,19 @@ class FallbackChatClient:
                     # Until that form is served (or every backend answers it), a plain probe's
                     # success must not resume claiming: probe() asks in it.
                     self._probe_form = _ProbeForm(response_model, when_all_answer=True)
+                    return not_the_items_fault(tried, kinds, summary)
+                # A backend that answered 5xx and serves a plain request, but fails every one
+                # in this form (llama-cpp-python's 500 for json_schema), is misconfigured:
+                # resumed by a plain probe, the item would be given back and claimed again for
+                # ever. (One that timed out or was not reached is not asked again.)
+                form_fails = [
+                    a.backend
+                    for a in tried
+                    if a.reason.startswith("http_5") and probe_one(self._backend(a.backend))
+                ]
+                if form_fails:
+                    self._probe_form = _ProbeForm(response_model, when_all_answer=False)
+                    return form_unserved(tried, form_fails, summary)
                 return not_the_items_fault(tried, kinds, summary)
             # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)

@@ -84,6 +84,21 @@ def partly_misconfigured(
     )
 
 
+def form_unserved(
+    tried: tuple[BackendAttempt, ...], names: list[str], summary: str
+) -> LLMBackendsMisconfigured:
+    """Nothing refused the request, but ``names`` serve a plain one-token request while failing
+    one in the request's structured-output form: their ``structured_output`` setting (or the
+    model's support for it), not the item (the attempt given back until the form is served)."""
+    which = ", ".join(names)
+    return LLMBackendsMisconfigured(
+        f"no LLM backend gave a valid reply ({summary}); {which} served a plain one-token"
+        " request but failed one in this call's structured-output form as well: check"
+        f" structured_output (and model) for {which} in SOKRATOS_LLM_BACKENDS{RUN_CHECK}",
+        tried=tried,
+    )
+
+
 def busy_reason(backend: Backend) -> str:
     """Why a backend was skipped as busy: its slots and how long the call waited for one."""
     count = backend.config.max_concurrency

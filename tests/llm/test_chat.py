@@ -398,7 +398,9 @@ def test_nothing_reachable_and_probe_fails_is_no_backend_reachable(
     with pytest.raises(NoBackendReachable) as caught:
         ask(make_client(backend(a, "a"), dead))
     assert [t.backend for t in caught.value.tried] == ["a", "dead"]
-    assert a.count(PROBE) == 1
+    # In the call's form, then without a schema (one failing only the form is misconfigured,
+    # test_form_fails_with_5xx.py); the refused port is not asked again.
+    assert a.count(PROBE) == 2
 
 
 def test_server_errors_with_a_healthy_probe_are_the_items_fault(
@@ -418,12 +420,14 @@ def test_a_server_that_lists_its_models_but_fails_every_completion_is_down(
     a = servers()
     a.on("/v1/chat/completions", lambda r: Reply.error(500, "CUDA out of memory"))
     a.on(PROBE, lambda r: Reply.error(500, "CUDA out of memory"))
-    with pytest.raises(NoBackendReachable):
+    with pytest.raises(NoBackendReachable) as caught:
         ask(make_client(backend(a, "a")))
+    assert not isinstance(caught.value, LLMBackendsMisconfigured)  # the plain probe failed too
     assert a.count("/v1/models") == 0
-    (probe,) = a.bodies(PROBE)
-    assert probe["max_tokens"] == 1
-    assert probe["model"] == "scripted"
+    in_form, plain = a.bodies(PROBE)
+    assert in_form["max_tokens"] == plain["max_tokens"] == 1
+    assert "response_format" in in_form and "response_format" not in plain
+    assert plain["model"] == "scripted"
 
 
 def test_all_refused_is_misconfigured(servers: Servers, make_client: MakeClient):

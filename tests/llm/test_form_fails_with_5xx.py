@@ -1,0 +1,115 @@
+"""A backend that answers 5xx to every request in its structured-output form while serving a
+plain one (llama-cpp-python with ``structured_output: json_schema``, docs/backends.md) is
+misconfigured, not down: the item is given back and claiming stays paused until the form is
+served. Taken for an outage, the plain probe resumed claiming at once, the item was given back
+again, and the worker looped for ever without using an attempt (durability.md: "must not loop
+forever").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from structlog.testing import capture_logs
+
+from sokratos_worker.config import load_settings
+from sokratos_worker.handlers import HandlerContext
+from sokratos_worker.llm import build_chat_client
+from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.llm.types import LLMBackendsMisconfigured, NoBackendReachable
+from sokratos_worker.pipelines import build_handlers
+from sokratos_worker.runner import Runner
+from sokratos_worker.store.connection import Database
+from sokratos_worker.testing.scripted_llm import PROBE, Reply, Request, ScriptedLLM
+from tests.faults.support import answer, backends_env, enqueue_triage, exchange
+from tests.llm.conftest import ask, backend, scripted
+
+
+def _fails_the_form(state: dict[str, bool]) -> Callable[[Request], Reply]:
+    """500 to any request with a response_format until ``state["fixed"]``; plain ones served."""
+
+    def respond(request: Request) -> Reply:
+        body = request.body if isinstance(request.body, dict) else {}
+        if "response_format" in body and not state["fixed"]:
+            return Reply.error(500, "json_schema is not supported", type="server_error")
+        if "response_format" not in body:
+            return Reply.chat("OK", completion_tokens=1)
+        return answer(request)
+
+    return respond
+
+
+def test_the_call_names_structured_output_and_the_probe_waits_for_the_form(
+    servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
+) -> None:
+    state = {"fixed": False}
+    client = make_client(backend(scripted(servers, _fails_the_form(state)), "brain"), attempts=2)
+
+    with pytest.raises(LLMBackendsMisconfigured) as failure:
+        ask(client)
+    assert "structured_output" in str(failure.value) and "brain" in str(failure.value)
+    assert client.probe() is False  # a plain request is served; the form still is not
+    state["fixed"] = True
+    assert client.probe() is True
+
+
+def test_a_backend_that_is_down_is_still_an_outage(
+    servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
+) -> None:
+    """503 to everything, the plain probe too: an outage (given back), not misconfigured."""
+    down = scripted(servers, lambda _r: Reply.error(503, "Loading model"))
+    client = make_client(backend(down, "brain"), attempts=2)
+    with pytest.raises(NoBackendReachable) as failure:
+        ask(client)
+    assert not isinstance(failure.value, LLMBackendsMisconfigured)
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_the_worker_pauses_instead_of_looping_then_saves_the_item_once_fixed(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    state = {"fixed": False}
+    key = enqueue_triage(db, exchange("tokform1", save=True))
+    with ScriptedLLM(chat=_fails_the_form(state)) as server:
+        server.on(PROBE, _fails_the_form(state))
+        settings = load_settings(
+            {
+                "SOKRATOS_DATABASE_URL": database_url,
+                "SOKRATOS_CONCURRENCY": "1",
+                "SOKRATOS_RETRY_BASE": "10ms",
+                "SOKRATOS_RETRY_MAX": "20ms",
+                "SOKRATOS_LLM_BACKENDS": backends_env(server, timeout=5),
+            }
+        )
+        database = Database(database_url, size=4)
+        try:
+            context = HandlerContext(settings, database, build_chat_client(settings), None)
+            runner = Runner(
+                settings=settings,
+                database=database,
+                handlers=build_handlers(context),
+                worker_id="form",
+            )
+            with capture_logs() as logs:
+                runner.start()
+                time.sleep(8)  # before the fix: six or more give-backs by now
+                given_back = [e for e in logs if e["event"] == "attempt_given_back"]
+                resumed = [e for e in logs if e["event"] == "claiming_resumed"]
+                state["fixed"] = True
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not db.execute(
+                    "SELECT 1 FROM work_outcomes WHERE item_id = %s", (key[1],)
+                ).fetchone():
+                    time.sleep(0.2)
+                runner.shutdown(5)
+        finally:
+            database.close()
+    assert len(given_back) == 1 and resumed == [], (len(given_back), len(resumed))
+    row = db.execute(
+        "SELECT outcome, attempts FROM work_outcomes WHERE item_id = %s", (key[1],)
+    ).fetchone()
+    assert row == ("saved", 1), row  # the give-back used no attempt
