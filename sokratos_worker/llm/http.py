@@ -24,7 +24,8 @@ log = structlog.get_logger(__name__)
 
 _CONTEXT_PATTERNS = re.compile(
     r"exceed_context_size|context_length_exceeded|maximum context length"
-    r"|exceeds? (?:the )?context (?:window|length|size)|context window|too many tokens"
+    r"|exceeds? (?:the )?(?:available )?context (?:window|length|size)|context window"
+    r"|too many tokens"
     r"|prompt is too long",
     re.IGNORECASE,
 )

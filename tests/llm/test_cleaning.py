@@ -98,6 +98,8 @@ def test_parse_reply_rejects_non_finite_numbers(number: str):
         (200, "", Verdict.OK),
         (400, '{"error":{"type":"exceed_context_size_error","n_ctx":4096}}', Verdict.CONTEXT),
         (400, "context_length_exceeded", Verdict.CONTEXT),
+        # llama.cpp builds whose answer has no exceed_context_size_error type
+        (400, "the request exceeds the available context size, try increasing it", Verdict.CONTEXT),
         (400, "bad request", Verdict.REJECTED),
         (422, "unprocessable", Verdict.REJECTED),
         (401, "", Verdict.REFUSED),
