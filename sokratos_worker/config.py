@@ -56,6 +56,7 @@ from sokratos_worker.config_sources import (
 from sokratos_worker.config_validators import (
     CaFile,
     HttpBaseUrl,
+    header_value_problem,
     http_base_url,
     refuse_bad_libpq_environment,
     unusable_directory,
@@ -97,10 +98,20 @@ class BackendConfig(BaseModel):
     # Both given: api_key wins and the file is never read, which start-up says.
     _key_file_ignored: bool = PrivateAttr(default=False)
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_fits_a_header(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and (problem := header_value_problem(value.get_secret_value())):
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _load_key_file(self) -> BackendConfig:
         if self.api_key is None and self.api_key_file:
-            object.__setattr__(self, "api_key", SecretStr(read_secret_file(self.api_key_file)))
+            key = read_secret_file(self.api_key_file)
+            if problem := header_value_problem(key):
+                raise ValueError(f"the key in api_key_file {self.api_key_file!r}: {problem}")
+            object.__setattr__(self, "api_key", SecretStr(key))
         elif self.api_key_file:
             self._key_file_ignored = True
         return self

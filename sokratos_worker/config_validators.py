@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import ssl
 import tempfile
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
@@ -49,6 +50,26 @@ def without_credentials(url: str) -> str:
     if not sep or "@" not in host:
         return url
     return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+
+
+def header_value_problem(secret: str) -> str | None:
+    """Why ``secret`` cannot be sent in an HTTP header (``Authorization: Bearer ...``), or
+    None. Said now, without the secret: at the first call it was a raw UnicodeEncodeError,
+    or a protocol error quoting the key into the item's outcome."""
+    for position, char in enumerate(secret, start=1):
+        if not "\x21" <= char <= "\x7e":
+            return (
+                f"character {position} of {len(secret)} is {_character_name(char)}, which an"
+                " HTTP header cannot carry (a pasted space or line end?)"
+            )
+    return None
+
+
+def _character_name(char: str) -> str:
+    """``U+00A0 (NO-BREAK SPACE)``: a character named, as an operator can search for it."""
+    controls = {"\t": "TAB", "\n": "LINE FEED", "\r": "CARRIAGE RETURN"}
+    name = controls.get(char) or unicodedata.name(char, "")
+    return f"U+{ord(char):04X}" + (f" ({name})" if name else "")
 
 
 def readable_ca_file(value: str | None) -> str | None:

@@ -590,3 +590,29 @@ def test_the_libpq_options_a_production_url_uses_are_accepted() -> None:
     assert not load_settings({"SOKRATOS_DATABASE_URL": url}).uses_embedded_postgres
     keywords = "host=/run/postgresql dbname=sokratos sslmode=disable require_auth=!password,!md5"
     assert not load_settings({"DATABASE_URL": keywords}).uses_embedded_postgres
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("sk-live-0123\n", "character 13 of 13 is U+000A (LINE FEED)"),
+        ("sk-live\u00a00123", "character 8 of 12 is U+00A0 (NO-BREAK SPACE)"),
+        ("sk live", "character 3 of 7 is U+0020 (SPACE)"),
+    ],
+)
+def test_an_api_key_no_http_header_can_carry_is_refused_without_quoting_it(
+    tmp_path: Path, key: str, said: str
+) -> None:
+    """Accepted, it failed at the first call: a raw UnicodeEncodeError that skipped the
+    fallback backends, or a protocol error quoting the key into the item's outcome."""
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"api_key": key})})
+    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].api_key"
+    assert said in error.message and "HTTP header" in error.message
+    assert key.strip() not in str(error)
+    (tmp_path / "key").write_text(key)
+    from_file = {"SOKRATOS_LLM_BACKENDS": _backends({"api_key_file": str(tmp_path / "key")})}
+    if key.endswith("\n"):  # a file's line end is no part of its key
+        assert load_settings(from_file).llm_backends[1].api_key is not None
+        return
+    error = _refusal(from_file)
+    assert said in error.message and "api_key_file" in error.message
