@@ -75,7 +75,8 @@ class ChatClient(Protocol):
     ) -> ChatResult[T]:
         """A reply validated against ``response_model``.
 
-        Raises :class:`ContextTooLong` when every backend said the input is too long,
+        Raises :class:`ContextTooLong` when a backend said the input is over its model's
+        context (the next backends are not sent the same oversize input: shorten it first),
         :class:`NoBackendReachable` when no backend could be reached at all (and a health
         probe right after failed too; :class:`LLMBackendsBusy` when every backend's slots
         stayed taken), and :class:`ChatFailed` for anything else (:class:`RequestRefused`

@@ -152,6 +152,11 @@ class ContradictionVerdicts(BaseModel):
 
     verdicts: list[CandidateVerdict]
 
+    def misnumbered(self, count: int) -> list[int]:
+        """Candidate numbers outside 1..``count``: a model numbering from 0 means another
+        memory by each number, so none of its verdicts can be applied."""
+        return sorted({v.existing for v in self.verdicts if not 1 <= v.existing <= count})
+
     def contradicted(self, count: int) -> list[int]:
         """The 1-based candidate numbers judged contradicted (first verdict per number wins)."""
         seen: dict[int, bool] = {}

@@ -15,7 +15,13 @@ from datetime import datetime
 import structlog
 
 from sokratos_worker.errors import BackendsUnavailable, ItemError
-from sokratos_worker.llm.types import ChatClient, Embedder, EmbeddingFailed, RequestRefused
+from sokratos_worker.llm.types import (
+    ChatClient,
+    ContextTooLong,
+    Embedder,
+    EmbeddingFailed,
+    RequestRefused,
+)
 from sokratos_worker.model import Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts
@@ -24,10 +30,17 @@ from sokratos_worker.store.memories import (
     FACT_DUPLICATE_DISTANCE,
     NEAR_DUPLICATE_DISTANCE,
     MemoryReader,
+    MemorySnippet,
 )
 from sokratos_worker.store.sanitize import clean_text
 
 log = structlog.get_logger(__name__)
+
+
+class MisnumberedVerdicts(ItemError):
+    """The contradiction verdicts name candidates that were not asked about (numbered from
+    0): applied, each would supersede another memory than the one judged."""
+
 
 CONTRADICTION_DISTANCE = 0.4
 CONTRADICTION_CANDIDATES = 3
@@ -187,13 +200,7 @@ class MemoryWriter:
         if not candidates:
             return (), None
         try:
-            result = self.chat.complete(
-                response_model=ContradictionVerdicts,
-                system=prompts.CONTRADICTION,
-                user=prompts.contradiction_input(summary, [c.summary for c in candidates]),
-                max_tokens=CONTRADICTION_MAX_TOKENS,
-                purpose="contradiction",
-            )
+            contradicted = self._contradicted(self.chat, item, summary, candidates)
         except (BackendsUnavailable, RequestRefused):
             # An outage (no backend reachable, circuits open, all refusing) is no verdict: the
             # attempt is given back and the check runs with the next one. A request every
@@ -211,6 +218,41 @@ class MemoryWriter:
                 error=type(exc).__name__,
             )
             return (), type(exc).__name__
+        supersessions = tuple(
+            Supersession(old_memory_id=c.id, new_origin=new_origin) for c in contradicted
+        )
+        return supersessions, None
+
+    def _contradicted(
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+    ) -> list[MemorySnippet]:
+        """The candidates the LLM judges ``summary`` contradicts; compared one at a time when
+        all of them at once are over a backend's context."""
+        try:
+            return self._ask_contradicted(chat, item, summary, candidates)
+        except ContextTooLong:
+            if len(candidates) == 1:
+                raise
+            log.info("contradiction_candidates_one_by_one", item_id=item.id)
+        return [c for c in candidates if self._ask_contradicted(chat, item, summary, [c])]
+
+    def _ask_contradicted(
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+    ) -> list[MemorySnippet]:
+        """One contradiction call over ``candidates``."""
+        result = chat.complete(
+            response_model=ContradictionVerdicts,
+            system=prompts.CONTRADICTION,
+            user=prompts.contradiction_input(summary, [c.summary for c in candidates]),
+            max_tokens=CONTRADICTION_MAX_TOKENS,
+            purpose="contradiction",
+        )
+        misnumbered = result.value.misnumbered(len(candidates))
+        if misnumbered:
+            raise MisnumberedVerdicts(
+                f"verdicts for candidates {misnumbered}, asked about 1 to {len(candidates)}",
+                backend=result.backend,
+            )
         contradicted = result.value.contradicted(len(candidates))
         log.info(
             "contradiction_checked",
@@ -219,8 +261,4 @@ class MemoryWriter:
             contradicted=len(contradicted),
             backend=result.backend,
         )
-        supersessions = tuple(
-            Supersession(old_memory_id=candidates[n - 1].id, new_origin=new_origin)
-            for n in contradicted
-        )
-        return supersessions, None
+        return [candidates[n - 1] for n in contradicted]
