@@ -143,9 +143,12 @@ KEEPALIVES = {
 
 
 def with_keepalives(conninfo: str) -> str:
-    """``conninfo`` with TCP keepalives, unless it sets them itself."""
+    """``conninfo`` with TCP keepalives, unless it sets them itself, and UTF-8 always: under
+    another client_encoding (the URL's, PGCLIENTENCODING) a message in Japanese could not be
+    sent at all, and its account's check would stop at it for good."""
     given = conninfo_to_dict(conninfo)
-    return make_conninfo(conninfo, **{k: v for k, v in KEEPALIVES.items() if k not in given})
+    keepalives = {k: v for k, v in KEEPALIVES.items() if k not in given}
+    return make_conninfo(conninfo, **keepalives, client_encoding="UTF8")
 
 
 # What the server answers when the URL itself is wrong: waiting will not help. These come

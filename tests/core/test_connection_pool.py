@@ -9,13 +9,14 @@ from contextlib import ExitStack
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.store import queue_sql
 from sokratos_worker.store.connection import (
     Database,
     connect,
+    make_pool,
     wait_for_database,
     with_keepalives,
 )
@@ -197,6 +198,24 @@ def test_connections_give_up_on_unacknowledged_data_as_keepalives_do(database_ur
     assert params["tcp_user_timeout"] == "60000"  # idle 30 s + 3 probes 10 s apart
     own = conninfo_to_dict(with_keepalives("host=db.example tcp_user_timeout=5000"))
     assert own["tcp_user_timeout"] == "5000" and own["keepalives_idle"] == "30"
+
+
+def test_connections_speak_utf8_whatever_the_url_or_pgclientencoding_say(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under LATIN1 a message in Japanese could not even be sent (UnicodeEncodeError), and
+    the email check stopped at it for good, blaming privileges."""
+    monkeypatch.setenv("PGCLIENTENCODING", "LATIN1")
+    latin1_url = make_conninfo(database_url, client_encoding="LATIN1")
+    with connect(latin1_url) as conn:
+        assert conn.info.encoding == "utf-8"
+        assert conn.execute("SELECT %s::text", ("日本語の件名",)).fetchone() == ("日本語の件名",)
+    pool = make_pool(latin1_url, size=1)
+    try:
+        with pool.connection() as conn:
+            assert conn.info.encoding == "utf-8"
+    finally:
+        pool.close()
 
 
 @pytest.mark.slow
