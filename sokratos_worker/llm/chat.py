@@ -238,7 +238,9 @@ class FallbackChatClient:
             return "circuit_open"
         # The half-open trial is the one-token probe, not the item's request: the request then
         # keeps the backend's own timeout, so a slow CPU backend can close its circuit again.
-        if probe_one(backend):
+        # Refused (a key rotated during the outage) is up too: the request then meets the
+        # refusal, which names the configuration; re-opened, it read as an outage for ever.
+        if probe_answer(backend) is not Probed.DOWN:
             backend.breaker.record_success()
             return ""
         backend.breaker.record_failure("half-open probe failed", trial=True)
@@ -268,6 +270,12 @@ class FallbackChatClient:
                     healthy = True
             elif result is Probed.REFUSED:
                 backend.breaker.allow_probe_now()  # it answers: the next call may reach it
+                # After an outage (no form awaited), a refusal means the server is back with
+                # a configuration problem (a key rotated meanwhile): the item's next call
+                # names it and pauses on it, in the minimal request's form; waiting here
+                # would say "unreachable" for ever.
+                if form is None:
+                    healthy = True
             elif result is Probed.DOWN:
                 answered = False
         # A backend was down when the item was given back, another refused its form: once every

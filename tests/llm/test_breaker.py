@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
 from sokratos_worker.llm.chat import FallbackChatClient
-from sokratos_worker.llm.types import ChatFailed, NoBackendReachable
+from sokratos_worker.llm.types import ChatFailed, LLMBackendsMisconfigured, NoBackendReachable
 from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from tests.llm.conftest import FakeClock, backend
 
@@ -195,3 +195,35 @@ def test_health_probe_success_lets_the_next_call_probe_the_circuit(
     assert client.probe() is True
     result = client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
     assert result.backend == "a"
+
+
+def test_a_backend_back_with_a_rotated_key_is_named_misconfigured_not_unreachable(
+    servers: Callable[..., ScriptedLLM],
+    make_client: Callable[..., FallbackChatClient],
+    clock: FakeClock,
+):
+    """Its circuit opened in an outage; it comes back answering 401 to everything. The
+    half-open trial and the pause's probe took the 401 for the outage going on: "no LLM
+    backend reachable" and claiming paused for good, the key never named."""
+    mode = {"now": "down"}
+
+    def answer(_request: object) -> Reply:
+        if mode["now"] == "down":
+            return Reply.error(503, "Loading model")
+        return Reply.error(401, "Incorrect API key provided", type="invalid_request_error")
+
+    a = servers(chat=answer)
+    a.on(PROBE, answer)
+    client = make_client(backend(a, "a"), attempts=1)
+    for _ in range(3):
+        with pytest.raises(NoBackendReachable):
+            client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
+    assert client.breaker("a").state is Circuit.OPEN
+    mode["now"] = "key rotated"
+    assert client.probe() is True  # up again: the item's next call says what is wrong
+    clock.advance(121)  # (and the cool-down is over)
+    with pytest.raises(LLMBackendsMisconfigured) as caught:
+        client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
+    assert "api_key" in str(caught.value)
+    assert client.probe() is False  # paused on the key now, until the minimal request is served
+    assert client.breaker("a").state is Circuit.CLOSED
