@@ -30,13 +30,24 @@ from sokratos_worker.email.failed import (
     record_failed_message,
     record_refused_message,
 )
-from sokratos_worker.email.imap import SERVED_TRIES, ImapAborted, ImapError, ImapSession
+from sokratos_worker.email.imap import (
+    SERVED_TRIES,
+    ImapAborted,
+    ImapDeadlineExceeded,
+    ImapError,
+    ImapServerState,
+    ImapSession,
+    MailboxNotOpened,
+    MessagesNotReturned,
+    UidvalidityChangedWhileReading,
+)
 from sokratos_worker.email.imap_answers import (
     FetchedMessage,
     MailboxState,
     MessageRef,
     Refused,
     plan_batches,
+    server_state,
 )
 from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.email.parse import (
@@ -361,10 +372,65 @@ _ACCOUNT_HINT = (
     "no mail is lost: the next check starts where the last good one ended; if this repeats,"
     " check the account's host, port, security and password ('sokratos-worker check' tries them)"
 )
+_REFUSED_HINT = (
+    "no mail is lost: the mail before the refused message is recorded, and the next check tries"
+    f" it again; {REPAIR_HINT}; after {REFUSALS_BEFORE_PASSING} consecutive refusals it is"
+    " recorded in failed_operations and passed (the account's settings are not the cause)"
+)
+_SERVER_STATE_HINT = (
+    "no mail is lost: the next check tries again; the server answered with its own state (busy,"
+    " in use, over a limit or quota, shutting down), which no setting of the account changes:"
+    " if it lasts, see the server's log or ask its operator"
+)
+_DEADLINE_HINT = (
+    "no mail is lost: what was recorded before the deadline stays, and the next check resumes"
+    " there; if the server is merely slow (a large first check over a slow link), raise"
+    " SOKRATOS_EMAIL_CHECK_DEADLINE, else ask the server's operator"
+)
+_UIDVALIDITY_HINT = (
+    "no mail is lost: the server rebuilt the mailbox (a new UIDVALIDITY) while this check read"
+    " it; the next check reads it again from its first message, and mail already seen is not"
+    " triaged again: nothing to set; if it recurs at every check, ask the server's operator"
+)
+_NOT_RETURNED_HINT = (
+    "no mail is lost: the check stops before these messages and the next one fetches them"
+    " again; the server listed them but sent no body, which no setting of the account"
+    " explains: if it repeats, see the server's log or ask its operator (Dovecot: doveadm"
+    " force-resync)"
+)
+# The hint of each kind of IMAP failure that is not the account's settings (checked in order).
+_HINTS: tuple[tuple[type[ImapError], str], ...] = (
+    (MessageRefused, _REFUSED_HINT),
+    (ImapServerState, _SERVER_STATE_HINT),
+    (ImapDeadlineExceeded, _DEADLINE_HINT),
+    (UidvalidityChangedWhileReading, _UIDVALIDITY_HINT),
+    (MessagesNotReturned, _NOT_RETURNED_HINT),
+)
 _NOT_RECORDED_HINT = (
     "no mail is lost: the next check starts again at this message; fix what the database said"
     " (a missing privilege: apply sql/roles.sql; 'sokratos-worker check' lists what is missing)"
 )
+
+
+def _mailbox_hint(account: EmailAccountConfig) -> str:
+    """What to do when the server will not open the configured mailbox (renamed, say)."""
+    return (
+        f"the server would not open mailbox {account.mailbox!r} (its answer is in the error):"
+        f" check the mailbox of account {account.name!r} in SOKRATOS_EMAIL_ACCOUNTS against the"
+        " server's folder names. If the folder was renamed, set its new name: a new name starts"
+        " a fresh checkpoint, whose first check triages only mail that arrived within"
+        " SOKRATOS_EMAIL_INITIAL_LOOKBACK and records older mail as seen without triage, so"
+        " raise that for the first check to cover the time since this mailbox's last complete"
+        " check (docs/email.md, 'A renamed mailbox')"
+    )
+
+
+def _imap_hint(exc: ImapError, account: EmailAccountConfig) -> str:
+    """The hint for an IMAP failure: the account's settings only for what they can cause (a
+    connection or login failure), never for a message, the mailbox or the server's state."""
+    if isinstance(exc, MailboxNotOpened):
+        return _SERVER_STATE_HINT if server_state(exc.answer) else _mailbox_hint(account)
+    return next((hint for kind, hint in _HINTS if isinstance(exc, kind)), _ACCOUNT_HINT)
 
 
 def _failed(
@@ -423,7 +489,7 @@ def _check_one(
         log.info("email_check_aborted", account=account.name, error=str(exc))
         return AccountReport(name=account.name, error=str(exc))
     except ImapError as exc:
-        return _failed(conn, account, str(exc), now)
+        return _failed(conn, account, str(exc), now, hint=_imap_hint(exc, account))
     except MessageNotRecorded as exc:  # the database's refusal, not a crash nor the account's
         return _failed(conn, account, str(exc), now, hint=_NOT_RECORDED_HINT)
     except DatabaseUnavailable:

@@ -84,16 +84,20 @@ __all__ = [
     "CutReason",
     "FetchedMessage",
     "ImapAborted",
+    "ImapDeadlineExceeded",
     "ImapError",
     "ImapRefused",
     "ImapServerState",
     "ImapSession",
+    "MailboxNotOpened",
     "MailboxState",
     "MessageRef",
+    "MessagesNotReturned",
     "NoGreeting",
     "OpenSessions",
     "Refused",
     "SessionWatch",
+    "UidvalidityChangedWhileReading",
     "encode_mailbox",
     "parse_internaldate",
     "plan_batches",
@@ -151,6 +155,27 @@ class ImapServerState(ImapError):
 
 class ImapAborted(ImapError):
     """The worker is stopping: the session was cut short (the account's fault it is not)."""
+
+
+class ImapDeadlineExceeded(ImapError):
+    """The session's deadline (SOKRATOS_EMAIL_CHECK_DEADLINE) passed before the server was done."""
+
+
+class MailboxNotOpened(ImapError):
+    """The server refused to EXAMINE the account's mailbox (a folder that does not exist, no
+    permission, or its own state); ``answer`` is its reply."""
+
+    def __init__(self, message: str, answer: str) -> None:
+        super().__init__(message)
+        self.answer = answer
+
+
+class UidvalidityChangedWhileReading(ImapError):
+    """The mailbox had another UIDVALIDITY on a reconnect within one check (it was rebuilt)."""
+
+
+class MessagesNotReturned(ImapError):
+    """A UID FETCH left out messages the mailbox still holds; they are never skipped."""
 
 
 # The accounts whose unverified TLS this process has warned of.
@@ -236,7 +261,7 @@ class ImapSession:
         self._open()
         state = self.examine()
         if epoch is not None and state.uidvalidity != epoch.uidvalidity:
-            raise ImapError(
+            raise UidvalidityChangedWhileReading(
                 f"{self._where()}: UIDVALIDITY changed from {epoch.uidvalidity} to"
                 f" {state.uidvalidity} while reconnecting; the next check reads the mailbox again"
             )
@@ -246,7 +271,7 @@ class ImapSession:
         if self._watch.cut_reason == "stopping":
             return ImapAborted(f"{what}: cut short because the worker is stopping")
         if self._watch.cut_reason == "deadline":
-            return ImapError(
+            return ImapDeadlineExceeded(
                 f"{what}: the server answered too slowly: deadline exceeded (connecting,"
                 f" TLS, login and every command must end within {self.deadline:g} s; a server"
                 " sending a byte at a time never trips the per-read timeout). If it is merely"
@@ -458,7 +483,7 @@ class ImapSession:
         """Open the account's mailbox read-only and read its UIDVALIDITY."""
         try:
             typ, data = self.conn.select(quote_mailbox(self.account.mailbox), readonly=True)
-            self._check(typ, list(data), f"EXAMINE {self.account.mailbox!r}")
+            self._check_examined(typ, list(data))
             _, validity = self.conn.response("UIDVALIDITY")
             _, uidnext = self.conn.response("UIDNEXT")
         except (imaplib.IMAP4.error, OSError, EOFError) as exc:
@@ -472,6 +497,14 @@ class ImapSession:
             uidnext=response_number(uidnext),
         )
         return self._state
+
+    def _check_examined(self, typ: str, data: list[object]) -> None:
+        """Raise :class:`MailboxNotOpened` with the server's answer when EXAMINE was refused."""
+        if typ != "OK":
+            answer = f"{typ} {answer_text(data)}".strip()
+            raise MailboxNotOpened(
+                f"EXAMINE {self.account.mailbox!r} on {self._where()} failed: {answer}", answer
+            )
 
     def refs_from(self, last_uid: int) -> tuple[list[MessageRef], MessageRef | None]:
         """Every message with a UID above ``last_uid`` (in UID order), and the message with the
@@ -632,7 +665,7 @@ class ImapSession:
         unreturned = [uid for uid in missing if uid in present]
         if unreturned:
             # Never skip silently (Sokratos hazard 2): the check stops before these UIDs.
-            raise ImapError(
+            raise MessagesNotReturned(
                 f"UID FETCH on {self._where()} returned no body for UIDs {unreturned},"
                 " which are still in the mailbox"
             )
