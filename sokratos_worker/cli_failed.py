@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sokratos_worker import closed_stdout, jsontext
 from sokratos_worker.command_database import database_url
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import InvalidPayload, TableLocked
+from sokratos_worker.errors import TableLocked
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 
 if TYPE_CHECKING:
@@ -174,8 +174,9 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
 
 def _retry_chunk(conn: Any, ids: list[int], start: int, size: int) -> list[RetryResult]:
     """Retry ``ids[start:start + size]`` in one transaction. When the enqueue function refuses
-    one of their payloads, nothing of it was written: each half goes again the same way, down
-    to the refused one alone, which is reported, and the others are replayed."""
+    one of their payloads (or the key index one of their replay keys), nothing of it was
+    written: each half goes again the same way, down to the refused one alone, which is
+    reported, and the others are replayed."""
     from sokratos_worker.store import failures  # noqa: PLC0415
 
     chunk = ids[start : start + size]
@@ -185,7 +186,7 @@ def _retry_chunk(conn: Any, ids: list[int], start: int, size: int) -> list[Retry
     try:
         with _lock_waits_given_up_naming(conn, ids, start):
             return failures.retry_batch(conn, chunk)
-    except InvalidPayload:
+    except failures.UNREPLAYABLE:
         half = len(chunk) // 2
         return _retry_chunk(conn, ids, start, half) + _retry_chunk(
             conn, ids, start + half, len(chunk) - half

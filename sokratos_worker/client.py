@@ -170,12 +170,18 @@ def _refuse_bad_source(queue: Queue, source: str | None) -> None:
 
 
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
-    """The same required fields as sokratos_check_payload, so the spool never holds junk."""
+    """The same checks as sokratos_check_payload (sql/0046), in its order and words, so the
+    spool never holds what the import would turn into a failure."""
     _refuse_bad_source(queue, source)
     if queue is Queue.TRIAGE:
         field = "text" if source == "email" else "exchange"
         if not isinstance(payload.get(field), str):
             raise InvalidPayload(f"payload.{field}", "is required and must be a string")
+    elif payload.get("messages") is not None and payload.get("archive_text") is not None:
+        # A field sent as null counts as absent, as in the SQL function and the worker.
+        raise InvalidPayload(
+            "payload.messages", "and payload.archive_text are alternatives: send one of them"
+        )
     elif not isinstance(payload.get("messages"), list) and not isinstance(
         payload.get("archive_text"), str
     ):

@@ -299,12 +299,38 @@ def _queue_lines(report: dict[str, Any]) -> list[str]:
             + (f", oldest ready {age:.0f}s" if age is not None else "")
         )
         lines += [f"    leased by {owner}: {n}" for owner, n in q.get("leased_by", {}).items()]
+        lines += _never_ending_lines(q)
         if nxt := q.get("next_retry"):
             lines.append(
-                f"    next retry: item {nxt['item_id']} in {nxt['in_s']:.0f}s, after"
+                f"    next retry: item {nxt['item_id']} {_when(nxt)}, after"
                 f" {nxt['attempts']} attempt(s)"
                 + (f"; last error: {_one_line(nxt['last_error'])}" if nxt["last_error"] else "")
             )
+    return lines
+
+
+def _when(next_retry: dict[str, Any]) -> str:
+    """``in 90s``, or ``never (run_after is infinity)``: a report has no number for never."""
+    if next_retry["in_s"] is None:
+        return f"never ({next_retry.get('never') or 'no time set'})"
+    return f"in {next_retry['in_s']:.0f}s"
+
+
+def _never_ending_lines(q: dict[str, Any]) -> list[str]:
+    """Rows no worker wrote so (store.status._never_ending), as they are, and how to end it."""
+    lines = []
+    if n := q.get("leased_without_owner"):
+        lines.append(f"    leased by no worker (lease_owner is null): {n}")
+    if n := q.get("lease_never_ends"):
+        lines.append(
+            f"    leased for ever: {n} (lease_expires_at is infinity: no lease sweep releases"
+            " it; set lease_expires_at = NULL to release it)"
+        )
+    if n := q.get("never_due"):
+        lines.append(
+            f"    never due: {n} (run_after is infinity: no worker claims it; set run_after ="
+            " now() to run it)"
+        )
     return lines
 
 

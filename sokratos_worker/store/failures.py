@@ -93,6 +93,20 @@ def retry_key(original: str | None, failure_id: int) -> str:
     return f"{base}#retry-1"
 
 
+class RetryKeyTooLong(WorkerError):
+    """The queue's key index refused a replay's key (SQLSTATE 54000): the original key fitted,
+    with ``#retry-N`` appended it does not. Nothing of the replay was written."""
+
+    def __init__(self, key_chars: int, server_message: str) -> None:
+        super().__init__(server_message)
+        self.key_chars = key_chars  # the longest key the refused statement carried
+
+
+# What makes one failure unreplayable as stored: `failed retry --all` halves a batch that meets
+# it down to that one alone, which is reported on its own line, and replays the others.
+UNREPLAYABLE = (InvalidPayload, RetryKeyTooLong)
+
+
 def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     """Re-enqueue the stored payload as a new item, exactly once."""
     try:
@@ -101,6 +115,8 @@ def retry_failure(conn: psycopg.Connection, failure_id: int) -> RetryResult:
     except InvalidPayload as exc:
         # One unreplayable failure must not stop `failed retry --all` halfway.
         return _refused(failure_id, exc)
+    except RetryKeyTooLong as exc:
+        return _key_too_long(failure_id, exc)
 
 
 def _refused(failure_id: int, exc: InvalidPayload) -> RetryResult:
@@ -109,6 +125,19 @@ def _refused(failure_id: int, exc: InvalidPayload) -> RetryResult:
         None,
         f"refused: the stored payload cannot be enqueued ({exc}); repair it from"
         f" `sokratos-worker failed show {failure_id}` and enqueue it by hand",
+    )
+
+
+def _key_too_long(failure_id: int, exc: RetryKeyTooLong) -> RetryResult:
+    return RetryResult(
+        failure_id,
+        None,
+        f"refused: its idempotency key is too long to carry the '#retry-N' suffix a replay's"
+        f" key adds: the key index refuses the replay's key of {exc.key_chars:,} characters"
+        f" ({exc}); shorten the stored key (UPDATE failed_operations SET idempotency_key ="
+        f" left(idempotency_key, 500) WHERE id = {failure_id}) and retry it again, or enqueue"
+        f" the payload from `sokratos-worker failed show {failure_id}` by hand under a shorter"
+        " key",
     )
 
 
@@ -122,9 +151,9 @@ def retry_batch(conn: psycopg.Connection, failure_ids: list[int]) -> list[RetryR
     """Re-enqueue each stored payload as a new item, exactly once, all in one transaction;
     the results in the order of ``failure_ids`` (no id twice).
 
-    Raises InvalidPayload when the enqueue function refuses one of the payloads: nothing of
-    the batch is written then; smaller batches (the CLI halves it), down to
-    :func:`retry_failure` on the refused one, replay the others.
+    Raises one of UNREPLAYABLE when the enqueue function refuses one of the payloads, or the
+    key index one of the replay keys: nothing of the batch is written then; smaller batches
+    (the CLI halves it), down to :func:`retry_failure` on the refused one, replay the others.
     """
     with conn.transaction():
         locked = _locked_for_replay(conn, failure_ids)
@@ -336,7 +365,8 @@ def _enqueue_under_a_free_key(
 def _enqueue_each(conn: psycopg.Connection, queue: Queue, keys: dict[int, str]) -> dict[int, int]:
     """Enqueue each failure's stored payload under its key, in failure order, in one
     statement; failure id -> the item id the enqueue function answered. A payload it refuses
-    (SQLSTATE 22023) raises InvalidPayload naming the field, as store.call_enqueue does."""
+    (SQLSTATE 22023) raises InvalidPayload naming the field, as store.call_enqueue does; a
+    key too long for the key index (54000) raises RetryKeyTooLong."""
     failure_ids = sorted(keys)
     try:
         rows = conn.execute(
@@ -346,6 +376,11 @@ def _enqueue_each(conn: psycopg.Connection, queue: Queue, keys: dict[int, str]) 
         message = exc.diag.message_primary or str(exc)
         field, _, problem = message.partition(" ")
         raise InvalidPayload(field, problem) from exc
+    except psycopg.errors.ProgramLimitExceeded as exc:
+        message = exc.diag.message_primary or str(exc)
+        if not message.startswith("index row"):
+            raise  # not the key: no replay can help it
+        raise RetryKeyTooLong(max(len(key) for key in keys.values()), message) from exc
     return {int(failure_id): int(item_id) for failure_id, item_id in rows}
 
 

@@ -26,7 +26,8 @@ def queue_stats(
     conn: psycopg.Connection, queues: tuple[Queue, ...] = tuple(Queue), *, next_retry: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Per queue: ready, backing off, leased (and by whom), oldest ready age; with
-    ``next_retry``, the backing-off item that runs next and why it failed.
+    ``next_retry``, the backing-off item that runs next and why it failed. Rows no worker
+    wrote so are counted apart, only when there are any (see _never_ending).
 
     One pass over each table (grouped by lease owner): a /metrics scrape of a large backlog
     reads every row once, not twice.
@@ -43,7 +44,10 @@ def queue_stats(
                      count(*) FILTER (WHERE lease_expires_at >= now()),
                      EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE run_after <= now()
                          AND (lease_expires_at IS NULL OR lease_expires_at < now())
-                         AND isfinite(created_at)))
+                         AND isfinite(created_at))),
+                     count(*) FILTER (WHERE run_after = 'infinity' AND
+                         (lease_expires_at IS NULL OR lease_expires_at < now())),
+                     count(*) FILTER (WHERE lease_expires_at = 'infinity')
                    FROM {} GROUP BY lease_owner ORDER BY lease_owner"""
             ).format(sql.Identifier(q.value))
         ).fetchall()
@@ -54,20 +58,38 @@ def queue_stats(
             "leased": sum(int(r[3]) for r in rows),
             "leased_by": {str(r[0]): int(r[3]) for r in rows if r[0] is not None and r[3]},
             "oldest_ready_age_s": round(max(ages), 1) if ages else None,
+            **_never_ending(rows),
         }
         if next_retry and stats[q.value]["backing_off"]:
             stats[q.value]["next_retry"] = _next_retry(conn, q)
     return stats
 
 
+def _never_ending(rows: Sequence[Sequence[Any]]) -> dict[str, int]:
+    """What a producer's direct insert (or a hand edit) can leave that no worker writes: a
+    run_after of 'infinity' (never due), a lease without a lease_owner, a lease_expires_at of
+    'infinity' (no sweep releases it). Only the ones there are: the usual keys stay as they
+    were."""
+    counts = {
+        "never_due": sum(int(r[5]) for r in rows),
+        "leased_without_owner": sum(int(r[3]) for r in rows if r[0] is None),
+        "lease_never_ends": sum(int(r[6]) for r in rows),
+    }
+    return {name: n for name, n in counts.items() if n}
+
+
 def _next_retry(conn: psycopg.Connection, queue: Queue) -> dict[str, Any] | None:
     """The backing-off item that runs next: when, its attempts so far and why it failed.
 
-    "2 backing off" alone sent the operator to the logs to learn why (review R2).
+    "2 backing off" alone sent the operator to the logs to learn why (review R2). A run_after
+    of 'infinity' never comes: ``in_s`` is null then (JSON has no Infinity) and ``never``
+    says why.
     """
     row = conn.execute(
         sql.SQL(
-            """SELECT id, attempts, EXTRACT(EPOCH FROM run_after - now()), last_error FROM {}
+            """SELECT id, attempts,
+                      CASE WHEN isfinite(run_after) THEN EXTRACT(EPOCH FROM run_after - now()) END,
+                      last_error FROM {}
                WHERE run_after > now()
                  AND (lease_expires_at IS NULL OR lease_expires_at < now())
                ORDER BY run_after, id LIMIT 1"""
@@ -75,12 +97,17 @@ def _next_retry(conn: psycopg.Connection, queue: Queue) -> dict[str, Any] | None
     ).fetchone()
     if row is None:
         return None
+    due = row[2] is not None
     return {
         "item_id": int(row[0]),
         "attempts": int(row[1]),
-        "in_s": round(max(0.0, float(row[2])), 1),
+        "in_s": round(max(0.0, float(row[2])), 1) if due else None,
+        **({} if due else {"never": NEVER_DUE}),
         "last_error": row[3],
     }
+
+
+NEVER_DUE = "run_after is infinity"
 
 
 def failures_24h(conn: psycopg.Connection) -> dict[str, int]:
