@@ -323,8 +323,8 @@ def _never_ending_lines(q: dict[str, Any]) -> list[str]:
         lines.append(f"    leased by no worker (lease_owner is null): {n}")
     if n := q.get("lease_never_ends"):
         lines.append(
-            f"    leased for ever: {n} (lease_expires_at is infinity: no lease sweep releases"
-            " it; set lease_expires_at = NULL to release it)"
+            f"    leased for ever: {n} (lease_expires_at is infinity: the lease never expires,"
+            " so no worker ever claims it; set lease_expires_at = NULL to release it)"
         )
     if n := q.get("never_due"):
         lines.append(
