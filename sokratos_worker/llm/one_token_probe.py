@@ -80,6 +80,10 @@ def probe_answer(backend: Backend, response_model: type[BaseModel] | None = None
             "stream": False,
         }
     )
+    # A slot, as a call takes: a single-slot server (llama.cpp -np 1) busy with an item's
+    # generation would queue the probe behind it, and the probe's timeout judge it down.
+    if not backend.slots.acquire(timeout=backend.config.timeout):
+        return Probed.DOWN  # every slot stayed taken for a whole timeout, as a call's would
     try:
         response = backend.clients.get().post(
             backend.chat_url, json=body, timeout=backend.probe_timeout
@@ -88,6 +92,8 @@ def probe_answer(backend: Backend, response_model: type[BaseModel] | None = None
         return Probed.REFUSED
     except httpx.HTTPError:
         return Probed.DOWN
+    finally:
+        backend.slots.release()
     status = response.status_code
     verdict = classify(status, excerpt(response) if status >= 300 else "")
     if verdict is Verdict.OK:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +13,7 @@ from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.llm.types import ChatFailed, LLMBackendsMisconfigured, NoBackendReachable
 from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
+from sokratos_worker.testing.scripted_llm import Request
 from tests.llm.conftest import FakeClock, backend
 
 
@@ -227,3 +230,36 @@ def test_a_backend_back_with_a_rotated_key_is_named_misconfigured_not_unreachabl
     assert "api_key" in str(caught.value)
     assert client.probe() is False  # paused on the key now, until the minimal request is served
     assert client.breaker("a").state is Circuit.CLOSED
+
+
+def test_a_probe_waits_for_a_slot_of_a_single_slot_backend_busy_with_a_call(
+    servers: Callable[..., ScriptedLLM],
+    make_client: Callable[..., FallbackChatClient],
+):
+    """llama.cpp -np 1 queues what it cannot serve: a probe sent beside a slow generation
+    waited behind it and timed out, so a busy, healthy backend was judged down."""
+    serving = threading.Lock()  # the server's one slot
+
+    def one_at_a_time(request: Request) -> Reply:
+        if not serving.acquire(blocking=False):
+            return Reply.hang(5)  # queued behind the generation: longer than the probe waits
+        try:
+            if request.path == PROBE:
+                return Reply.chat("OK", completion_tokens=1)
+            time.sleep(1.0)  # a slow generation
+            return Reply.chat({"ok": True})
+        finally:
+            serving.release()
+
+    a = servers(chat=one_at_a_time)
+    a.on(PROBE, one_at_a_time)
+    client = make_client(backend(a, "a", max_concurrency=1), attempts=1, probe_timeout=0.5)
+    call = threading.Thread(
+        target=client.complete,
+        kwargs={"response_model": Ok, "system": "s", "user": "u", "max_tokens": 8, "purpose": "t"},
+    )
+    call.start()
+    time.sleep(0.3)  # the call holds the backend's one slot
+    assert client.probe() is True
+    call.join()
+    assert a.max_in_flight == 1
