@@ -45,7 +45,15 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
     ):
         if args.action == "list":
             listed = 0
-            for row in failures.list_failures(conn, op_type=args.op_type, limit=args.limit):
+            # One row past the limit tells whether the list is whole.
+            for row in failures.list_failures(conn, op_type=args.op_type, limit=args.limit + 1):
+                if listed == args.limit:
+                    print(
+                        f"sokratos-worker: more failures than the {args.limit} listed (the"
+                        " newest first): --limit lists more",
+                        file=sys.stderr,
+                    )
+                    break
                 listed += 1
                 if args.json:
                     print(json.dumps(row, default=str))

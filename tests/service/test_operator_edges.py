@@ -348,6 +348,13 @@ def test_failed_list_limit_keeps_the_newest(
     )
     assert listed.returncode == 0, listed.stderr
     assert [int(line.split()[0]) for line in listed.stdout.splitlines()] == ids[:-3:-1]
+    # ... and says on stderr that the list is not whole, which a first page looked like.
+    assert "more failures than the 2 listed" in listed.stderr, listed.stderr
+    whole = run_cli(
+        ["failed", "list", "--limit", "4"],
+        cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url),
+    )
+    assert len(whole.stdout.splitlines()) == 4 and "more failures" not in whole.stderr
 
 
 def test_failed_list_cuts_a_long_error_to_90_characters(
