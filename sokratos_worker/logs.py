@@ -47,6 +47,10 @@ _REDACTED_KEYS = frozenset(
 REPEAT_WINDOW_S = 300.0
 
 
+# Every line's timestamp, also on the lines written without the logger (a second stop signal).
+TIMESTAMPER = structlog.processors.TimeStamper(fmt="iso", utc=True)
+
+
 _OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -380,7 +384,7 @@ def configure_logging(
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        TIMESTAMPER,
         _redact,
     ]
     renderer: Any = (

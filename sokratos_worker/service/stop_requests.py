@@ -10,16 +10,20 @@ happens meanwhile.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from types import FrameType
+from typing import Any, NoReturn
 
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
+from sokratos_worker.logs import TIMESTAMPER
+from sokratos_worker.store.embedded import release_held_at_exit_now
 
-SECOND_SIGNAL_LINE = (
-    '{{"event": "second_signal_exiting_now", "signal": "{signal}", "level": "warning",'
-    ' "hint": "the leases of the items in flight expire and they run again"}}\n'
+SECOND_SIGNAL_HINT = (
+    "not waiting for the items in flight: they stay leased until SOKRATOS_LEASE runs out,"
+    " then run again, and the attempt each was on counts"
 )
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -48,9 +52,7 @@ class StopRequests:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            # No logger here (its lock may be held): one line straight to stderr.
-            os.write(2, SECOND_SIGNAL_LINE.format(signal=name).encode())
-            os._exit(EXIT_FAILURE)
+            exit_now(name)
         self._signal_at = time.monotonic()
         self.signal_name = name
 
@@ -76,3 +78,32 @@ class StopRequests:
         if self._signal_at is not None and self._signal_at <= self._internal_at:
             return EXIT_OK
         return self._internal_code
+
+
+def exit_now(signal_name: str) -> NoReturn:
+    """The second stop signal: exit 1 without waiting for the items in flight, after
+    stopping the embedded PostgreSQL this process was the last to hold (a few seconds at
+    most), which os._exit would leave running: it runs in a session of its own.
+
+    Further stop signals are ignored meanwhile (a third Ctrl-C would leave it running).
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    _write_line(
+        {
+            "event": "second_signal_exiting_now",
+            "signal": signal_name,
+            "level": "warning",
+            "hint": SECOND_SIGNAL_HINT,
+        }
+    )
+    for event in release_held_at_exit_now():
+        _write_line(event)
+    os._exit(EXIT_FAILURE)
+
+
+def _write_line(event: dict[str, Any]) -> None:
+    """One JSON line straight to stderr, stamped as the logger stamps: the logger's lock may
+    be held by the code the signal handler interrupted."""
+    line = json.dumps(TIMESTAMPER(None, "", event), default=str) + "\n"
+    os.write(2, line.encode())

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import stat
 import time
 import warnings
@@ -37,6 +38,11 @@ INITDB_MARKER = "postgres.initdb-pid"  # beside PGDATA: the process whose initdb
 # end before it empties their directory: they outlive the killed worker for a moment (a
 # SIGKILL lands once a pending fsync returns), or for good when only the worker was killed.
 INITDB_EXIT_WAIT_S = 30.0
+# A process exiting at once (a second stop signal) stops the server it was the last to hold
+# within this: the wheel's lock, PostgreSQL's fast shutdown, then an immediate one.
+EXIT_NOW_BUDGET_S = 5.0
+_EXIT_NOW_LOCK_WAIT_S = 2.0  # (another process starting or releasing the server holds it)
+_EXIT_NOW_IMMEDIATE_S = 1.0  # the end of the budget, kept for the immediate shutdown
 
 
 # A Unix socket's path holds at most 107 bytes on Linux (sun_path, its NUL left out).
@@ -74,6 +80,7 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         """Release our handle; the last live process holding one stops the server."""
+        _held.pop(Path(self.server.pgdata), None)
         try:
             prune_dead_holders(self.data_dir, lock=self.server._lock)
             self.server.cleanup()
@@ -88,6 +95,11 @@ class EmbeddedPostgres:
             )
         else:
             log.info("embedded_postgres_stopped", data_dir=str(self.data_dir))
+
+
+# The servers this process holds and has not released: what a process exiting at once (which
+# skips the wheel's atexit release) must release itself.
+_held: dict[Path, EmbeddedPostgres] = {}
 
 
 def start_embedded(data_dir: Path) -> EmbeddedPostgres:
@@ -147,6 +159,7 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     # registered first, so this prune runs just before that release.
     atexit.register(_prune_quietly, Path(server.pgdata), PostgresServer._lock)
     handle = EmbeddedPostgres(server=server, data_dir=pgdata)
+    _held[Path(server.pgdata)] = handle
     log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
     return handle
 
@@ -389,3 +402,122 @@ def _write_pids(path: Path, pids: list[int]) -> None:
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(pids), "utf-8")
     os.replace(temporary, path)
+
+
+def release_held_at_exit_now() -> list[dict[str, Any]]:
+    """For a process exiting now without its atexit handlers (a second stop signal): release
+    each embedded server it holds, and stop the ones no other live process holds, within
+    EXIT_NOW_BUDGET_S in all; returns one log event (fields) per server.
+
+    The server runs in a session of its own, so the operator's Ctrl-C never reaches it: left
+    to the wheel's atexit release, which os._exit skips, it ran until a later command's
+    release. Nothing is logged here: the caller may be a signal handler that interrupted a
+    log write, whose lock it would wait on for ever.
+    """
+    deadline = time.monotonic() + EXIT_NOW_BUDGET_S
+    events: list[dict[str, Any]] = []
+    for pgdata, handle in list(_held.items()):
+        try:
+            events.append(_release_at_exit_now(handle.server, pgdata, deadline))
+        except Exception as exc:  # the process exits anyway: say so, never raise
+            events.append(_left_running(pgdata, f"{type(exc).__name__}: {exc}"))
+    _held.clear()
+    return events
+
+
+def _release_at_exit_now(server: Any, pgdata: Path, deadline: float) -> dict[str, Any]:
+    """Take our pid out of the holder list under the wheel's lock, as its own release does,
+    and stop the server when no live holder is left."""
+    lock = server._lock
+    wait_s = max(0.0, min(_EXIT_NOW_LOCK_WAIT_S, deadline - time.monotonic()))
+    if not lock.acquire(timeout=wait_s):
+        return _left_running(
+            pgdata, f"another process held the embedded PostgreSQL's lock for {wait_s:g} s"
+        )
+    try:
+        others = _others_still_holding(pgdata / HANDLE_PIDS)
+        if others:
+            return {
+                "event": "embedded_postgres_released",
+                "level": "info",
+                "data_dir": str(pgdata),
+                "still_held_by": others,
+            }
+        return _shut_down_now(pgdata, deadline)
+    finally:
+        lock.release()
+
+
+def _others_still_holding(path: Path) -> list[int]:
+    """Rewrite the holder list without this process and the dead; returns who is left."""
+    if not path.exists():
+        return []
+    others = [pid for pid in _read_pids(path) or [] if pid != os.getpid() and _holder_alive(pid)]
+    _write_pids(path, others)
+    return others
+
+
+def _shut_down_now(pgdata: Path, deadline: float) -> dict[str, Any]:
+    """PostgreSQL's fast shutdown (transactions rolled back, a checkpoint), and its
+    immediate one (the next start recovers from the WAL) if that is not done in time."""
+    postmaster = _postmaster_process(pgdata)
+    if postmaster is None:
+        return {"event": "embedded_postgres_stopped", "level": "info", "data_dir": str(pgdata)}
+    for signum, mode, until in (
+        (signal.SIGINT, "fast", deadline - _EXIT_NOW_IMMEDIATE_S),
+        (signal.SIGQUIT, "immediate", deadline),
+    ):
+        if _signalled_and_ended(postmaster, signum, until):
+            return {
+                "event": "embedded_postgres_stopped",
+                "level": "info",
+                "data_dir": str(pgdata),
+                "shutdown": mode,
+            }
+    return _left_running(pgdata, f"it was still shutting down after {EXIT_NOW_BUDGET_S:g} s")
+
+
+def _left_running(pgdata: Path, reason: str) -> dict[str, Any]:
+    return {
+        "event": "embedded_postgres_left_running",
+        "level": "warning",
+        "data_dir": str(pgdata),
+        "reason": reason,
+        "hint": "the next sokratos-worker command on this data directory (sokratos-worker"
+        " status will do) stops it when it ends",
+    }
+
+
+def _postmaster_process(pgdata: Path) -> Any:
+    """The server process ``postmaster.pid`` names, or None when none runs (a stale file's pid
+    given to another program is not a server)."""
+    import psutil  # noqa: PLC0415 - the wheel's dependency
+
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text("utf-8").split("\n", 1)[0])
+        process = psutil.Process(pid)
+        if process.name() != "postgres" or process.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except (OSError, ValueError, psutil.Error):
+        return None
+    return process
+
+
+def _signalled_and_ended(process: Any, signum: int, until: float) -> bool:
+    """Send ``signum`` and wait until ``process`` has ended (or is a zombie), at most until
+    ``until`` (monotonic)."""
+    import psutil  # noqa: PLC0415 - the wheel's dependency
+
+    try:
+        process.send_signal(signum)
+    except psutil.NoSuchProcess:
+        return True  # (it ended just before)
+    while True:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.05)
