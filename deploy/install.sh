@@ -81,6 +81,7 @@ CRED_DIR="$ETC_DIR/credentials"
 UNIT_DIR="$PREFIX/etc/systemd/system"
 # What the units name, whatever the prefix: the paths on the target system.
 LIVE_CRED_DIR="/etc/$APP/credentials"
+LIVE_VENV="/opt/$APP/venv"
 
 say() { printf '%s\n' "install.sh: $*"; }
 
@@ -157,7 +158,7 @@ install_venv() {
 # tree is copied to /. Point them at where the units run it.
 relocate_staged_venv() {
     [[ -n "$PREFIX" ]] || return 0
-    local staged=$VENV live=${VENV#"$PREFIX"} file
+    local staged=$VENV live=$LIVE_VENV file
     while IFS= read -r -d '' file; do
         sed -i "s|$staged|$live|g" "$file"
     done < <(grep -rlIZF -- "$staged" "$VENV/bin" || true)
@@ -266,13 +267,20 @@ reload_systemd
 ROLES_SQL=$("$VENV/bin/python" -c 'from sokratos_worker.store.migrations import sql_directory
 print(sql_directory() / "roles.sql")' 2>/dev/null) || true
 [[ -f "$ROLES_SQL" ]] || ROLES_SQL="$REPO_DIR/sql/roles.sql"
+# Step 2 runs on the target system, where a staged tree's paths have no prefix (the staged
+# launcher's #! line names /opt/... already: run by its staged path it failed).
+ON_TARGET=""
+if [[ -n "$PREFIX" ]]; then
+    ON_TARGET=" once the tree is copied to /"
+    [[ "$ROLES_SQL" != "$PREFIX"/* ]] || ROLES_SQL=${ROLES_SQL#"$PREFIX"}
+fi
 
 cat <<NEXT
 install.sh: done. Next:
   1. edit $ETC_DIR/env (and put secrets into $CRED_DIR, then run this script again);
   2. with an external PostgreSQL: migrate as the role that owns the tables, then create the
-     least-privilege roles (roles.sql needs the migrated schema):
-       SOKRATOS_DATABASE_URL='postgresql://OWNER@HOST/DB' $VENV/bin/$APP migrate
+     least-privilege roles (roles.sql needs the migrated schema)$ON_TARGET:
+       SOKRATOS_DATABASE_URL='postgresql://OWNER@HOST/DB' $LIVE_VENV/bin/$APP migrate
        psql 'postgresql://OWNER@HOST/DB' -v ON_ERROR_STOP=1 -f "$ROLES_SQL"
      (with the embedded PostgreSQL the service migrates its own database: skip this step);
   3. check with the service's configuration ('$APP check', run as docs/production.md §8

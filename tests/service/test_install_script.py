@@ -213,3 +213,34 @@ def test_a_second_staged_install_with_nothing_to_upgrade_succeeds(tmp_path: Path
     )
     second = _run(*args)
     assert second.returncode == 0, second.stderr
+
+
+def test_a_staged_install_prints_the_commands_as_they_run_once_copied(tmp_path: Path) -> None:
+    # The staged launcher names /opt/... in its #! line: the printed migrate command, the
+    # staged path, no longer existed once the tree was copied to / (nor ran before).
+    stage = tmp_path / "stage"
+    venv_bin = stage / "opt" / "sokratos-worker" / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    staged_roles = stage / "opt" / "sokratos-worker" / "venv" / "lib" / "sql" / "roles.sql"
+    staged_roles.parent.mkdir(parents=True)
+    staged_roles.write_text("-- roles\n")
+    # A venv whose pip has nothing to do; asked where roles.sql is, it names the staged file
+    # (read from outside the venv's bin/, whose staged paths the relocation rewrites).
+    (tmp_path / "roles-path").write_text(f"{staged_roles}\n")
+    (venv_bin / "python").write_text(
+        f'#!/bin/sh\n[ "$1" = -c ] && cat {tmp_path / "roles-path"}\nexit 0\n'
+    )
+    (venv_bin / "sokratos-worker").write_text(f"#!{venv_bin}/python\n# launcher\n")
+    for script in venv_bin.iterdir():
+        script.chmod(0o755)
+    result = _run("--prefix", str(stage), "--python", sys.executable, "sokratos-worker==0.1.0")
+    assert result.returncode == 0, result.stderr
+    next_steps = result.stdout.split("install.sh: done. Next:")[1]
+    assert (
+        "SOKRATOS_DATABASE_URL='postgresql://OWNER@HOST/DB'"
+        " /opt/sokratos-worker/venv/bin/sokratos-worker migrate"
+    ) in next_steps, next_steps
+    assert '-f "/opt/sokratos-worker/venv/lib/sql/roles.sql"' in next_steps, next_steps
+    assert "once the tree is copied to /" in next_steps, next_steps
+    step_2 = next_steps.split("  2. ")[1].split("  3. ")[0]
+    assert str(stage) not in step_2, step_2
