@@ -160,11 +160,14 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
 
 
 def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
-    if not settings.email_accounts:
-        return []
+    """The accounts this command is configured with; without any (a shell other than the
+    worker's), every mailbox the database has checked, each marked ``from_database``: an
+    empty list there hid an account failing every check."""
     from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
 
-    return account_statuses(conn, [(a.name, a.mailbox) for a in settings.email_accounts])
+    if settings.email_accounts:
+        return account_statuses(conn, [(a.name, a.mailbox) for a in settings.email_accounts])
+    return [{**a, "from_database": True} for a in account_statuses(conn)]
 
 
 LOCKED = "its table is locked by another session: see 'locked'"
@@ -215,9 +218,16 @@ def render_status(report: dict[str, Any]) -> str:
     lines += _worker_lines(report, unknown)
     if "email_accounts" in unknown:
         lines.append(f"email accounts: unknown ({LOCKED})")
-    for a in report["email_accounts"]:
+    accounts = report["email_accounts"]
+    if any(a.get("from_database") for a in accounts):
+        lines.append(
+            "email (every mailbox the database has checked: this command has no"
+            " SOKRATOS_EMAIL_ACCOUNTS):"
+        )
+    for a in accounts:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""
-        lines.append(f"email {a['name']}: last check {a['last_check_at'] or 'never'}{err}")
+        mailbox = f" {a['mailbox']}" if a.get("from_database") else ""
+        lines.append(f"email {a['name']}{mailbox}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(_embeddings_line(report))
     return "\n".join(lines)
 

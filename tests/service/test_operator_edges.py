@@ -488,3 +488,27 @@ def test_a_read_only_server_and_missing_migrations_are_said_at_the_top() -> None
         "pending_triage: 1 ready, 0 backing off, 2 leased, oldest ready 4s",
         "    leased by w1: 2",
     ]
+
+
+def test_status_without_email_accounts_shows_every_mailbox_the_database_checked(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """`status` run from a shell without SOKRATOS_EMAIL_ACCOUNTS (README: "in another
+    terminal") listed no account at all, hiding one that failed every check; now it lists the
+    database's, saying where they came from."""
+    db.execute(
+        """INSERT INTO email_checkpoints (account, mailbox, last_uid, checked_at, last_error,
+                                          last_error_at)
+           VALUES ('personal', 'INBOX', 0, NULL, 'connecting to imap.example.org refused', now())"""
+    )
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url)
+    text = run_cli(["status"], env)
+    assert text.returncode == 0, text.stderr
+    assert "this command has no SOKRATOS_EMAIL_ACCOUNTS" in text.stdout
+    assert (
+        "email personal INBOX: last check never, last error: connecting to imap.example.org"
+        " refused" in text.stdout
+    ), text.stdout
+    report = json.loads(run_cli(["status", "--json"], env).stdout)
+    (account,) = report["email_accounts"]
+    assert (account["name"], account["from_database"]) == ("personal", True)
