@@ -261,13 +261,14 @@ def run_once(worker: Worker) -> int:
             deadline = min(deadline, time.monotonic() + worker.settings.shutdown_grace + 2)
     paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
+    drained_in = worker.reported_state()[0]  # (the shutdown below makes it "stopping")
     if not worker.runner.wait_drained(0):
         paused, reason = True, _report_stuck_drain(worker)
     # After a stop signal the drain has already given its items the grace.
     released = worker.runner.shutdown(
         0 if worker.stop_requested else worker.settings.shutdown_grace
     )
-    worker.report(imported)  # the tick's one tick_finished (contract §6)
+    worker.report(imported, drained_in)  # the tick's one tick_finished (contract §6)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     if worker.stop_requested:
         log.info("run_once_stopped", released=released)

@@ -268,8 +268,9 @@ class Worker:
         chat = self.context.chat
         return list(chat.states()) if chat is not None else []
 
-    def report(self, imported: int) -> None:
-        """The tick's ``tick_finished``: what it did per queue since the last report."""
+    def report(self, imported: int, state: str | None = None) -> None:
+        """The tick's ``tick_finished``: what it did per queue since the last report, and
+        ``state`` (by default the worker's now: ``run --once`` gives the drain's end's)."""
         stats = self.runner.take_stats()
         recent = self._safely("recent_failures", self._recent_failures) or []
         log.info(
@@ -281,7 +282,7 @@ class Worker:
             backends=dict(stats.backends),
             spool_imported=imported,
             recent_failures=recent,
-            state=self.reported_state()[0],
+            state=state or self.reported_state()[0],
         )
         self.metrics.tick_finished(time.time())
 

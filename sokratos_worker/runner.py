@@ -164,6 +164,7 @@ class Runner:
         """Start the slot threads, the lease renewer and the dispatcher."""
         if budget_s is not None:
             self._budget_ends = time.monotonic() + budget_s
+        self._worker_state.drain_only = drain_only
         for index in range(self.settings.concurrency):
             self._spawn(self._slot_loop, f"slot-{index}")
         self._spawn(self._renewer.run, "lease-renewer")

@@ -60,6 +60,21 @@ class State:
     STOPPING = "stopping"
 
 
+# What a pause means, and what to look at.
+_PAUSED_HINT = (
+    "items wait, their attempts given back, and claiming resumes by itself when a health"
+    " probe succeeds"
+)
+_ONCE_PAUSED_HINT = (
+    "items wait, their attempts given back; this run --once claims no more and exits 75,"
+    " and the next run takes them"
+)
+_ARE_THEY_UP = (
+    "; are the servers of SOKRATOS_LLM_BACKENDS and the embedding server up?"
+    " ('sokratos-worker check' probes them)"
+)
+
+
 class WorkerState:
     """The worker's state and why, the database outage in progress, and the backend pause."""
 
@@ -89,6 +104,7 @@ class WorkerState:
         # When the next health probe is due (monotonic); 0 when claiming is not paused.
         self.paused_until = 0.0
         self._pause_delay = 5.0
+        self.drain_only = False  # ``run --once``: a pause ends the run (exit 75), not resumed
         # When the database outage in progress was first met (None: no outage), so it is
         # said once, by whichever thread meets it, and its end with how long it lasted.
         self._outage_since: float | None = None
@@ -182,9 +198,7 @@ class WorkerState:
                 "claiming_paused",
                 reason=reason,
                 retry_in_s=self._pause_delay,
-                hint="items wait, their attempts given back, and claiming resumes by itself when"
-                " a health probe succeeds; are the servers of SOKRATOS_LLM_BACKENDS and the"
-                " embedding server up? ('sokratos-worker check' probes them)",
+                hint=(_ONCE_PAUSED_HINT if self.drain_only else _PAUSED_HINT) + _ARE_THEY_UP,
             )
         self._report()
 

@@ -640,6 +640,13 @@ def test_run_once_exits_75_when_no_backend_could_take_the_items(
     proc = cli("run", "--once", env=env)
     assert proc.returncode == 75, proc.stderr[-2000:]
     assert "run_once_incomplete" in proc.stderr
+    # The pause says this run ends (not that claiming resumes by itself), and the tick's
+    # report the state the drain ended in (not "stopping", as every --once said).
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    (paused,) = [e for e in events if e["event"] == "claiming_paused"]
+    assert "this run --once claims no more and exits 75" in paused["hint"], paused
+    (tick,) = [e for e in events if e["event"] == "tick_finished"]
+    assert tick["state"] == "no backend", tick
     # Not the items' fault: both wait, their attempts given back.
     assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 2
     assert count(db, "SELECT count(*) FROM work_outcomes") == 0
