@@ -23,7 +23,7 @@ from sokratos_worker import jsontext
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database, refused_for_its_content, time_limited
+from sokratos_worker.store.connection import Database, lock_wait_limited, refused_for_its_content
 from sokratos_worker.store.failures import record_failure
 from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.sanitize import clean_text, sanitize_payload
@@ -32,7 +32,9 @@ log = structlog.get_logger(__name__)
 
 # An enqueue waits no longer than a command does behind a lock on the queue (a migration): the
 # import runs in the tick, and at start in the main thread, which must stay free to act on a
-# stop. A statement timeout, not the session's lock_timeout: the connection is the pool's.
+# stop. A lock_timeout set for its transaction only (the connection is the pool's), not a
+# statement timeout: a large conversation takes seconds to store, and was cancelled at every
+# tick, holding up every file spooled after it.
 ENQUEUE_TIMEOUT_MS = COMMAND_LOCK_TIMEOUT_MS
 
 
@@ -133,12 +135,12 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         if _meant_elsewhere(path, record, identity):
             continue
         try:
-            with database.connection() as conn, time_limited(conn, ENQUEUE_TIMEOUT_MS):
+            with database.connection() as conn, lock_wait_limited(conn, ENQUEUE_TIMEOUT_MS):
                 item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
         except DatabaseUnavailable:
             log.warning("spool_import_paused", reason="database unavailable", left=str(path))
             break
-        except pg_errors.QueryCanceled:
+        except pg_errors.LockNotAvailable:
             log.warning(
                 "spool_import_paused",
                 reason=f"{queue.value} stayed locked by another session for"

@@ -114,6 +114,15 @@ def time_limited(conn: psycopg.Connection, timeout_ms: int) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def lock_wait_limited(conn: psycopg.Connection, timeout_ms: int) -> Iterator[None]:
+    """A transaction whose statements give up waiting for a lock past ``timeout_ms``
+    (LockNotAvailable), however long they take once they hold it."""
+    with conn.transaction():
+        conn.execute(f"SET LOCAL lock_timeout = {int(timeout_ms)}")
+        yield
+
+
 def is_read_only(conn: psycopg.Connection) -> bool:
     """True when this session takes no writes (a standby, default_transaction_read_only)."""
     row = conn.execute("SHOW transaction_read_only").fetchone()

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
+from sokratos_worker import spool as spool_module
 from sokratos_worker.client import enqueue_distillation, enqueue_triage
 from sokratos_worker.errors import InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
@@ -166,6 +167,37 @@ def test_a_spool_import_behind_a_locked_queue_gives_up_and_resumes(
         database.close()
     assert count(db, "SELECT count(*) FROM pending_triage") == 2
     assert count(db, "SELECT count(*) FROM failed_operations") == 0
+
+
+def test_a_spooled_enqueue_slower_than_the_lock_wait_is_imported_not_cancelled(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The import's bound is on waiting for a lock, not on the statement: a large
+    conversation that takes longer to store than the bound (120 MB, 14 s) was cancelled at
+    every tick, holding up every file spooled after it, and blamed on a lock."""
+    monkeypatch.setattr(spool_module, "ENQUEUE_TIMEOUT_MS", 100)
+    db.execute(
+        """CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN PERFORM pg_sleep(0.5); RETURN NEW; END$$;
+           CREATE TRIGGER slow_insert BEFORE INSERT ON pending_triage
+           FOR EACH ROW EXECUTE FUNCTION slow_insert()"""
+    )
+    spool = tmp_path / "spool"
+    for key in ("a", "b"):
+        _write(
+            spool,
+            f"{key}.json",
+            f'{{"queue": "pending_triage", "idempotency_key": "{key}",'
+            ' "payload": {"exchange": "user: hi"}}',
+        )
+    database = Database(database_url, size=2)
+    try:
+        with capture_logs() as logs:
+            assert import_spool(spool, database) == 2
+    finally:
+        database.close()
+    assert [e for e in logs if e["event"] == "spool_import_paused"] == []
+    assert count(db, "SELECT count(*) FROM pending_triage") == 2
 
 
 def test_a_file_postgres_refuses_does_not_block_the_later_ones(
