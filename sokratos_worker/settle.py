@@ -236,8 +236,15 @@ class Settler:
         """Retry, give back or dead-letter the item; returns how the attempt ended."""
         decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
         backend = getattr(exc, "backend", None)
-        if decision.step is Step.GIVE_BACK:
-            kind = self._give_back(item, decision, bound)
+        if isinstance(exc, DatabaseUnavailable):
+            # A read met an outage: the item runs again once the database is back, rather
+            # than be decided on defaults (a threshold, no contradiction check) for good.
+            self._database_lost(exc)
+            kind = self._give_back(item, str(exc), bound)
+        elif decision.step is Step.GIVE_BACK:
+            # Paused first: an item given back before the pause was claimed again at once.
+            self._pause(decision.reason)
+            kind = self._give_back(item, decision.reason, bound)
         elif decision.step is Step.RETRY:
             kind = self._schedule_retry(item, decision, backend, bound)
         else:
@@ -248,16 +255,14 @@ class Settler:
             self._untrack(item)
         return kind
 
-    def _give_back(self, item: Item, decision: Decision, bound: structlog.BoundLogger) -> str:
-        """Not the item's fault: claiming paused, and its attempt given back."""
-        # Paused first: an item given back before the pause was claimed again at once.
-        self._pause(decision.reason)
+    def _give_back(self, item: Item, reason: str, bound: structlog.BoundLogger) -> str:
+        """Not the item's fault: its attempt given back."""
         given = self._with_database(
             item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
         )
         if given:
             self._count(item.queue, "given_back")
-            bound.warning("attempt_given_back", reason=decision.reason)
+            bound.warning("attempt_given_back", reason=reason)
             return RELEASED
         if given is False:
             return self.report_fenced(item, bound, released=RELEASED)

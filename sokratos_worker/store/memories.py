@@ -337,16 +337,50 @@ class MemoryReader:
     def _read(
         self, query: str, sql: str, params: dict[str, Any], *, fallback: list[Any]
     ) -> list[Any]:
-        """Run one read; on any database error log it and return ``fallback``."""
+        """Run one read; on a database error that is not an outage (a table or a privilege
+        missing), log it and return ``fallback``. An outage (DatabaseUnavailable) is raised:
+        decided on the fallback (a default threshold, no contradiction check), the item would
+        be recorded so for good; given back, it runs again once the database is back."""
         try:
             with self.database.connection() as conn:
                 return list(conn.execute(sql, params).fetchall())
-        except (psycopg.Error, DatabaseUnavailable) as exc:
+        except DatabaseUnavailable:
+            raise
+        except psycopg.Error as exc:
             log.warning(
                 "memory_read_failed",
                 query=query,
                 error=f"{type(exc).__name__}: {str(exc).strip()}"[:300],
-                hint="the item is handled without this read (fewer memories to compare"
-                " with); a database outage is logged as waiting_for_database",
+                hint="the item is handled without this read (fewer memories to compare with,"
+                " or a default threshold): fix the database error above",
             )
             return fallback
+
+
+# How many embedded memories the configuration check reads at most: each read fetches the
+# vector from TOAST (6 KB at 1536 dimensions), and nothing indexes the model or dimension.
+EMBEDDINGS_COUNTED = 10_000
+
+
+@dataclass(frozen=True)
+class EmbeddingGroup:
+    """Embedded memories of one model (None: not recorded) and dimension, and how many."""
+
+    model: str | None
+    dimension: int
+    count: int
+
+
+def embedding_groups(conn: psycopg.Connection) -> tuple[list[EmbeddingGroup], bool]:
+    """The (model, dimension) of the oldest EMBEDDINGS_COUNTED embedded memories, by the
+    primary key, and whether there were that many (the rest not counted): the oldest are
+    the ones a change of model leaves behind."""
+    rows = conn.execute(
+        """SELECT embedding_model, vector_dims(embedding), count(*)
+           FROM (SELECT embedding_model, embedding FROM memories
+                 WHERE embedding IS NOT NULL ORDER BY id LIMIT %(bound)s) AS oldest
+           GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2""",
+        {"bound": EMBEDDINGS_COUNTED},
+    ).fetchall()
+    groups = [EmbeddingGroup(r[0], int(r[1]), int(r[2])) for r in rows]
+    return groups, sum(g.count for g in groups) >= EMBEDDINGS_COUNTED
