@@ -16,7 +16,7 @@ from sokratos_worker.daemon import EMAIL_STOP_WAIT_S, SIGNAL_POLL_S, Worker, bui
 from sokratos_worker.exit_codes import EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
-from sokratos_worker.schema_check import schema_problems
+from sokratos_worker.schema_check import embedding_mismatch, schema_problems
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store import queue_sql
@@ -106,10 +106,13 @@ def _check_schema(settings: Settings, database: Database) -> None:
     with database.connection() as conn:
         problems = schema_problems(settings, conn)
         differences = [] if problems else history_differences(conn)
+        unreachable = None if problems else embedding_mismatch(settings, conn)
     if problems:
         raise problems[0]
     for difference in differences:  # warned, not refused: old workers run during an upgrade
         log.warning("migration_history_differs", difference=difference)
+    if unreachable:  # warned, not refused: changing the embedding model is legitimate
+        log.warning("memories_of_another_embedding_model", warning=unreachable)
 
 
 def run_worker(

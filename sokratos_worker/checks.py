@@ -8,7 +8,7 @@ from sokratos_worker.command_database import database_url
 from sokratos_worker.config import ConfigError, Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.model import CheckLine
-from sokratos_worker.schema_check import schema_problems
+from sokratos_worker.schema_check import embedding_mismatch, schema_problems
 from sokratos_worker.store.connection import (
     READ_ONLY_SERVER,
     Connection,
@@ -79,17 +79,27 @@ def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
         lines.append(connections_line(settings, conn))
         lines.append(_sessions_line(url))
         if vector is not None:
-            problems = schema_problems(settings, conn)
-            # Passes with a note: a newer or edited history is warned of, not refused.
-            notes = [] if problems else history_differences(conn)
-            lines.append(
-                CheckLine(
-                    "schema",
-                    not problems,
-                    "; ".join(str(p) for p in problems)
-                    or "; ".join(["migrations applied, fits the embedding configuration", *notes]),
-                )
-            )
+            lines.append(_schema_line(settings, conn))
+
+
+def _schema_line(settings: Settings, conn: Connection) -> CheckLine:
+    """What would make ``run`` refuse, or else the warnings: a newer or edited migration
+    history, memories the configured embedding model cannot compare with."""
+    problems = schema_problems(settings, conn)
+    if problems:
+        # The line is already labelled "schema": a problem of that name is not prefixed twice.
+        return CheckLine(
+            "schema",
+            False,
+            "; ".join(p.message if p.variable == "schema" else str(p) for p in problems),
+        )
+    unreachable = embedding_mismatch(settings, conn)
+    summary = (
+        f"migrations applied; warning: {unreachable}"
+        if unreachable
+        else "migrations applied, fits the embedding configuration"
+    )
+    return CheckLine("schema", True, "; ".join([summary, *history_differences(conn)]))
 
 
 def _service_lines(settings: Settings) -> list[CheckLine]:
@@ -120,11 +130,26 @@ def _service_lines(settings: Settings) -> list[CheckLine]:
                 " no coverage note or contradiction check",
             )
         )
-    if settings.email_accounts:
+    if settings.email_accounts and settings.email_check_interval <= 0:
+        lines.extend(_email_checks_off(settings))
+    elif settings.email_accounts:
         from sokratos_worker.email.check import probe_accounts  # noqa: PLC0415
 
         lines.extend(probe_accounts(settings))
     return lines
+
+
+def _email_checks_off(settings: Settings) -> list[CheckLine]:
+    """The accounts the worker never logs in to: an unreachable one is no failure then."""
+    return [
+        CheckLine(
+            f"email account {account.name}",
+            True,
+            "not checked: SOKRATOS_EMAIL_CHECK_INTERVAL is 0, so the worker reads no mail (set"
+            " an interval to turn email checks on; 'check' then logs in to the account)",
+        )
+        for account in settings.email_accounts
+    ]
 
 
 def _sessions_line(url: str) -> CheckLine:

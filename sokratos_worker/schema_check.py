@@ -5,7 +5,8 @@ from __future__ import annotations
 import psycopg
 
 from sokratos_worker.config import ConfigError, Settings
-from sokratos_worker.store.migrations import pending_migrations
+from sokratos_worker.store.memories import EMBEDDINGS_COUNTED, EmbeddingGroup, embedding_groups
+from sokratos_worker.store.migrations import UPGRADING, pending_migrations
 from sokratos_worker.store.status import embedding_column
 
 
@@ -30,9 +31,10 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
         return [
             ConfigError(
                 "schema",
-                f"the database lacks migrations {', '.join(pending)}: run 'sokratos-worker"
-                " migrate' as the role that owns the tables ('run' skips them with --no-migrate"
-                " or SOKRATOS_MIGRATE_ON_START=false)",
+                f"the database lacks migrations {', '.join(pending)}, which this version"
+                " needs (no worker runs without them, --no-migrate or not): run"
+                " 'sokratos-worker migrate' as the role that owns the tables, then start the"
+                f" worker again ({UPGRADING})",
             )
         ]
     problems = _missing_privileges(conn)
@@ -59,6 +61,36 @@ def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[Config
             )
         )
     return problems
+
+
+def embedding_mismatch(settings: Settings, conn: psycopg.Connection) -> str | None:
+    """A warning when memories carry embeddings of another model or dimension than the
+    configured ones: a legitimate change of model, but those memories drop out of reach."""
+    model, dimension = settings.embedding_model, settings.embedding_dim
+    if not settings.embeddings_enabled or not model or not dimension:
+        return None
+    groups, bounded = embedding_groups(conn)
+    # As store/memories.py compares: the same dimension, and the same model or none recorded.
+    others = [
+        g for g in groups if g.dimension != dimension or (g.model is not None and g.model != model)
+    ]
+    if not others:
+        return None
+    among = f" of the oldest {EMBEDDINGS_COUNTED} with an embedding" if bounded else ""
+    return (
+        f"{sum(g.count for g in others)} memories{among} carry embeddings of another model or"
+        f" dimension than SOKRATOS_EMBEDDING_MODEL {model} and SOKRATOS_EMBEDDING_DIM"
+        f" {dimension} ({', '.join(_described(g) for g in others)}): the near-duplicate and"
+        " contradiction checks compare only with memories of the configured model and"
+        " dimension, so a fact they hold may be saved again and a contradiction of them is"
+        " not found; re-embedding them with the configured model brings them back into reach"
+        " (or configure the model they were embedded with again)"
+    )
+
+
+def _described(group: EmbeddingGroup) -> str:
+    model = group.model if group.model is not None else "no model recorded"
+    return f"{group.count} of {model}, {group.dimension} dimensions"
 
 
 # What the worker does to each table (sql/roles.sql grants the same); a table that does not

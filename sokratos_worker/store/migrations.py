@@ -33,6 +33,10 @@ LOCK_POLL_S = 0.5
 LOCK_LOG_EVERY_S = 15.0
 
 
+# Where an operator reads how migrations and least-privilege workers go together.
+UPGRADING = "docs/production.md §7 Upgrading"
+
+
 # What a slow start waits for, in one line for an operator (the daemon's systemd STATUS=).
 Progress = Callable[[str], None]
 
@@ -292,8 +296,9 @@ def _create_history_table(conn: psycopg.Connection) -> None:
         raise MigrationRefused(
             f"migrations are pending and the role {user!r} may not apply them:"
             f" {str(exc).splitlines()[0]}. Run 'sokratos-worker migrate' as the role that owns"
-            " the tables, or let this role start without migrating"
-            " (SOKRATOS_MIGRATE_ON_START=false or 'run --no-migrate'); see README, Upgrading."
+            f" the tables (not {user!r}), then start the worker again;"
+            " SOKRATOS_MIGRATE_ON_START=false or 'run --no-migrate' would not help: no worker"
+            f" runs on a database that lacks migrations ({UPGRADING})."
         ) from exc
 
 
@@ -366,6 +371,6 @@ def _explain(migration: Migration, exc: psycopg.Error) -> str:
             " to use the embedded PostgreSQL, which ships it."
         )
     return (
-        f"migration {migration.name} failed: {text}. Run 'sokratos-worker migrate' as a role"
-        " that owns the tables (see README, Upgrading)."
+        f"migration {migration.name} failed: {text}. Run 'sokratos-worker migrate' as the role"
+        f" that owns the tables ({UPGRADING})."
     )
