@@ -50,22 +50,45 @@ def collect_status(settings: Settings) -> dict[str, Any]:
             report["database"] = "ok"
             if is_read_only(conn):
                 report["read_only"] = READ_ONLY_SERVER  # readable, but no worker can work here
-            pending = pending_migrations(conn)
-            if pending:
-                report["migrations_pending"] = pending
             try:
-                _read_state(settings, conn, report)
-            except psycopg.Error as exc:
-                # A database not (fully) migrated: say so in one line, not a traceback.
-                first = (exc.diag.message_primary or str(exc)).splitlines()[0]
-                report["unreadable"] = (
-                    f"{first}: run 'sokratos-worker migrate'" if pending else first
-                )
+                pending = pending_migrations(conn)
+            except pg_errors.InsufficientPrivilege as exc:
+                # A role without the worker's grants (sokratos_producer): the report with the
+                # problem in it, exit 0 as documented (monitors read it); nothing is readable.
+                report["unreadable"] = _lacks_grant(exc, conn)
+            else:
+                if pending:
+                    report["migrations_pending"] = pending
+                try:
+                    _read_state(settings, conn, report)
+                except psycopg.Error as exc:
+                    report["unreadable"] = _why_unreadable(exc, conn, pending=bool(pending))
     except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
         # Reported, not raised: scripts read "database" (contract §1), and status exits 0.
         report["error"] = str(exc)
     _warn(report, caller_has_backend=caller_has_backend)
     return report
+
+
+def _why_unreadable(exc: psycopg.Error, conn: psycopg.Connection, *, pending: bool) -> str:
+    """One line, not a traceback: a database not (fully) migrated, or a grant missing."""
+    if pending:
+        first = (exc.diag.message_primary or str(exc)).splitlines()[0]
+        return f"{first}: run 'sokratos-worker migrate'"
+    if isinstance(exc, pg_errors.InsufficientPrivilege):
+        return _lacks_grant(exc, conn)
+    return (exc.diag.message_primary or str(exc)).splitlines()[0]
+
+
+def _lacks_grant(exc: psycopg.Error, conn: psycopg.Connection) -> str:
+    """A permission denial, and the grant that lets ``status`` read the worker's tables."""
+    first = (exc.diag.message_primary or str(exc)).splitlines()[0]
+    row = conn.execute("SELECT current_user").fetchone()  # (not the login's: SET ROLE)
+    role = row[0] if row else conn.info.user
+    return (
+        f"{first}: role {role} may not read the worker's tables; run status as a role that"
+        " has sokratos_worker (sql/roles.sql, docs/production.md §4)"
+    )
 
 
 CALLER = "this command's configuration, not necessarily the worker's"

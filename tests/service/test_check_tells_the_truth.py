@@ -22,6 +22,7 @@ from sokratos_worker.config import EmailAccountConfig, Settings
 from sokratos_worker.model import CheckLine
 from sokratos_worker.store import memories
 from sokratos_worker.testing.scripted_llm import ScriptedLLM
+from tests.core.test_cli import cli, env_for
 from tests.faults.support import EMBED_DIM, answer, pipeline_env, start_worker, tail
 
 pytestmark = pytest.mark.postgres
@@ -155,3 +156,28 @@ def test_a_failed_schema_line_is_prefixed_once(db: psycopg.Connection, database_
 
     assert not schema.ok
     assert schema.detail.startswith("role sokratos_worker lacks"), schema.detail
+
+
+def _as_producer_role(url: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["options"] = "-c role=sokratos_producer"
+    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("form", [["--json"], []], ids=["json", "text"])
+def test_status_of_a_role_without_the_grants_still_reports_with_exit_0(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, form: list[str]
+) -> None:
+    """sokratos_producer may only enqueue: `status --json` exited 78 with nothing on stdout,
+    where `status --help` and the README promise exit 0 unless the login is refused."""
+    db.execute(ROLES_SQL)
+    shown = cli("status", *form, env=env_for(_as_producer_role(database_url), tmp_path))
+
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    said = json.loads(shown.stdout)["unreadable"] if form else shown.stdout
+    assert "permission denied for table sokratos_worker_migrations" in said, said
+    assert "role sokratos_producer may not read the worker's tables" in said, said
+    assert "sokratos_worker (sql/roles.sql" in said, said
+    if form:
+        assert json.loads(shown.stdout)["database"] == "ok"
