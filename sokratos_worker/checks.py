@@ -15,7 +15,7 @@ from sokratos_worker.store.connection import (
     connect,
     is_read_only,
 )
-from sokratos_worker.store.migrations import history_differences
+from sokratos_worker.store.migrations import encoding_problem, history_differences
 from sokratos_worker.store.sessions import SessionsShared, shared_server_session
 
 
@@ -68,7 +68,12 @@ def _database_lines(settings: Settings, lines: list[CheckLine]) -> None:
         vector = conn.execute(
             "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
         ).fetchone()
-        lines.append(CheckLine("database", True, f"PostgreSQL {version[0] if version else '?'}"))
+        shown = f"PostgreSQL {version[0] if version else '?'}"
+        encoding = encoding_problem(conn)  # (nothing can be migrated into such a database)
+        if encoding is not None:
+            lines.append(CheckLine("database", False, f"{shown}, but {encoding}"))
+            return
+        lines.append(CheckLine("database", True, shown))
         lines.append(
             CheckLine(
                 "pgvector",

@@ -6,12 +6,14 @@ import psycopg
 
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.store.memories import EMBEDDINGS_COUNTED, EmbeddingGroup, embedding_groups
-from sokratos_worker.store.migrations import UPGRADING, pending_migrations
+from sokratos_worker.store.migrations import UPGRADING, encoding_problem, pending_migrations
 from sokratos_worker.store.status import embedding_column
 
 
 def schema_problems(settings: Settings, conn: psycopg.Connection) -> list[ConfigError]:
     """What would make the worker fail later, each naming the variable or command to fix it."""
+    if (encoding := encoding_problem(conn)) is not None:
+        return [encoding]  # (not even the migrations can be stored: nothing else matters)
     try:
         pending = pending_migrations(conn)
     except ConfigError as exc:  # the tables are out of the search_path's reach

@@ -90,6 +90,26 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return found
 
 
+# Server encodings that store text in any script: SQL_ASCII keeps the bytes as sent.
+_ANY_SCRIPT_ENCODINGS = frozenset({"UTF8", "SQL_ASCII"})
+
+
+def encoding_problem(conn: psycopg.Connection) -> ConfigError | None:
+    """A database in LATIN1 (say) refuses every memory and email in another script (22P05):
+    an email check would stop at the first such message for good; the migrations themselves
+    hold characters it refuses. ``migrate`` and ``run`` refuse it first, saying why."""
+    row = conn.execute("SHOW server_encoding").fetchone()
+    encoding = str(row[0]) if row else ""
+    if encoding.upper() in _ANY_SCRIPT_ENCODINGS:
+        return None
+    return ConfigError(
+        "SOKRATOS_DATABASE_URL",
+        f"names a database in {encoding}, which cannot store text in other scripts (a"
+        " Japanese subject, an emoji): the worker needs a UTF8 database (CREATE DATABASE ..."
+        " ENCODING 'UTF8' TEMPLATE template0, then 'sokratos-worker migrate' into it)",
+    )
+
+
 def apply_migrations(conninfo: str, on_progress: Progress = _nobody_listens) -> list[str]:
     """Apply what is pending; returns the names applied (empty when up to date).
 
@@ -102,6 +122,8 @@ def apply_migrations(conninfo: str, on_progress: Progress = _nobody_listens) -> 
     # (after refuse_shared_sessions, in `run` and `migrate`: a role's statement_timeout must
     # not cancel a migration)
     with connect(conninfo, autocommit=True, worker_settings=True) as conn, translated():
+        if (encoding := encoding_problem(conn)) is not None:
+            raise encoding
         # Read only, so a worker role that may not create tables starts too.
         if not pending_migrations(conn):
             return []

@@ -3,12 +3,15 @@ grants, typos."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 
 from sokratos_worker.config import Settings
 from sokratos_worker.schema_check import schema_problems
+from tests.conftest import _with_database
 from tests.core.test_cli import cli, env_for
 from tests.support.db import count
 
@@ -122,3 +125,37 @@ def test_a_column_level_update_grant_on_memories_passes_the_schema_check(
         conn.execute("UPDATE memories SET superseded_by = NULL WHERE false")
         problems = schema_problems(Settings(), conn)
     assert problems == [], problems
+
+
+def test_a_database_that_cannot_store_every_script_is_refused_by_check_and_run(
+    pg_server: str, tmp_path: Path
+) -> None:
+    """A LATIN1 database refuses a Japanese subject (22P05): the email check stopped at the
+    first such message for good, its dead letter refused for the same text; `migrate` stopped
+    at a migration's own text with a traceback. Now `migrate`, `run` and `check` name the
+    database's encoding and what to create instead."""
+    name = f"latin1_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_server, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL(
+                "CREATE DATABASE {} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'"
+                " TEMPLATE template0"
+            ).format(sql.Identifier(name))
+        )
+    try:
+        url = _with_database(pg_server, name)
+        env = env_for(url, tmp_path)
+        with psycopg.connect(url, autocommit=True) as conn:
+            (problem,) = schema_problems(Settings(), conn)
+        assert problem.variable == "SOKRATOS_DATABASE_URL"
+        assert "in LATIN1" in problem.message and "UTF8" in problem.message
+        for args in (("migrate",), ("run", "--once"), ("check",)):
+            refused = cli(*args, env=env)  # (migrate stopped at a migration's text, a traceback)
+            assert refused.returncode in (1, 78), (args, refused.stderr[-2000:])
+            assert "in LATIN1" in refused.stdout + refused.stderr, (args, refused.stderr[-2000:])
+            assert "Traceback" not in refused.stderr, (args, refused.stderr[-2000:])
+    finally:
+        with psycopg.connect(pg_server, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
