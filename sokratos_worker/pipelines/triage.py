@@ -189,9 +189,12 @@ class TriageHandler:
             # Transitions are the main application's (contract §5): leave it the model's flag.
             detail += "; paradigm shift flagged"
         if plan.contradiction_failed:
-            detail += (
-                f"; contradiction check failed ({plan.contradiction_failed}): nothing superseded"
+            superseded = (
+                f"{len(plan.supersessions)} superseded, the rest unchecked"
+                if plan.supersessions
+                else "nothing superseded"
             )
+            detail += f"; contradiction check failed ({plan.contradiction_failed}): {superseded}"
         if plan.escaped:
             detail += f"; the model's reply: {ESCAPED_NOTE}"  # contract: escaping is noted
         return Effects(

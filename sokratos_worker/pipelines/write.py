@@ -37,6 +37,27 @@ from sokratos_worker.store.sanitize import clean_text
 log = structlog.get_logger(__name__)
 
 
+# An outage (no backend reachable, circuits open, all refusing) is no verdict: the attempt is
+# given back and the check runs with the next one. A request every backend refuses (its
+# schema, a parameter) would never get one: the attempt is used and the item ends in
+# failed_operations, where the operator sees it. Swallowing either would save the memory for
+# good with the contradicted one live.
+_NO_VERDICT = (BackendsUnavailable, RequestRefused)
+
+
+def _superseding(
+    contradicted: Sequence[MemorySnippet], new_origin: str
+) -> tuple[Supersession, ...]:
+    return tuple(Supersession(old_memory_id=c.id, new_origin=new_origin) for c in contradicted)
+
+
+def _check_failed(item: Item, candidates: int, error: str) -> str:
+    """No valid verdict this time (invalid replies, an input too long) only means no
+    supersession; the memory itself is still worth saving. Returns ``error``."""
+    log.warning("contradiction_check_failed", item_id=item.id, candidates=candidates, error=error)
+    return error
+
+
 class MisnumberedVerdicts(ItemError):
     """The contradiction verdicts name candidates that were not asked about (numbered from
     0): applied, each would supersede another memory than the one judged."""
@@ -200,41 +221,38 @@ class MemoryWriter:
         if not candidates:
             return (), None
         try:
-            contradicted = self._contradicted(self.chat, item, summary, candidates)
-        except (BackendsUnavailable, RequestRefused):
-            # An outage (no backend reachable, circuits open, all refusing) is no verdict: the
-            # attempt is given back and the check runs with the next one. A request every
-            # backend refuses (its schema, a parameter) would never get one: the attempt is
-            # used and the item ends in failed_operations, where the operator sees it.
-            # Swallowing either would save the memory for good with the contradicted one live.
-            raise
-        except ItemError as exc:
-            # No valid verdict this time (invalid replies) only means no supersession; the
-            # memory itself is still worth saving.
-            log.warning(
-                "contradiction_check_failed",
-                item_id=item.id,
-                candidates=len(candidates),
-                error=type(exc).__name__,
-            )
-            return (), type(exc).__name__
-        supersessions = tuple(
-            Supersession(old_memory_id=c.id, new_origin=new_origin) for c in contradicted
-        )
-        return supersessions, None
-
-    def _contradicted(
-        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
-    ) -> list[MemorySnippet]:
-        """The candidates the LLM judges ``summary`` contradicts; compared one at a time when
-        all of them at once are over a backend's context."""
-        try:
-            return self._ask_contradicted(chat, item, summary, candidates)
+            contradicted = self._ask_contradicted(self.chat, item, summary, candidates)
         except ContextTooLong:
             if len(candidates) == 1:
-                raise
+                return (), _check_failed(item, 1, ContextTooLong.__name__)
+            # Too long together for a backend's context: one candidate at a time.
             log.info("contradiction_candidates_one_by_one", item_id=item.id)
-        return [c for c in candidates if self._ask_contradicted(chat, item, summary, [c])]
+            return self._one_by_one(self.chat, item, summary, candidates, new_origin)
+        except _NO_VERDICT:
+            raise
+        except ItemError as exc:
+            return (), _check_failed(item, len(candidates), type(exc).__name__)
+        return _superseding(contradicted, new_origin), None
+
+    def _one_by_one(
+        self,
+        chat: ChatClient,
+        item: Item,
+        summary: str,
+        candidates: Sequence[MemorySnippet],
+        new_origin: str,
+    ) -> tuple[tuple[Supersession, ...], str | None]:
+        """Each candidate compared on its own: what one call found stands when another fails."""
+        contradicted: list[MemorySnippet] = []
+        failed: str | None = None
+        for candidate in candidates:
+            try:
+                contradicted += self._ask_contradicted(chat, item, summary, [candidate])
+            except _NO_VERDICT:
+                raise
+            except ItemError as exc:
+                failed = _check_failed(item, 1, type(exc).__name__)
+        return _superseding(contradicted, new_origin), failed
 
     def _ask_contradicted(
         self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]

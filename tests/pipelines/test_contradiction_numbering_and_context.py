@@ -90,3 +90,22 @@ def test_one_candidate_still_too_long_saves_the_memory_and_says_so(
     rows, failed = _superseded(db, database, chat)
     assert rows[initech] is False and len(rows) == 2  # the new memory saved, nothing superseded
     assert failed == "ContextTooLong"
+
+
+def test_one_by_one_a_later_failure_keeps_what_an_earlier_call_found(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """Candidate 1 judged contradicted, candidate 2's own call then failed: the whole check
+    failed, and memory 1 stayed live (found in review)."""
+    vec = hashed_vector(NEW)
+    initech = insert_memory(db, "User works at Initech.", near(vec, 0.10))
+    hiking = insert_memory(db, "User likes hiking.", near(vec, 0.30))
+    chat = FakeChat().script(
+        "contradiction",
+        ContextTooLong("small: input exceeds the model's context", backend="small"),
+        {"verdicts": [{"existing": 1, "contradicts": True}]},  # Initech alone
+        ContextTooLong("small: input exceeds the model's context", backend="small"),
+    )
+    rows, failed = _superseded(db, database, chat)
+    assert rows[initech] is True and rows[hiking] is False
+    assert failed == "ContextTooLong"
