@@ -98,10 +98,24 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
         # Leases run from clock_timestamp(), not now() (the statement's or transaction's start):
         # a statement that waited behind a lock longer than the lease would otherwise grant
         # one already over, and another worker would take the item while it runs here.
+        # A row locked by another transaction (our own settle waiting on a lock after its
+        # delete) is skipped, not waited for: waiting, the pass renewed none of the other
+        # items, whose leases ran out while they ran. Skipped, it is still ours if its
+        # committed row says so (the settle commits or rolls back; the next pass renews it).
         "renew": sql.SQL(
-            """UPDATE {table}
-               SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
-               WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s) RETURNING id"""
+            """WITH free AS (
+                   SELECT id FROM {table}
+                   WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s)
+                   FOR UPDATE SKIP LOCKED),
+               renewed AS (
+                   UPDATE {table} AS t
+                   SET lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s)
+                   FROM free WHERE t.id = free.id RETURNING t.id)
+               SELECT id FROM renewed
+               UNION ALL
+               SELECT id FROM {table}
+               WHERE lease_owner = %(owner)s AND id = ANY(%(ids)s)
+                 AND id NOT IN (SELECT id FROM free)"""
         ).format(table=table),
         # The fast path: delete and record the outcome in one statement (one round trip).
         "settle_plain": sql.SQL(
