@@ -554,14 +554,18 @@ class FallbackChatClient:
                     # success must not resume claiming: probe() asks in it.
                     self._probe_form = _ProbeForm(response_model, when_all_answer=True)
                     return not_the_items_fault(tried, kinds, summary)
-                # A backend that answered 5xx and serves a plain request, but fails every one
+                # A backend that answered 5xx and serves a plain request, but still fails one
                 # in this form (llama-cpp-python's 500 for json_schema), is misconfigured:
                 # resumed by a plain probe, the item would be given back and claimed again for
-                # ever. (One that timed out or was not reached is not asked again.)
+                # ever. Asked in the form again after the plain one, a burst of 5xx that has
+                # just ended (a proxy's 502 while its upstream restarted) is not taken for it.
+                # (One that timed out or was not reached is not asked again.)
                 form_fails = [
                     a.backend
                     for a in tried
-                    if a.reason.startswith("http_5") and probe_one(self._backend(a.backend))
+                    if a.reason.startswith("http_5")
+                    and probe_one(self._backend(a.backend))
+                    and not probe_one(self._backend(a.backend), response_model)
                 ]
                 if form_fails:
                     self._probe_form = _ProbeForm(response_model, when_all_answer=False)

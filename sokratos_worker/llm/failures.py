@@ -93,7 +93,8 @@ def form_unserved(
     which = ", ".join(names)
     return LLMBackendsMisconfigured(
         f"no LLM backend gave a valid reply ({summary}); {which} served a plain one-token"
-        " request but failed one in this call's structured-output form as well: check"
+        " request but failed one in this call's structured-output form, before and after"
+        " it: check"
         f" structured_output (and model) for {which} in SOKRATOS_LLM_BACKENDS{RUN_CHECK}",
         tried=tried,
     )

@@ -113,3 +113,24 @@ def test_the_worker_pauses_instead_of_looping_then_saves_the_item_once_fixed(
         "SELECT outcome, attempts FROM work_outcomes WHERE item_id = %s", (key[1],)
     ).fetchone()
     assert row == ("saved", 1), row  # the give-back used no attempt
+
+
+def test_a_burst_of_5xx_that_ends_meanwhile_is_an_outage_not_structured_output(
+    servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
+) -> None:
+    """503s to the call and to the probe in its form, then served (the burst is over by the
+    plain probe): given back as an outage, not named a structured_output problem (review)."""
+    answers = {"n": 0}
+
+    def burst(request: Request) -> Reply:
+        answers["n"] += 1
+        if answers["n"] <= 3:  # the call (2 HTTP attempts) and the probe in its form
+            return Reply.error(503, "server busy", type="server_error")
+        body = request.body if isinstance(request.body, dict) else {}
+        return answer(request) if "response_format" in body else Reply.chat("OK")
+
+    client = make_client(backend(scripted(servers, burst), "brain"), attempts=2)
+    with pytest.raises(NoBackendReachable) as failure:
+        ask(client)
+    assert not isinstance(failure.value, LLMBackendsMisconfigured), failure.value
+    assert client.probe() is True
