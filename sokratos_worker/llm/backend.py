@@ -66,7 +66,8 @@ class Backend:
             threshold=policy.breaker_threshold,
             cooldown=policy.breaker_cooldown,
             max_cooldown=policy.breaker_max_cooldown,
-            probe_deadline=self.probe_timeout + 5.0,
+            # The trial waits for a slot up to the probe's timeout, then probes within it.
+            probe_deadline=2 * self.probe_timeout + 5.0,
             clock=clock,
         )
 

@@ -240,7 +240,9 @@ class FallbackChatClient:
         # keeps the backend's own timeout, so a slow CPU backend can close its circuit again.
         # Refused (a key rotated during the outage) is up too: the request then meets the
         # refusal, which names the configuration; re-opened, it read as an outage for ever.
-        if probe_answer(backend) is not Probed.DOWN:
+        # (Its wait for a slot is bounded by the probe's timeout: the trial's deadline counts
+        # the wait and the probe, see Backend.)
+        if probe_answer(backend, slot_wait=backend.probe_timeout) is not Probed.DOWN:
             backend.breaker.record_success()
             return ""
         backend.breaker.record_failure("half-open probe failed", trial=True)

@@ -65,9 +65,15 @@ def probe_one(backend: Backend, response_model: type[BaseModel] | None = None) -
     return probe_answer(backend, response_model) is Probed.SERVED
 
 
-def probe_answer(backend: Backend, response_model: type[BaseModel] | None = None) -> Probed:
+def probe_answer(
+    backend: Backend,
+    response_model: type[BaseModel] | None = None,
+    *,
+    slot_wait: float | None = None,
+) -> Probed:
     """The one-token probe (in ``response_model``'s structured-output form): served,
-    refused (a permanent answer: the server is up) or down."""
+    refused (a permanent answer: the server is up) or down. It waits for a free slot up to
+    ``slot_wait`` (default: the backend's timeout, as a call does)."""
     messages = [{"role": "user", "content": PROBE_MESSAGE}]
     body: dict[str, Any] = (
         request_body(backend.config, response_model, messages, 1)
@@ -82,7 +88,8 @@ def probe_answer(backend: Backend, response_model: type[BaseModel] | None = None
     )
     # A slot, as a call takes: a single-slot server (llama.cpp -np 1) busy with an item's
     # generation would queue the probe behind it, and the probe's timeout judge it down.
-    if not backend.slots.acquire(timeout=backend.config.timeout):
+    wait = backend.config.timeout if slot_wait is None else slot_wait
+    if not backend.slots.acquire(timeout=wait):
         return Probed.DOWN  # every slot stayed taken for a whole timeout, as a call's would
     try:
         response = backend.clients.get().post(

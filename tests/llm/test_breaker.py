@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
-from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.llm.chat import FallbackChatClient, RetryPolicy
 from sokratos_worker.llm.types import ChatFailed, LLMBackendsMisconfigured, NoBackendReachable
 from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
 from sokratos_worker.testing.scripted_llm import Request
@@ -263,3 +263,35 @@ def test_a_probe_waits_for_a_slot_of_a_single_slot_backend_busy_with_a_call(
     assert client.probe() is True
     call.join()
     assert a.max_in_flight == 1
+
+
+def test_a_trial_waiting_for_a_slot_is_bounded_inside_its_deadline(
+    servers: Callable[..., ScriptedLLM],
+):
+    """The half-open trial waits for a slot at most its probe's timeout, and its deadline
+    counts that wait: a trial queued behind a long generation overran its deadline while
+    only waiting ("half-open probe overran its deadline", cool-down doubled) and then went
+    out anyway (found in review)."""
+    a = servers(chat=json_responder({"ok": True}))
+    a.on(PROBE, lambda r: Reply.chat("OK"))
+    client = FallbackChatClient(
+        [backend(a, "a", timeout=30, max_concurrency=1)],
+        policy=RetryPolicy(attempts=1, probe_timeout=1, breaker_threshold=1, breaker_cooldown=0.2),
+        sleep=lambda s: None,
+    )
+    try:
+        b = client.breaker("a")
+        b.record_failure("outage")  # open
+        time.sleep(0.3)  # its cool-down is over: the next call is the trial
+        slots = client._backend("a").slots
+        slots.acquire()  # an earlier call's long generation holds the one slot
+        release = threading.Timer(8, slots.release)
+        release.start()
+        started = time.monotonic()
+        with pytest.raises(NoBackendReachable):
+            client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
+        assert time.monotonic() - started < 5  # (the slot's wait: 1 s, not the backend's 30)
+        assert "overran" not in b.last_error, b.last_error
+        release.join()
+    finally:
+        client.close()
