@@ -184,13 +184,21 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
 
 def _accounts(settings: Settings, conn: Any) -> list[dict[str, Any]]:
     """The accounts this command is configured with; without any (a shell other than the
-    worker's), every mailbox the database has checked, each marked ``from_database``: an
+    worker's), each account's latest mailbox the database has checked, marked ``from_database``: an
     empty list there hid an account failing every check."""
     from sokratos_worker.email.check import account_statuses  # noqa: PLC0415
 
     if settings.email_accounts:
         return account_statuses(conn, [(a.name, a.mailbox) for a in settings.email_accounts])
-    return [{**a, "from_database": True} for a in account_statuses(conn)]
+    # One row per account, its latest: the row a renamed mailbox left behind keeps its last
+    # error for good, which would read as a failing account.
+    latest: dict[str, dict[str, Any]] = {}
+    for row in account_statuses(conn):
+        seen = max(row["last_check_at"] or "", row["last_error_at"] or "")
+        kept = latest.get(row["name"])
+        if kept is None or seen > max(kept["last_check_at"] or "", kept["last_error_at"] or ""):
+            latest[row["name"]] = row
+    return [{**a, "from_database": True} for a in latest.values()]
 
 
 LOCKED = "its table is locked by another session: see 'locked'"
@@ -244,8 +252,8 @@ def render_status(report: dict[str, Any]) -> str:
     accounts = report["email_accounts"]
     if any(a.get("from_database") for a in accounts):
         lines.append(
-            "email (every mailbox the database has checked: this command has no"
-            " SOKRATOS_EMAIL_ACCOUNTS):"
+            "email (each account's latest mailbox the database has checked: this command has"
+            " no SOKRATOS_EMAIL_ACCOUNTS):"
         )
     for a in accounts:
         err = f", last error: {a['last_error']}" if a.get("last_error") else ""

@@ -499,12 +499,14 @@ def test_status_without_email_accounts_shows_every_mailbox_the_database_checked(
     db.execute(
         """INSERT INTO email_checkpoints (account, mailbox, last_uid, checked_at, last_error,
                                           last_error_at)
-           VALUES ('personal', 'INBOX', 0, NULL, 'connecting to imap.example.org refused', now())"""
-    )
+           VALUES ('personal', 'INBOX', 0, NULL, 'connecting to imap.example.org refused', now()),
+                  ('personal', 'Old', 0, NULL, 'EXAMINE ''Old'' failed', now() - interval '3 days')"""
+    )  # (Old: the row a renamed mailbox left behind, not shown: it would read as failing)
     env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url)
     text = run_cli(["status"], env)
     assert text.returncode == 0, text.stderr
     assert "this command has no SOKRATOS_EMAIL_ACCOUNTS" in text.stdout
+    assert "Old" not in text.stdout, text.stdout
     assert (
         "email personal INBOX: last check never, last error: connecting to imap.example.org"
         " refused" in text.stdout
