@@ -437,10 +437,12 @@ class Runner:
         if self._inflight.get(item.queue, item.id) is not None:
             return True
         log.info(
-            "item_released_before_it_started",
+            "item_not_started_at_stop",
             queue=item.queue.value,
             item_id=item.id,
             attempt=item.attempt,
+            hint="the stop's release gives its lease back with the other items' (if that"
+            " fails, release_failed says so and the lease runs out)",
         )
         return False
 
