@@ -399,10 +399,12 @@ class Settler:
             )
             return LEASE_LOST
         if recorded is not None:
-            outcome, by_attempt = recorded
-            if by_attempt not in (None, item.attempt):
-                # A worker that took the item over (ours was frozen or cut off past its
-                # lease) finished it: its outcome, counted by it, is not this attempt's.
+            outcome, by_attempt, detail = recorded
+            # A worker that took the item over (ours was frozen or cut off past its lease)
+            # finished it: its outcome, counted by it, is not this attempt's. Past the last
+            # attempt its claim dead-letters the item under our attempt's number, as the
+            # worker that died: we did not.
+            if by_attempt not in (None, item.attempt) or detail.startswith(WORKER_DIED):
                 bound.warning(
                     "lease_lost",
                     finished_by_attempt=by_attempt,

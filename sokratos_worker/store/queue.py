@@ -456,16 +456,18 @@ def _stored_payload(item: Item, payload_text: str) -> str:
     return payload_text
 
 
-def outcome_of(conn: psycopg.Connection, item: Item) -> tuple[str, int | None] | None:
-    """The item's recorded outcome and the attempt that recorded it, if it has one (ours, a
-    commit that landed before a drop; or another worker's, which took the item over)."""
+def outcome_of(conn: psycopg.Connection, item: Item) -> tuple[str, int | None, str] | None:
+    """The item's recorded outcome, the attempt that recorded it and its detail, if it has
+    one (ours, a commit that landed before a drop; or another worker's, which took the item
+    over)."""
     row = conn.execute(
-        "SELECT outcome, attempts FROM work_outcomes WHERE queue = %s AND item_id = %s",
+        """SELECT outcome, attempts, coalesce(detail, '') FROM work_outcomes
+           WHERE queue = %s AND item_id = %s""",
         (item.queue.value, item.id),
     ).fetchone()
     if row is None:
         return None
-    return str(row[0]), (int(row[1]) if row[1] is not None else None)
+    return str(row[0]), (int(row[1]) if row[1] is not None else None), str(row[2])
 
 
 def lease_owner(conn: psycopg.Connection, item: Item) -> tuple[bool, str | None]:

@@ -68,7 +68,7 @@ def test_expired_lease_is_claimed_again_and_the_old_owner_is_fenced(db: psycopg.
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'") == 1
     assert store.lease_owner(db, old) == (False, None)
-    assert store.outcome_of(db, old) == ("saved", new.attempt)
+    assert store.outcome_of(db, old)[:2] == ("saved", new.attempt)
 
 
 def test_settle_is_one_transaction_with_effects_and_replay_writes_nothing_twice(

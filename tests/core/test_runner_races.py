@@ -196,3 +196,32 @@ def test_the_grace_counts_from_the_stop_not_from_a_state_report_that_waited(
     # The grace (3 s) had passed by the time the report was made: the release follows at once.
     assert after_report < 1.5, after_report
     assert db.execute("SELECT attempts, lease_owner FROM pending_triage").fetchone() == (0, None)
+
+
+def test_another_workers_dead_letter_of_our_last_attempt_is_not_taken_for_our_settle(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A ran the last attempt past its lease (frozen); B's claim found no attempt left and
+    dead-lettered the item under that attempt's number ("worker died"). A's settle, fenced,
+    took that outcome for its own commit: item_already_settled, and `failed` counted by both
+    workers (found by a two-process hunt). It is lease_lost."""
+    enqueue_many(db, 1, behaviour="skip")
+    database = Database(database_url, size=4)
+    done_a: list[tuple[str, str]] = []
+    a, _ = _runner(database, done_a, max_attempts=1)
+    b = Runner(
+        settings=fast_settings(max_attempts=1),
+        database=database,
+        handlers={Queue.TRIAGE: Recording()},
+        worker_id="other",
+    )
+    (first,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
+    a._track_claimed([first])  # A runs the last attempt ...
+    db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 s'")
+    assert b._claim_for_idle_slots()[1] == 1  # ... frozen past its lease: B claims it
+    b._process(b._handoff.get_nowait())  # no attempt left: B dead-letters it
+    a._process(first)  # A wakes up and settles
+    database.close()
+    assert outcomes(db) and set(outcomes(db).values()) == {"failed"}
+    assert done_a == [("pending_triage", "lease_lost")], done_a
+    assert "failed" not in a.take_stats().counts[Queue.TRIAGE]
