@@ -219,6 +219,41 @@ def _check_email_watching_signals(worker: Worker) -> None:
         )
 
 
+class _DrainHeartbeats:
+    """``run --once`` writes its heartbeat row every SOKRATOS_HEARTBEAT_INTERVAL while it
+    drains: a drain longer than three heartbeats is working, not dead, to ``status``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._due = time.monotonic() + worker.settings.heartbeat_interval
+
+    def write_if_due(self) -> None:
+        if time.monotonic() < self._due:
+            return
+        self._worker.record_heartbeat()
+        self._due = time.monotonic() + self._worker.settings.heartbeat_interval
+
+
+def _retention_watching_signals(worker: Worker) -> None:
+    """Retention (the TTLs, old heartbeat rows) after the drain, in a thread: timer-driven
+    workers never run the daemon's hourly job, and a stop signal must not wait on a purge.
+
+    A stop abandons it: what it deleted stays deleted, and the next run goes on from there.
+    """
+    thread = threading.Thread(target=worker.maintenance, name="maintenance", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(SIGNAL_POLL_S)
+        if worker.notice_signal():
+            break
+    if thread.is_alive():
+        log.warning(
+            "maintenance_abandoned",
+            hint="a stop signal came while retention ran; what it deleted stays deleted, and"
+            " the next run prunes the rest",
+        )
+
+
 def _report_stuck_drain(worker: Worker) -> str:
     """The drain's dispatcher never came back from a statement: say what it waits for."""
     waiting = worker.watchdog.dispatcher_lock_wait()
@@ -256,7 +291,9 @@ def run_once(worker: Worker) -> int:
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10
     stopping = False
+    heartbeats = _DrainHeartbeats(worker)
     while not worker.runner.wait_drained(SIGNAL_POLL_S) and time.monotonic() < deadline:
+        heartbeats.write_if_due()
         if not stopping and worker.notice_signal():
             stopping = True
             # The drain gives items in flight the grace; a dispatcher stuck in a statement
@@ -272,6 +309,8 @@ def run_once(worker: Worker) -> int:
         0 if worker.stop_requested else worker.settings.shutdown_grace
     )
     worker.report(imported, drained_in)  # the tick's one tick_finished (contract §6)
+    if not worker.stop_requested:
+        _retention_watching_signals(worker)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     if worker.stop_requested:
         log.info("run_once_stopped", released=released)

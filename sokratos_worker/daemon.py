@@ -7,6 +7,7 @@ run in a thread of their own, so a slow IMAP server never holds up a heartbeat o
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import gc
 import os
@@ -14,10 +15,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import structlog
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -27,12 +31,14 @@ from sokratos_worker.build import build_version
 from sokratos_worker.config import ConfigError, Settings
 from sokratos_worker.email.imap_sessions import OpenSessions
 from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, reached_database
+from sokratos_worker.exit_codes import EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.service.clock_steps import ClockStepWatch, run_jobs_now
 from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
-from sokratos_worker.service.metrics import Metrics, MetricsServer
+from sokratos_worker.service.metrics import Metrics, MetricsServer, parse_addr
+from sokratos_worker.service.port_holder import port_holder
 from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.service.stop_requests import StopRequests
@@ -42,6 +48,7 @@ from sokratos_worker.store import email as email_store
 from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database, connect, time_limited
+from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
 from sokratos_worker.worker_state import State
 
@@ -56,6 +63,9 @@ TICK_STATEMENT_TIMEOUT_MS = 5000
 SIGNAL_POLL_S = 0.25
 # Due accounts are looked for this often (each account is due on its own interval).
 EMAIL_CHECK_EVERY_S = 60.0
+# Retention's first run, this long after start: out of the start's path, and a worker
+# restarted more often than hourly still prunes (then it runs every hour).
+MAINTENANCE_FIRST_RUN_AFTER_S = 60.0
 # A stopped email check ends within moments (its session is cut); never wait on it longer.
 EMAIL_STOP_WAIT_S = 5.0
 
@@ -64,6 +74,63 @@ NO_BACKEND_CONFIGURED = (
     "no LLM backend configured: set SOKRATOS_LLM_BACKENDS (or SOKRATOS_LOCAL_MODEL=true) and"
     " restart the worker; items wait in their queues"
 )
+
+
+# What the server answers a new connection when a limit, not an outage, refuses it: the role's
+# or database's CONNECTION LIMIT, max_connections (libpq gives these as text, no SQLSTATE).
+CONNECTION_LIMIT_REFUSALS = (
+    "too many connections for role",
+    "too many connections for database",
+    "sorry, too many clients already",
+    "remaining connection slots are reserved",
+)
+
+
+@contextmanager
+def _lock_waits_limited(conn: psycopg.Connection) -> Iterator[None]:
+    """Retention's statements give up a lock wait past COMMAND_LOCK_TIMEOUT_MS (each batch
+    commits on its own, so no transaction-wide SET LOCAL): a table a migration holds must not
+    keep `run --once` from exiting. The pooled connection's setting is put back after."""
+    conn.execute(f"SET lock_timeout = {int(COMMAND_LOCK_TIMEOUT_MS)}")
+    try:
+        yield
+    finally:
+        with suppress(psycopg.Error):  # (a broken connection is discarded by the pool)
+            conn.execute("SET lock_timeout = 0")
+
+
+def refused_for_a_connection_limit(exc: DatabaseUnavailable) -> bool:
+    """True when the server answered ``exc``'s connection and refused it for a limit: the
+    database is up, and the connections already open go on."""
+    text = str(exc.__cause__ or exc)
+    return any(refusal in text for refusal in CONNECTION_LIMIT_REFUSALS)
+
+
+# A metrics address another process holds (two instances, one port), or one not (yet) on
+# this host (an interface still coming up): a restart may find it free, so not 78.
+_ADDRESS_TAKEN_OR_NOT_YET_UP = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+
+
+class MetricsAddressUnavailable(Exception):
+    """SOKRATOS_METRICS_ADDR cannot be bound now: ``serve`` exits 75 (systemd restarts it)."""
+
+    def __init__(self, addr: str, exc: OSError) -> None:
+        super().__init__(f"{addr}: {exc.strerror or exc}")
+        self.addr = addr
+        self.reason = exc.strerror or str(exc)
+        taken = exc.errno == errno.EADDRINUSE
+        self.held_by = port_holder(parse_addr(addr)[1]) if taken else None
+
+    def said(self) -> dict[str, str | None]:
+        """The log line's fields: the address, why, what holds it, and what to do."""
+        return {
+            "addr": self.addr,
+            "error": self.reason,
+            "held_by": self.held_by,
+            "hint": "another process listens there (a second worker on the same"
+            " SOKRATOS_METRICS_ADDR?) or the address is not on this host yet: give each"
+            " worker its own port; systemd restarts the worker (exit 75)",
+        }
 
 
 def new_worker_id(instance: str | None = None) -> str:
@@ -187,7 +254,7 @@ class Worker:
         """Retention: processed_emails, the optional failed_operations TTL, old heartbeats."""
 
         def prune() -> dict[str, int]:
-            with self.database.connection() as conn:
+            with self.database.connection() as conn, _lock_waits_limited(conn):
                 return {
                     "processed_emails": email_store.prune_processed_emails(
                         conn, self.settings.processed_emails_ttl_days
@@ -212,6 +279,13 @@ class Worker:
         except DatabaseUnavailable as exc:
             self._contact_failed(exc)
             log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
+        except pg_errors.LockNotAvailable as exc:
+            log.warning(
+                f"{what}_timed_out",
+                error=str(exc).strip(),
+                hint="it gave up waiting for a lock another session holds on a table (a"
+                " migration, a transaction left open?); it runs again at its next turn",
+            )
         except pg_errors.QueryCanceled as exc:
             log.warning(
                 f"{what}_timed_out",
@@ -243,6 +317,10 @@ class Worker:
             "heartbeat",
             lambda: self._write_heartbeat(state, detail),
         )
+
+    def record_heartbeat(self) -> None:
+        """The heartbeat row of the state now (``run --once`` writes it during its drain)."""
+        self._record_heartbeat()
 
     def record_stopped(self) -> None:
         """The last heartbeat: ``status`` no longer lists this process as live."""
@@ -316,9 +394,10 @@ class Worker:
             log.warning("worker_state", state=state, detail=detail)
         else:
             log.info("worker_state", state=state)
-        if state in (State.NO_BACKEND, State.RUNNING):
-            # At once, not at the next tick: `status` said "running" for up to a heartbeat.
-            # (Waiting for the database could not be written; stopping writes "stopped".)
+        if state in (State.NO_BACKEND, State.RUNNING, State.STOPPING):
+            # At once, not at the next tick: `status` said "running" for up to a heartbeat,
+            # and for the whole stop's grace. (Waiting for the database could not be written;
+            # "stopped" follows "stopping": the runner reports it before its grace's wait.)
             self._record_heartbeat()
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------
@@ -342,7 +421,7 @@ class Worker:
                 if self._stop.is_set():
                     return  # the database went away because we are stopping: not news
                 # The first to know of an outage while the runner idles: /readyz says so now.
-                self.database_contact.failed()
+                self._listener_failed(exc)
                 failures += 1
                 (log.warning if failures == 1 else log.debug)(
                     "listen_reconnecting",
@@ -362,7 +441,11 @@ class Worker:
         Returns :attr:`exit_code`: 0, or the code :meth:`stop_with` set."""
         faulthandler.enable()
         self.install_signals()
-        metrics_server = self._start_metrics()
+        try:
+            metrics_server = self._start_metrics()
+        except MetricsAddressUnavailable as exc:
+            log.error("metrics_address_unavailable", **exc.said(), exit_code=EXIT_TEMPFAIL)
+            return EXIT_TEMPFAIL
         jobs = DaemonThreadExecutor()
         scheduler = self._start_scheduler(jobs)
         listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
@@ -409,8 +492,18 @@ class Worker:
                 hint="still waiting (on a locked table?); the process exits without them and"
                 " what they committed stays; they run again at the next start",
             )
-        log.info("worker_stopped", released=released, exit_code=self.exit_code)
+        log.info(
+            "worker_stopped",
+            released=released,
+            exit_code=self.exit_code,
+            # What was settled since the last tick_finished (the grace's items among them), in
+            # its shape: the counts of every report add up to every item this process ended.
+            queues=self._counts_since_last_report(),
+        )
         return self.exit_code
+
+    def _counts_since_last_report(self) -> dict[str, dict[str, int]]:
+        return {q: dict(c) for q, c in self.runner.take_stats().counts.items()}
 
     def stop_with(self, code: int, reason: str) -> None:
         """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
@@ -501,7 +594,12 @@ class Worker:
             misfire_grace_time=max(1, int(interval)),
         )
         scheduler.add_job(
-            self.maintenance, "interval", hours=1, id="maintenance", misfire_grace_time=3600
+            self.maintenance,
+            "interval",
+            hours=1,
+            id="maintenance",
+            misfire_grace_time=3600,
+            next_run_time=datetime.now(UTC) + timedelta(seconds=MAINTENANCE_FIRST_RUN_AFTER_S),
         )
         scheduler.add_listener(
             log_job_event, EVENT_JOB_ERROR | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES
@@ -516,13 +614,26 @@ class Worker:
         server = MetricsServer(self.settings.metrics_addr, self.metrics, readiness=self._ready)
         try:
             server.start()
-        except OSError as exc:  # in use (two instances, one port), or no such address
+        except OSError as exc:
+            if exc.errno in _ADDRESS_TAKEN_OR_NOT_YET_UP:
+                raise MetricsAddressUnavailable(self.settings.metrics_addr, exc) from exc
+            # (a host name that resolves to nothing, a port below 1024 without the right)
             raise ConfigError(
                 "SOKRATOS_METRICS_ADDR",
                 f"{self.settings.metrics_addr} cannot be served: {exc.strerror or exc}",
             ) from exc
         log.info("metrics_listening", addr=self.settings.metrics_addr)
         return server
+
+    def _listener_failed(self, exc: Exception) -> None:
+        """Record an outage for the LISTEN connection's failure, unless the server answered
+        it (a connection limit refused it: the pool's connections still work)."""
+        if isinstance(exc, DatabaseUnavailable) and refused_for_a_connection_limit(exc):
+            return
+        if isinstance(exc, DatabaseUnavailable):
+            self._contact_failed(exc)
+        else:
+            self.database_contact.failed()
 
     def _contact_failed(self, exc: DatabaseUnavailable) -> None:
         """Record an outage, unless ``exc`` shows a reachable database (a locked table, a pool

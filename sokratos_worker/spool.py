@@ -36,6 +36,10 @@ log = structlog.get_logger(__name__)
 # statement timeout: a large conversation takes seconds to store, and was cancelled at every
 # tick, holding up every file spooled after it.
 ENQUEUE_TIMEOUT_MS = COMMAND_LOCK_TIMEOUT_MS
+# Files one import enqueues or rejects at most: the import runs in the tick, and at start in
+# the main thread, so a large backlog must not hold up a stop, READY=1 or the heartbeat; the
+# rest are imported at the next tick.
+SPOOL_FILES_PER_IMPORT = 1000
 
 
 def storable_payload(payload: Any) -> dict[str, Any]:
@@ -109,7 +113,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def import_spool(spool_dir: Path, database: Database, identity: str | None = None) -> int:
-    """Enqueue every spooled file, deleting each after its commit; returns files imported.
+    """Enqueue the spooled files, oldest first and SPOOL_FILES_PER_IMPORT at most, deleting
+    each after its commit; returns files imported.
 
     A file meant for another database than ``identity`` is left where it is (and said once).
     """
@@ -126,14 +131,19 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
             " read the directory (chown it to that user)",
         )
         return 0
-    imported = 0
-    for path in files:
+    imported = handled = 0
+    for position, path in enumerate(files):
+        if handled >= SPOOL_FILES_PER_IMPORT:
+            _say_left_for_next_tick(len(files) - position, imported)
+            break
         loaded = _load(path, database)
+        # (A file left for another database's worker is no work here: it counts for nothing.)
+        if loaded is not None and _meant_elsewhere(path, loaded[0], identity):
+            continue
+        handled += 1
         if loaded is None:
             continue
         record, (queue, payload, key, source) = loaded
-        if _meant_elsewhere(path, record, identity):
-            continue
         try:
             with database.connection() as conn, lock_wait_limited(conn, ENQUEUE_TIMEOUT_MS):
                 item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
@@ -163,6 +173,17 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
     if imported:
         _fsync_dir(spool_dir)
     return imported
+
+
+def _say_left_for_next_tick(left: int, imported: int) -> None:
+    """One import reached SPOOL_FILES_PER_IMPORT: say how many files wait for the next."""
+    log.info(
+        "spool_import_limited",
+        imported=imported,
+        left=left,
+        limit=SPOOL_FILES_PER_IMPORT,
+        hint="the rest are imported at the next ticks, this many at a time",
+    )
 
 
 def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:

@@ -529,7 +529,9 @@ def test_serve_writes_the_stopped_heartbeat_only_after_the_items_in_flight_end(
             signal.signal(signum, handler_before)
         database.close()
     assert code == 0
-    assert seen["during_grace"] == [("running",)], "listed as stopped with its item in flight"
+    # Stopping, not stopped, while its item is in flight (nor running, as it said until
+    # 2026-12-06: test_service_fixes.py).
+    assert seen["during_grace"] == [("stopping",)], "listed as stopped with its item in flight"
     assert count(db, "SELECT count(*) FROM work_outcomes WHERE item_id = %s", item_id) == 1
     assert db.execute("SELECT state FROM worker_heartbeats").fetchall() == [("stopped",)]
     # The email thread, waiting for its next look, ended with the stop: nothing abandoned.
