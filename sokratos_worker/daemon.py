@@ -279,19 +279,17 @@ class Worker:
         except DatabaseUnavailable as exc:
             self._contact_failed(exc)
             log.warning(f"{what}_skipped", reason="database unavailable", error=str(exc))
-        except pg_errors.LockNotAvailable as exc:
-            log.warning(
-                f"{what}_timed_out",
-                error=str(exc).strip(),
-                hint="it gave up waiting for a lock another session holds on a table (a"
-                " migration, a transaction left open?); it runs again at its next turn",
+        except (pg_errors.LockNotAvailable, pg_errors.QueryCanceled) as exc:
+            cut = (
+                "it gave up waiting for a lock another session holds on a table"
+                if isinstance(exc, pg_errors.LockNotAvailable)
+                else "PostgreSQL cancelled it at its statement timeout: is a table locked?"
             )
-        except pg_errors.QueryCanceled as exc:
             log.warning(
                 f"{what}_timed_out",
                 error=str(exc).strip(),
-                hint="PostgreSQL cancelled it at its statement timeout: is a table locked (a"
-                " migration, a long transaction)? It runs again at the next tick",
+                hint=f"{cut} (a migration, a transaction left open?); it runs again at its"
+                " next turn",
             )
         except Exception:
             log.exception(f"{what}_failed")
