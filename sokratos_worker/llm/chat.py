@@ -242,6 +242,7 @@ class FallbackChatClient:
         # refusal, which names the configuration; re-opened, it read as an outage for ever.
         # (Its wait for a slot is bounded by the probe's timeout: the trial's deadline counts
         # the wait and the probe, see Backend.)
+        # Busy with this process's own calls is up too: the item's call waits for a slot.
         if probe_answer(backend, slot_wait=backend.probe_timeout) is not Probed.DOWN:
             backend.breaker.record_success()
             return ""
@@ -278,7 +279,7 @@ class FallbackChatClient:
                 # would say "unreachable" for ever.
                 if form is None:
                     healthy = True
-            elif result is Probed.DOWN:
+            elif result in (Probed.DOWN, Probed.BUSY):
                 answered = False
         # A backend was down when the item was given back, another refused its form: once every
         # backend answers, the item's next call is decided (served, or refused everywhere and
@@ -567,7 +568,7 @@ class FallbackChatClient:
                     for a in tried
                     if a.reason.startswith("http_5")
                     and probe_one(self._backend(a.backend))
-                    and not probe_one(self._backend(a.backend), response_model)
+                    and probe_answer(self._backend(a.backend), response_model) is Probed.DOWN
                 ]
                 if form_fails:
                     self._probe_form = _ProbeForm(response_model, when_all_answer=False)

@@ -42,6 +42,7 @@ class Probed(enum.Enum):
     SERVED = "served"
     REFUSED = "refused"  # a permanent answer (3xx, 4xx): the server is up
     DOWN = "down"  # no answer, a transient one, or not a chat completion
+    BUSY = "busy"  # not sent: every slot stayed taken by this process's calls to it
 
 
 def request_would_be_served(backend: Backend, response_model: type[BaseModel]) -> bool:
@@ -56,6 +57,8 @@ def request_would_be_served(backend: Backend, response_model: type[BaseModel]) -
 def minimal_answer(backend: Backend) -> Probed:
     """The minimal request in ``backend``'s structured-output form (see :data:`MinimalRequest`)."""
     result = probe_answer(backend, _Probe)
+    if result is Probed.BUSY:
+        return Probed.DOWN  # (unanswered, as far as the configuration can tell)
     if result is not Probed.DOWN:
         backend.breaker.allow_probe_now()
     return result
@@ -90,7 +93,7 @@ def probe_answer(
     # generation would queue the probe behind it, and the probe's timeout judge it down.
     wait = backend.config.timeout if slot_wait is None else slot_wait
     if not backend.slots.acquire(timeout=wait):
-        return Probed.DOWN  # every slot stayed taken for a whole timeout, as a call's would
+        return Probed.BUSY  # every slot stayed taken for the whole wait, as a call's would
     try:
         response = backend.clients.get().post(
             backend.chat_url, json=body, timeout=backend.probe_timeout
