@@ -24,6 +24,7 @@ from sokratos_worker.errors import (
     DatabaseUnavailable,
     InvalidPayload,
     NoAttemptLeft,
+    reached_database,
 )
 from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
@@ -236,9 +237,11 @@ class Settler:
         """Retry, give back or dead-letter the item; returns how the attempt ended."""
         decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
         backend = getattr(exc, "backend", None)
-        if isinstance(exc, DatabaseUnavailable):
+        if isinstance(exc, DatabaseUnavailable) and not reached_database(exc):
             # A read met an outage: the item runs again once the database is back, rather
             # than be decided on defaults (a threshold, no contradiction check) for good.
+            # (One the database answered, a full pool or a lock, is the item's attempt: given
+            # back, the item would be claimed again at once and meet it again, for ever.)
             self._database_lost(exc)
             kind = self._give_back(item, str(exc), bound)
         elif decision.step is Step.GIVE_BACK:

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import structlog
 
-from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.errors import DatabaseUnavailable, reached_database
 from sokratos_worker.model import Effects, Item, NewMemory
 from sokratos_worker.store.connection import Database
 
@@ -344,17 +344,25 @@ class MemoryReader:
         try:
             with self.database.connection() as conn:
                 return list(conn.execute(sql, params).fetchall())
-        except DatabaseUnavailable:
-            raise
-        except psycopg.Error as exc:
-            log.warning(
-                "memory_read_failed",
-                query=query,
-                error=f"{type(exc).__name__}: {str(exc).strip()}"[:300],
-                hint="the item is handled without this read (fewer memories to compare with,"
-                " or a default threshold): fix the database error above",
-            )
+        except DatabaseUnavailable as exc:
+            if not reached_database(exc):
+                raise
+            # The database answered (a full pool, a lock): given back, the item would be
+            # claimed again at once and meet the same, for ever.
+            self._failed(query, exc)
             return fallback
+        except psycopg.Error as exc:
+            self._failed(query, exc)
+            return fallback
+
+    def _failed(self, query: str, exc: Exception) -> None:
+        log.warning(
+            "memory_read_failed",
+            query=query,
+            error=f"{type(exc).__name__}: {str(exc).strip()}"[:300],
+            hint="the item is handled without this read (fewer memories to compare with,"
+            " or a default threshold): fix the database error above",
+        )
 
 
 # How many embedded memories the configuration check reads at most: each read fetches the

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from sokratos_worker.errors import DatabaseUnavailable
-from sokratos_worker.model import Queue
+from sokratos_worker.errors import DatabaseUnavailable, PoolBusy
+from sokratos_worker.model import Outcome, Queue
 from sokratos_worker.pipelines.triage import TriageHandler
 from sokratos_worker.pipelines.write import MemoryWriter
 from sokratos_worker.runner import Runner
@@ -100,3 +100,27 @@ def test_the_runner_gives_the_attempt_back_and_decides_once_the_database_answers
         (item_id,),
     ).fetchone()
     assert attempts == (1,)  # the outage's attempt was given back
+
+
+class FirstReadFindsThePoolFull(FirstReadMeetsAnOutage):
+    """The database answers, but the pool has no connection to spare (PoolBusy)."""
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        if next(self.calls) == 1:
+            raise PoolBusy("no pooled connection free within 5 s")
+        with self.real.connection() as conn:
+            yield conn
+
+
+def test_a_read_the_database_answered_is_not_given_back(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """A full pool (or a lock) is the database answering: given back, the item would be
+    claimed again at once and meet it again, for ever (found in review). The read falls back
+    as before, and the item is decided."""
+    chat = FakeChat().script("conversation_triage", VERDICT)
+    effects = _handler(FirstReadFindsThePoolFull(database), chat).handle(
+        make_item({"exchange": EXCHANGE})
+    )
+    assert effects.outcome is Outcome.SKIPPED  # (salience 4 under the default threshold 5)
