@@ -220,18 +220,26 @@ def _check_email_watching_signals(worker: Worker) -> None:
 
 
 class _DrainHeartbeats:
-    """``run --once`` writes its heartbeat row every SOKRATOS_HEARTBEAT_INTERVAL while it
-    drains: a drain longer than three heartbeats is working, not dead, to ``status``."""
+    """The heartbeat row every SOKRATOS_HEARTBEAT_INTERVAL while ``run --once`` drains, from a
+    thread of its own: a write waiting on the database (away, or its table locked) must not
+    hold up the main thread's answer to a stop signal. A row already 'stopped' is final, so a
+    late write cannot undo the last one."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
-        self._due = time.monotonic() + worker.settings.heartbeat_interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drain-heartbeats", daemon=True)
 
-    def write_if_due(self) -> None:
-        if time.monotonic() < self._due:
-            return
-        self._worker.record_heartbeat()
-        self._due = time.monotonic() + self._worker.settings.heartbeat_interval
+    def __enter__(self) -> _DrainHeartbeats:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._worker.settings.heartbeat_interval):
+            self._worker.record_heartbeat()
 
 
 def _retention_watching_signals(worker: Worker) -> None:
@@ -291,14 +299,13 @@ def run_once(worker: Worker) -> int:
     worker.runner.start(drain_only=True, budget_s=worker.settings.tick_budget)
     deadline = time.monotonic() + worker.settings.tick_budget + worker.settings.shutdown_grace + 10
     stopping = False
-    heartbeats = _DrainHeartbeats(worker)
-    while not worker.runner.wait_drained(SIGNAL_POLL_S) and time.monotonic() < deadline:
-        heartbeats.write_if_due()
-        if not stopping and worker.notice_signal():
-            stopping = True
-            # The drain gives items in flight the grace; a dispatcher stuck in a statement
-            # (a queue table locked by a migration) must not hold the stop past it.
-            deadline = min(deadline, time.monotonic() + worker.settings.shutdown_grace + 2)
+    with _DrainHeartbeats(worker):
+        while not worker.runner.wait_drained(SIGNAL_POLL_S) and time.monotonic() < deadline:
+            if not stopping and worker.notice_signal():
+                stopping = True
+                # The drain gives items in flight the grace; a dispatcher stuck in a statement
+                # (a queue table locked by a migration) must not hold the stop past it.
+                deadline = min(deadline, time.monotonic() + worker.settings.shutdown_grace + 2)
     paused = worker.runner.state in (State.NO_BACKEND, State.WAITING_FOR_DATABASE)
     reason = worker.runner.state_detail
     drained_in = worker.reported_state()[0]  # (the shutdown below makes it "stopping")

@@ -392,11 +392,17 @@ class Worker:
             log.warning("worker_state", state=state, detail=detail)
         else:
             log.info("worker_state", state=state)
-        if state in (State.NO_BACKEND, State.RUNNING, State.STOPPING):
-            # At once, not at the next tick: `status` said "running" for up to a heartbeat,
-            # and for the whole stop's grace. (Waiting for the database could not be written;
-            # "stopped" follows "stopping": the runner reports it before its grace's wait.)
+        if state in (State.NO_BACKEND, State.RUNNING):
+            # At once, not at the next tick: `status` said "running" for up to a heartbeat.
+            # (Waiting for the database could not be written.)
             self._record_heartbeat()
+        elif state == State.STOPPING:
+            # `status` said "running" for the whole stop's grace. In a thread: the stop's
+            # release must not wait behind this write (the database may be away); a late one
+            # cannot undo "stopped", which is final.
+            threading.Thread(
+                target=self._record_heartbeat, name="stopping-heartbeat", daemon=True
+            ).start()
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------
 
