@@ -90,8 +90,10 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return found
 
 
-# Server encodings that store text in any script: SQL_ASCII keeps the bytes as sent.
-_ANY_SCRIPT_ENCODINGS = frozenset({"UTF8", "SQL_ASCII"})
+# The server encoding that stores text in any script. (Not SQL_ASCII either: its jsonb
+# refuses the \uXXXX escapes of non-ASCII text, so a dead letter quoting one could not be
+# written, and left() counts bytes there, splitting a character.)
+_ANY_SCRIPT_ENCODINGS = frozenset({"UTF8"})
 
 
 def encoding_problem(conn: psycopg.Connection) -> ConfigError | None:
