@@ -316,7 +316,7 @@ def run_once(worker: Worker) -> int:
         0 if worker.stop_requested else worker.settings.shutdown_grace
     )
     worker.report(imported, drained_in)  # the tick's one tick_finished (contract §6)
-    if not worker.stop_requested:
+    if not worker.stop_requested and not paused:  # (paused: the database may be away too)
         _retention_watching_signals(worker)
     worker.record_stopped()  # or `status` shows it running until its heartbeat goes stale
     if worker.stop_requested:

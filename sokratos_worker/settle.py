@@ -105,6 +105,18 @@ def last_attempt(item: Item, max_attempts: int) -> int:
     return item.attempt - 1 if item.attempt > max_attempts else item.attempt
 
 
+def _recorded_by_us(item: Item, max_attempts: int, by_attempt: int | None, detail: str) -> bool:
+    """Whether an item's recorded outcome is the one this claim's settle wrote (its answer
+    lost with the connection). A claim past the limit dead-letters under the attempt before
+    it (:func:`last_attempt`), any other claim under its own; and another worker's claim
+    past the limit dead-letters under OUR attempt's number, as the worker that died."""
+    if by_attempt is None:
+        return True  # (a row written before attempts were recorded)
+    if item.attempt > max_attempts:
+        return by_attempt == last_attempt(item, max_attempts)
+    return by_attempt == item.attempt and not detail.startswith(WORKER_DIED)
+
+
 def archive_memories(
     handler: Handler, item: Item, bound: structlog.BoundLogger
 ) -> tuple[NewMemory, ...]:
@@ -403,11 +415,9 @@ class Settler:
             return LEASE_LOST
         if recorded is not None:
             outcome, by_attempt, detail = recorded
-            # A worker that took the item over (ours was frozen or cut off past its lease)
-            # finished it: its outcome, counted by it, is not this attempt's. Past the last
-            # attempt its claim dead-letters the item under our attempt's number, as the
-            # worker that died: we did not.
-            if by_attempt not in (None, item.attempt) or detail.startswith(WORKER_DIED):
+            if not _recorded_by_us(item, self.settings.max_attempts, by_attempt, detail):
+                # A worker that took the item over (ours was frozen or cut off past its
+                # lease) finished it: its outcome, counted by it, is not this attempt's.
                 bound.warning(
                     "lease_lost",
                     finished_by_attempt=by_attempt,

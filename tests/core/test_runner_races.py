@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Item, Queue
@@ -225,3 +226,24 @@ def test_another_workers_dead_letter_of_our_last_attempt_is_not_taken_for_our_se
     assert outcomes(db) and set(outcomes(db).values()) == {"failed"}
     assert done_a == [("pending_triage", "lease_lost")], done_a
     assert "failed" not in a.take_stats().counts[Queue.TRIAGE]
+
+
+def test_our_own_dead_letter_past_the_limit_is_recognised_when_its_answer_was_lost(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A claim past the limit dead-letters the item under the attempt before it; when the
+    commit's answer is lost, the fenced report must take that outcome for ours (`failed`
+    counted), not for another worker's (lease_lost, the failure counted by nobody)."""
+    enqueue_many(db, 1, behaviour="skip")
+    db.execute("UPDATE pending_triage SET attempts = 1")  # the last attempt died
+    database = Database(database_url, size=4)
+    runner, _ = _runner(database, [], max_attempts=1)
+    (item,) = store.claim(db, Queue.TRIAGE, owner="test", limit=1, lease_s=30)
+    assert item.attempt == 2
+    runner._track_claimed([item])
+    runner._process(item)  # NoAttemptLeft: dead-lettered under attempt 1
+    assert set(outcomes(db).values()) == {"failed"}
+    runner.take_stats()
+    bound = structlog.get_logger().bind(item_id=item.id)
+    assert runner._settler.report_fenced(item, bound, released="retry") == "failed"
+    database.close()
