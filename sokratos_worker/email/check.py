@@ -458,6 +458,36 @@ def _without_password(account: EmailAccountConfig, text: str) -> str:
     )
 
 
+def _say_if_held_too_long(
+    conn: store.Connection,
+    account: EmailAccountConfig,
+    checkpoint: store.Checkpoint | None,
+    settings: Settings,
+    now: datetime,
+) -> None:
+    """Name the session holding the account's lock once no check could still be running
+    under it (past the deadline, twice the interval without one): a session whose host
+    vanished keeps it until the server's TCP keepalive ends the session (two hours with the
+    kernel's default), and the account was skipped without a word meanwhile."""
+    if checkpoint is None:
+        return  # (never checked: a first check may run long)
+    stamps = [t for t in (checkpoint.checked_at, checkpoint.last_error_at) if t is not None]
+    quiet_s = 2 * settings.email_check_interval + settings.email_check_deadline
+    if not stamps or max(stamps) > now - timedelta(seconds=quiet_s):
+        return
+    holder = store.lock_holder(conn, account.name)
+    log.warning(
+        "email_account_lock_held",
+        account=account.name,
+        last_check=max(stamps).isoformat(),
+        holder=holder,
+        hint="another session holds this account's lock far past any check's deadline (a"
+        " worker whose host vanished: the server ends its session when its TCP keepalive"
+        " gives up, by default after two hours); if no worker of yours is that session,"
+        f" SELECT pg_terminate_backend({holder['pid'] if holder else 'PID'}) frees it",
+    )
+
+
 def _check_one(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -469,6 +499,7 @@ def _check_one(
     if not is_due(checkpoint, settings.email_check_interval, now):
         return AccountReport(name=account.name, skipped_reason="not due")
     if not store.advisory_lock(conn, account.name):
+        _say_if_held_too_long(conn, account, checkpoint, settings, now)
         return AccountReport(name=account.name, skipped_reason="checked by another worker")
     try:
         # Read again under the lock: another worker may have just finished this account.

@@ -17,6 +17,7 @@ import psycopg
 
 from sokratos_worker.store.connection import connect, translated
 from sokratos_worker.store.failures import EMAIL_OP_TYPE
+from sokratos_worker.store.status import SESSION_COLUMNS, session
 
 Connection: TypeAlias = psycopg.Connection[Any]
 
@@ -36,6 +37,7 @@ __all__ = [
     "forget_refusal",
     "known_at_uid",
     "load_checkpoint",
+    "lock_holder",
     "note_fingerprint",
     "note_refusal",
     "passed_key",
@@ -450,6 +452,22 @@ def advisory_lock(conn: Connection, account: str) -> bool:
             "SELECT pg_try_advisory_lock(hashtext('sokratos-email'), hashtext(%s))", (account,)
         ).fetchone()
     return bool(row and row[0])
+
+
+def lock_holder(conn: Connection, account: str) -> dict[str, Any] | None:
+    """The session holding the account's lock (:func:`advisory_lock`), if any: its pid,
+    application, user, state and how long its transaction has been open."""
+    with translated():
+        row = conn.execute(
+            f"""SELECT a.pid, {SESSION_COLUMNS}
+                FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+                  AND l.classid::bigint = (hashtext('sokratos-email')::bigint & 4294967295)
+                  AND l.objid::bigint = (hashtext(%s)::bigint & 4294967295)
+                LIMIT 1""",
+            (account,),
+        ).fetchone()
+    return session(row) if row is not None else None
 
 
 def release_lock(conn: Connection, account: str) -> None:
