@@ -66,6 +66,8 @@ EMAIL_CHECK_EVERY_S = 60.0
 # Retention's first run, this long after start: out of the start's path, and a worker
 # restarted more often than hourly still prunes (then it runs every hour).
 MAINTENANCE_FIRST_RUN_AFTER_S = 60.0
+# A busy slot's statement waiting this long for another session's lock is named at the tick.
+SLOT_LOCK_REPORT_S = 30.0
 # A stopped email check ends within moments (its session is cut); never wait on it longer.
 EMAIL_STOP_WAIT_S = 5.0
 
@@ -220,7 +222,30 @@ class Worker:
         )
         self.runner.wake(notified=False)
         self._record_heartbeat()
+        self._safely("slot_lock_look", self.name_slot_lock_waits)
         return int(imported or 0)
+
+    def name_slot_lock_waits(self) -> None:
+        """Name the locks busy slots have waited for longer than SLOT_LOCK_REPORT_S (a settle
+        behind an index build on `memories`, a transaction left open): the dispatcher's own
+        waits are named by the watchdog, and a worker whose every slot waited looked healthy
+        (pings, /readyz, status) with nothing in the log."""
+        pids = self.database.held_backend_pids()
+        if not pids:
+            return
+        with self.database.connection() as conn, time_limited(conn, TICK_STATEMENT_TIMEOUT_MS):
+            waits = status_store.lock_waits_of(conn, pids, SLOT_LOCK_REPORT_S)
+        for pid, waited_s, wait in waits:
+            log.warning(
+                "slot_waits_for_lock",
+                pid=pid,
+                waited_s=round(waited_s),
+                tables=list(wait.tables),
+                held_by=list(wait.blockers),
+                hint="an item's reads or settle wait for another session's lock (a"
+                " migration, an index build, a transaction left open); it goes on once that"
+                " ends, its lease renewed meanwhile: end the holder if it should not be there",
+            )
 
     def _running_status(self) -> str:
         state, why = self.reported_state()

@@ -394,6 +394,9 @@ class Database:
         self._held = threading.local()  # .conn, .used, .depth of a thread inside holding()
         self._lent = 0  # connections this process's threads hold now
         self._lent_lock = threading.Lock()
+        # The server process of each connection a thread holds (a slot's), by thread: what a
+        # look at pg_stat_activity asks about (a settle waiting on a lock).
+        self._held_pids: dict[int, int] = {}
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the connections kept open are open (and configured); False at timeout.
@@ -444,6 +447,7 @@ class Database:
             with translated(), self._busy_or_away():
                 held.conn = self.pool.getconn()
             self._count_lent(+1)
+            self._held_pids[threading.get_ident()] = held.conn.pgconn.backend_pid
         held.depth += 1
         try:
             with translated():
@@ -469,9 +473,14 @@ class Database:
         if self.pool.get_stats().get("requests_waiting", 0) > 0:
             self._return_held()
 
+    def held_backend_pids(self) -> list[int]:
+        """The server processes of the connections threads hold now (busy slots')."""
+        return list(self._held_pids.values())
+
     def _return_held(self) -> None:
         conn, self._held.conn = self._held.conn, None
         if conn is not None:
+            self._held_pids.pop(threading.get_ident(), None)
             self._count_lent(-1)
             self.pool.putconn(conn)
 

@@ -293,6 +293,21 @@ def lock_wait(conn: psycopg.Connection, pid: int) -> LockWait:
     return LockWait(tables=tuple(str(t[0]) for t in tables), blockers=blockers)
 
 
+def lock_waits_of(
+    conn: psycopg.Connection, pids: Sequence[int], longer_than_s: float
+) -> list[tuple[int, float, LockWait]]:
+    """Which of server processes ``pids`` have waited for another session's lock longer
+    than ``longer_than_s``: each with how long, and the lock's tables and holders."""
+    rows = conn.execute(
+        """SELECT pid, EXTRACT(EPOCH FROM now() - state_change)::float8 FROM pg_stat_activity
+           WHERE pid = ANY(%s) AND state = 'active' AND wait_event_type = 'Lock'
+             AND state_change < now() - make_interval(secs => %s)
+           ORDER BY pid""",
+        (list(pids), longer_than_s),
+    ).fetchall()
+    return [(int(pid), float(waited), lock_wait(conn, int(pid))) for pid, waited in rows]
+
+
 # Table lock modes that block reads too (a migration's ALTER, LOCK TABLE, VACUUM FULL).
 BLOCKS_READS = ("AccessExclusiveLock",)
 # Table lock modes that make an INSERT, UPDATE or DELETE wait (they conflict with ROW EXCLUSIVE).
