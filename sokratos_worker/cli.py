@@ -71,9 +71,10 @@ With SOKRATOS_DATABASE_URL unset, an embedded PostgreSQL runs under SOKRATOS_DAT
 exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable or read-only
 (run, migrate: past SOKRATOS_STARTUP_TIMEOUT; failed: at once, or a table locked by another
 session for 5 s; enqueue: only when the spool cannot be written either; run --once: no
-backend or database reachable, or a queue table locked by another session, items left),
-78 bad config. status exits 0 with the database away (78 when the server refuses the
-login); check exits 1 naming what failed.
+backend or database reachable, or a queue table locked by another session, items left;
+run: SOKRATOS_METRICS_ADDR in use or not yet on this host), 78 bad config. status exits
+0 with the database away (78 when the server refuses the login); check exits 1 naming what
+failed.
 """
 
 
@@ -155,7 +156,9 @@ def _add_run(commands: argparse._SubParsersAction[_Parser]) -> None:
         " SIGTERM, SIGINT or SIGHUP (also during --once) stops claiming, cuts IMAP sessions in"
         " progress, lets items in flight finish within SOKRATOS_SHUTDOWN_GRACE, gives the rest"
         " back and exits 0;"
-        " a second signal exits at once. Configuration is read at start: restart to change it."
+        " a second signal exits 1 at once (items in flight stay leased until SOKRATOS_LEASE"
+        " runs out; the embedded PostgreSQL is stopped unless another process holds it)."
+        " Configuration is read at start: restart to change it."
         " --once exits 75 when its drain was cut short (no LLM backend, embedding server or"
         " writable database reachable, or a queue table locked past the budget) and items were"
         " left waiting; with no LLM backend configured it drains nothing and exits 0.",
