@@ -224,8 +224,12 @@ _NEAR_DUPLICATE = f"""SELECT m.id FROM memories m
     WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
       AND m.created_at > now() - make_interval(secs => %(window)s)
       AND {_DISTANCE} < %(max)s"""
-# Any memory at all within %(max)s (superseded and identity included): a known fact.
-_ANY_MEMORY = f"SELECT m.id FROM memories m WHERE {_DISTANCE} < %(max)s"
+# Any memory at all within %(max)s (superseded and identity included): a known fact. Not a
+# raw archive (a failed distillation's conversation_archive chunks): it holds the words, not
+# the fact, and a replay that now distils the conversation found its facts "known" by the
+# archive its own failure saved, so they were never saved.
+_ANY_MEMORY = f"""SELECT m.id FROM memories m
+    WHERE m.source IS DISTINCT FROM 'conversation_archive' AND {_DISTANCE} < %(max)s"""
 _NEAREST = f" ORDER BY {_DISTANCE} LIMIT 1"
 
 
