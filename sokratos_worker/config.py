@@ -109,6 +109,8 @@ class BackendConfig(BaseModel):
     def _load_key_file(self) -> BackendConfig:
         if self.api_key is None and self.api_key_file:
             key = read_secret_file(self.api_key_file)
+            if not key:  # (no Authorization header at all: a 401 at every call)
+                raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
             if problem := header_value_problem(key):
                 raise ValueError(f"the key in api_key_file {self.api_key_file!r}: {problem}")
             object.__setattr__(self, "api_key", SecretStr(key))
@@ -165,7 +167,10 @@ class EmailAccountConfig(BaseModel):
     @model_validator(mode="after")
     def _complete(self) -> EmailAccountConfig:
         if self.password is None and self.password_file:
-            object.__setattr__(self, "password", SecretStr(read_secret_file(self.password_file)))
+            password = read_secret_file(self.password_file)
+            if not password:  # (every login would fail)
+                raise ValueError(f"password_file {self.password_file!r} is empty")
+            object.__setattr__(self, "password", SecretStr(password))
         elif self.password_file:
             self._password_file_ignored = True
         if self.password is None:
@@ -339,6 +344,13 @@ class Settings(BaseSettings):
                     "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
                     " or key=value string"
                 ) from None
+            if "@" in str(parts.get("host") or ""):
+                # libpq split at the password's own "@": its tail became the host, and a
+                # host that never resolves read as an outage, its name quoting the password.
+                raise ValueError(
+                    "has an '@' in its password: percent-encode it as %40"
+                    " (postgresql://user:pass%40word@host/dbname)"
+                )
             problem = libpq.option_problem(parts, combined=False)
             if problem is not None:
                 raise ValueError(problem)

@@ -32,24 +32,39 @@ def http_base_url(value: str) -> str:
         parts = urlsplit(value)
         port_is_zero = parts.port == 0  # .port raises for one that is not 0 to 65535
     except ValueError as exc:
-        raise ValueError(f"{shown} is not a valid URL ({exc})") from None
+        # (urlsplit's words quote the part it could not read: a password's, after an "@")
+        why = (
+            f" ({exc})"
+            if "@" not in value
+            else " (a '/', '#', '?' or '@' in its password must be percent-encoded)"
+        )
+        raise ValueError(f"{shown} is not a valid URL{why}") from None
     if port_is_zero:
         raise ValueError(f"{shown} has port 0: give the server's port")
     if parts.scheme not in ("http", "https"):
-        hint = f" (http://{value}?)" if "://" not in value else ""
+        hint = f" (http://{without_credentials(value)}?)" if "://" not in value else ""
         raise ValueError(f"{shown} must start with http:// or https://{hint}")
     if not parts.hostname:
         raise ValueError(f"{shown} has no host (e.g. http://127.0.0.1:8080/v1)")
+    if parts.query or parts.fragment:
+        # The request's path is appended to the URL: a query would swallow it.
+        raise ValueError(
+            f"{shown} has a query or fragment ('?' or '#'): give the base URL only (e.g."
+            " http://127.0.0.1:8080/v1); a '?' or '#' in a password is percent-encoded"
+        )
     return value.rstrip("/")
 
 
 def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out."""
+    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out, also when
+    the password holds a '/' or the scheme is missing (up to the last '@')."""
     scheme, sep, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    if not sep or "@" not in host:
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
         return url
-    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+    shown = rest.rpartition("@")[2]
+    return f"{scheme}://{shown}" if sep else shown
 
 
 def header_value_problem(secret: str) -> str | None:

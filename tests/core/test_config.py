@@ -326,6 +326,9 @@ def test_log_format_and_level_ignore_case() -> None:
         ("ftp://x", "'ftp://x' must start with http:// or https://"),
         ("http://h:99999/v1", "is not a valid URL (Port out of range"),
         ("http://h:0/v1", "has port 0"),
+        # The request's path was appended to the query: every call went to a wrong path.
+        ("https://h/openai/v1?api-version=2024-10-21", "has a query or fragment"),
+        ("http://h/v1#main", "has a query or fragment"),
     ],
 )
 def test_malformed_urls_are_refused_naming_the_field(url: str, words: str) -> None:
@@ -342,6 +345,40 @@ def test_a_refused_url_does_not_show_its_password() -> None:
     error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"url": "http://u:s3cret@h:x/v1"})})
     assert "'http://h:x/v1' is not a valid URL" in error.message
     assert "s3cret" not in str(error)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://u:Tr0/ub4dor@h:x/v1",  # a '/' in the password hid the '@' from the mask
+        "http://u:Tr0ub#4dor@h/v1",  # urlsplit's own words quoted the part before the '#'
+        "u:Tr0ub4dor@h/v1",  # no scheme: the hint repeated the whole URL
+    ],
+)
+def test_no_refusal_of_a_url_shows_any_part_of_its_password(url: str) -> None:
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"url": url})})
+    assert "Tr0" not in str(error) and "4dor" not in str(error), str(error)
+
+
+def test_an_at_sign_in_the_database_password_is_refused_naming_the_fix() -> None:
+    """libpq split at it: the password's tail became the host, which never resolved (exit 75
+    for ever), and every waiting_for_database line quoted it."""
+    error = _refusal({"SOKRATOS_DATABASE_URL": "postgresql://w:Tr0ub@4dor@db.example/x"})
+    assert error.variable == "SOKRATOS_DATABASE_URL"
+    assert "%40" in error.message and "4dor" not in str(error) and "Tr0ub" not in str(error)
+    assert load_settings({"SOKRATOS_DATABASE_URL": "postgresql://w:Tr0ub%404dor@db.example/x"})
+
+
+def test_an_empty_key_or_password_file_is_refused(tmp_path: Path) -> None:
+    """An empty key sent no Authorization header (401 at every call), an empty password
+    failed every login: refused now, as an empty X_FILE or credential is."""
+    (tmp_path / "key").write_text("\n")
+    error = _refusal({"SOKRATOS_LLM_BACKENDS": _backends({"api_key_file": str(tmp_path / "key")})})
+    assert "is empty" in error.message
+    account = {"name": "a", "host": "imap.example.org", "username": "u"}
+    accounts = json.dumps([{**account, "password_file": str(tmp_path / "key")}])
+    error = _refusal({"SOKRATOS_EMAIL_ACCOUNTS": accounts})
+    assert "is empty" in error.message
 
 
 def test_good_urls_lose_their_trailing_slash() -> None:
