@@ -124,6 +124,11 @@ _FIXED_KEYS = frozenset({"level", "timestamp", "logger"})
 # Keys every line carries (contract.md): never renamed, whatever secret they contain (a
 # password "event" must not take the field from every line); "event"'s value is masked.
 _KEPT_KEYS = frozenset({"event", *_FIXED_KEYS})
+# The worker's own event names and field names (snake_case, written in the code): a password
+# that is a common word ("worker", "tick") masked inside them turned worker_started into
+# [redacted]_started and worker_id into [redacted]_id, on every line, and so showed what the
+# password is. A library's event (its message, with spaces) is masked as any value.
+_CODE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 _PLAIN = (int, float, bool, type(None))
 
 
@@ -281,12 +286,15 @@ class SecretRedactor:
         for key, value in event.items():
             if key in _FIXED_KEYS:
                 continue
+            if key == "event" and isinstance(value, str) and _CODE_NAME.match(value):
+                continue  # the worker's own event name
             masked = self._masked(value, 0)
             if masked is not value:
                 event[key] = masked  # (a value replaced, no key added: iterating stays valid)
             if key in _KEPT_KEYS:
                 continue  # "event": its value masked, the key every line carries kept
-            if isinstance(key, str) and (new := self._text(key)) is not key:
+            code_name = isinstance(key, str) and _CODE_NAME.match(key)
+            if isinstance(key, str) and not code_name and (new := self._text(key)) is not key:
                 renamed.append((key, new))
         for key, new in renamed:
             name = new

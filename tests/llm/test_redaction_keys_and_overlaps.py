@@ -49,8 +49,20 @@ def test_a_password_equal_to_the_event_key_keeps_the_event_field() -> None:
 def test_a_password_inside_a_fixed_key_renames_none_of_them() -> None:
     line = _line(SecretRedactor(maskable([], ["stamp", "evel"])), "x_stamped", reason="a stamp")
     assert {"event", "level", "timestamp"} <= set(line), line
-    assert line["event"] == f"x_{REDACTED}ed"  # the event's value is masked, its key kept
+    assert line["event"] == "x_stamped"  # the worker's own event name: code, not a secret
     assert line["reason"] == f"a {REDACTED}"
+
+
+def test_a_common_word_password_leaves_event_and_field_names_alone() -> None:
+    """A password "worker" turned worker_started into [redacted]_started and worker_id into
+    [redacted]_id on every line, which showed the password (found by a config hunt); values
+    are still masked, and a library's message (not a code name) too."""
+    redactor = SecretRedactor(maskable([], ["worker"]))
+    line = _line(redactor, "worker_started", worker_id="w1", detail="the worker's role")
+    assert line["event"] == "worker_started" and line["worker_id"] == "w1", line
+    assert line["detail"] == f"the {REDACTED}'s role"
+    library = _line(redactor, "connection for worker refused", reason="x")
+    assert library["event"] == f"connection for {REDACTED} refused"
 
 
 def test_a_secret_only_in_the_kept_keys_costs_no_walk() -> None:
