@@ -168,13 +168,26 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
 
 
 def shadowed_file_variables(field_names: Iterable[str]) -> list[str]:
-    """``X_FILE`` variables given beside a non-blank ``X``, which wins: the file is never read."""
+    """``X_FILE`` variables and ``$CREDENTIALS_DIRECTORY/X`` files given beside a non-blank
+    ``X`` (or its alias: ``DATABASE_URL`` for ``SOKRATOS_DATABASE_URL``), which wins: the file
+    is never read. (A DATABASE_URL exported for another program silently took the database
+    over from the production credential.)"""
     shadowed = []
+    creds = credentials_directory()
     for field_name in field_names:
         names = variable_names(field_name)
         if any(_environment_value(name) is not None for name in names):
             shadowed += [found[0] for n in names if (found := _environment_value(f"{n}_FILE"))]
+            if creds is not None:
+                shadowed += [f"$CREDENTIALS_DIRECTORY/{n}" for n in names if _is_file(creds / n)]
     return shadowed
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False  # (reading it reports the directory's problem, if it is ever read)
 
 
 def _environment_value(name: str) -> tuple[str, str] | None:

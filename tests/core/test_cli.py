@@ -900,3 +900,15 @@ def test_a_secret_file_given_beside_its_secret_is_named(
         ),
     )
     assert one.returncode == 0 and "secret_file_ignored" not in one.stderr, one.stderr
+    # A DATABASE_URL exported for another program beside the production credential: it wins,
+    # and said nothing while the worker used another database (found by a config hunt).
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_DATABASE_URL").write_text("postgresql://nobody:elsewhere@127.0.0.1:1/x")
+    env = env_for(database_url, tmp_path, CREDENTIALS_DIRECTORY=str(creds))
+    env["DATABASE_URL"] = env.pop("SOKRATOS_DATABASE_URL")
+    aliased = cli("status", env=env)
+    assert aliased.returncode == 0, aliased.stderr
+    assert "secret_file_ignored" in aliased.stderr, aliased.stderr
+    assert "$CREDENTIALS_DIRECTORY/SOKRATOS_DATABASE_URL" in aliased.stderr
+    assert "elsewhere" not in aliased.stderr + aliased.stdout
