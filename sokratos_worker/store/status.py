@@ -68,8 +68,8 @@ def queue_stats(
 def _never_ending(rows: Sequence[Sequence[Any]]) -> dict[str, int]:
     """What a producer's direct insert (or a hand edit) can leave that no worker writes: a
     run_after of 'infinity' (never due), a lease without a lease_owner, a lease_expires_at of
-    'infinity' (no sweep releases it). Only the ones there are: the usual keys stay as they
-    were."""
+    'infinity' (it never expires, so no claim takes it). Only the ones there are: the usual
+    keys stay as they were."""
     counts = {
         "never_due": sum(int(r[5]) for r in rows),
         "leased_without_owner": sum(int(r[3]) for r in rows if r[0] is None),
