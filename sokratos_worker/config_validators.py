@@ -11,6 +11,7 @@ variables that would fill options the database URL leaves out
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import tempfile
 import unicodedata
@@ -57,14 +58,22 @@ def http_base_url(value: str) -> str:
 
 def without_credentials(url: str) -> str:
     """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out, also when
-    the password holds a '/' or the scheme is missing (up to the last '@')."""
+    the password holds a '/', '#' or '?' or the scheme is missing (an '@' in a query stays)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    if "@" not in rest:
+    host = rest.partition("/")[0]
+    if "@" in host:
+        shown = host.rpartition("@")[2] + rest[len(host) :]
+    elif "@" in rest and _USER_PASSWORD.match(rest.rpartition("@")[0]):
+        shown = rest.rpartition("@")[2]  # a '/' in the password cut the host short
+    else:
         return url
-    shown = rest.rpartition("@")[2]
     return f"{scheme}://{shown}" if sep else shown
+
+
+# ``user:password`` before an '@' (not ``host:port``, whose port is digits only).
+_USER_PASSWORD = re.compile(r"[^:/?#@]*:(?!\d+(?:[/?#]|$))")
 
 
 def header_value_problem(secret: str) -> str | None:
