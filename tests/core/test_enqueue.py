@@ -137,12 +137,8 @@ def _write(spool: Path, name: str, text: str) -> None:
     (spool / name).write_text(text, "utf-8")
 
 
-def test_a_spool_import_behind_a_locked_queue_gives_up_and_resumes(
-    db: psycopg.Connection, database_url: str, tmp_path: Path
-) -> None:
-    """The import runs in the tick (at start: in the main thread, which acts on signals); it
-    waited for as long as a migration held the queue. Now it leaves the files for later."""
-    spool = tmp_path / "spool"
+def _spool_two_exchanges(spool: Path) -> Path:
+    """Spool files a.json and b.json, one triage exchange each (keys "a" and "b")."""
     for key in ("a", "b"):
         _write(
             spool,
@@ -150,6 +146,15 @@ def test_a_spool_import_behind_a_locked_queue_gives_up_and_resumes(
             f'{{"queue": "pending_triage", "idempotency_key": "{key}",'
             ' "payload": {"exchange": "user: hi"}}',
         )
+    return spool
+
+
+def test_a_spool_import_behind_a_locked_queue_gives_up_and_resumes(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The import runs in the tick (at start: in the main thread, which acts on signals); it
+    waited for as long as a migration held the queue. Now it leaves the files for later."""
+    spool = _spool_two_exchanges(tmp_path / "spool")
     database = Database(database_url, size=2)
     try:
         with psycopg.connect(database_url) as locker:
@@ -182,14 +187,7 @@ def test_a_spooled_enqueue_slower_than_the_lock_wait_is_imported_not_cancelled(
            CREATE TRIGGER slow_insert BEFORE INSERT ON pending_triage
            FOR EACH ROW EXECUTE FUNCTION slow_insert()"""
     )
-    spool = tmp_path / "spool"
-    for key in ("a", "b"):
-        _write(
-            spool,
-            f"{key}.json",
-            f'{{"queue": "pending_triage", "idempotency_key": "{key}",'
-            ' "payload": {"exchange": "user: hi"}}',
-        )
+    spool = _spool_two_exchanges(tmp_path / "spool")
     database = Database(database_url, size=2)
     try:
         with capture_logs() as logs:
