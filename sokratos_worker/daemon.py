@@ -373,7 +373,8 @@ class Worker:
         """The tick's ``tick_finished``: what it did per queue since the last report, and
         ``state`` (by default the worker's now: ``run --once`` gives the drain's end's)."""
         stats = self.runner.take_stats()
-        recent = self._safely("recent_failures", self._recent_failures) or []
+        # None (null) when the look failed: an empty list would say there were no failures.
+        recent = self._safely("recent_failures", self._recent_failures)
         log.info(
             "tick_finished",
             # What this tick did per queue; "handled" says which queues this worker drains

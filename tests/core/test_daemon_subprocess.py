@@ -474,6 +474,8 @@ def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
             proc.wait(10)
     text = log.read_text()
     assert "recent_failures_timed_out" in text
+    # A tick whose look timed out says it does not know (it said [], "no failures").
+    assert None in [e["recent_failures"] for e in _events(log) if e["event"] == "tick_finished"]
     assert "worker_stopped" in text
     # The stop's last heartbeat waits out one statement timeout (5 s), then the process exits.
     assert stopped_in < 5 + 10, f"stopped in {stopped_in:.1f} s"
