@@ -49,6 +49,7 @@ from sokratos_worker.config_sources import (
     EnvSource,
     SecretFilesSource,
     default_data_dir,
+    given_as,
     read_secret_file,
     shadowed_file_variables,
     variable_names,
@@ -488,7 +489,8 @@ def _variable_for(loc: tuple[int | str, ...]) -> str:
     variable = head if head.isupper() else ENV_PREFIX + head.upper()
     for part in loc[1:]:
         variable += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return variable
+    source = given_as(variable.removeprefix(ENV_PREFIX).split("[")[0].split(".")[0].lower())
+    return variable if source is None else f"{variable} (given as {source})"
 
 
 def load_settings(

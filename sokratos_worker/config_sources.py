@@ -138,18 +138,42 @@ class SecretFilesSource(PydanticBaseSettingsSource):
         return values
 
 
+def given_as(field_name: str) -> str | None:
+    """Where ``field_name``'s value was given when not as its own ``SOKRATOS_X`` variable:
+    ``DATABASE_URL``, ``X_FILE`` or ``$CREDENTIALS_DIRECTORY/X``, for an error to name what the
+    operator wrote; None for the variable itself or the default."""
+    names = variable_names(field_name)
+    given = [found[0] for name in names if (found := _environment_value(name))]
+    if given:
+        return None if given[0].upper() == names[0] else given[0]
+    found = _secret_file(field_name)
+    if found is None:
+        return None
+    named = found[0]
+    return named if named.upper().endswith("_FILE") else "$CREDENTIALS_DIRECTORY/" + named
+
+
 def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
     """``(variable to name in an error, path, text)`` of the file that sets ``field_name``,
-    or None when an explicit variable wins or no file is given: a non-blank ``X`` first,
-    then ``X_FILE``, then ``$CREDENTIALS_DIRECTORY/X``."""
+    or None when an explicit variable wins or no file is given."""
+    found = _secret_file(field_name)
+    if found is None:
+        return None
+    named, path = found
+    return named, path, _read_or_refuse(named, path)
+
+
+def _secret_file(field_name: str) -> tuple[str, str] | None:
+    """``(variable to name in an error, path)`` of the file that sets ``field_name``, or None
+    when an explicit variable wins or no file is given: a non-blank ``X`` first, then
+    ``X_FILE``, then ``$CREDENTIALS_DIRECTORY/X``."""
     names = variable_names(field_name)
     if any(_environment_value(name) is not None for name in names):
         return None  # an explicit variable wins
     for name in names:
         found = _environment_value(f"{name}_FILE")
         if found is not None:
-            file_var, path = found
-            return file_var, path, _read_or_refuse(file_var, path)
+            return found
     creds = credentials_directory()
     if creds is None:
         return None
@@ -163,7 +187,7 @@ def _secret_file_value(field_name: str) -> tuple[str, str, str] | None:
                 name, f"cannot examine the credential file {path!r}: {exc.strerror or exc}"
             ) from None
         if present:
-            return name, path, _read_or_refuse(name, path)
+            return name, path
     return None
 
 

@@ -502,10 +502,13 @@ def test_the_json_lists_are_read_from_a_file_and_from_the_credentials_directory(
     assert s.llm_backends[1].api_key is not None
     assert s.llm_backends[1].api_key.get_secret_value() == "sk-secret"
     assert [(a.name, a.host) for a in s.email_accounts] == [("a", "imap.example.org")]
-    # Errors inside the list name the entry, as for the variable.
+    # Errors inside the list name the entry, as for the variable, and where it was given.
     (creds / "SOKRATOS_LLM_BACKENDS").write_text(_backends({"url": "ftp://x"}))
     error = _refusal({"CREDENTIALS_DIRECTORY": str(creds)})
-    assert error.variable == "SOKRATOS_LLM_BACKENDS[1].url" and "http" in error.message
+    assert error.variable == (
+        "SOKRATOS_LLM_BACKENDS[1].url (given as $CREDENTIALS_DIRECTORY/SOKRATOS_LLM_BACKENDS)"
+    )
+    assert "http" in error.message
 
 
 def test_a_json_list_file_that_is_not_json_names_the_variable_and_the_file(

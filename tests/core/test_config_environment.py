@@ -701,3 +701,37 @@ def test_the_same_value_twice_or_a_blank_spelling_is_no_conflict() -> None:
     # A blank spelling listed last no longer hides the given one (it means unset).
     blank = load_settings({"sokratos_concurrency": "7", "SOKRATOS_CONCURRENCY": "  "})
     assert blank.concurrency == 7
+
+
+def test_a_refused_value_names_where_it_was_given(tmp_path: Path) -> None:
+    """A bad DATABASE_URL, *_FILE or systemd credential is named as given: the error named
+    only SOKRATOS_DATABASE_URL, which the operator had not set (and might set to "fix" it,
+    while the bad value stayed where it was)."""
+    bad_url = "postgresql://u@db.example.org:notaport/sokratos"
+    url_file = tmp_path / "url"
+    url_file.write_text(bad_url)
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOKRATOS_DATABASE_URL").write_text(bad_url)
+    backends = tmp_path / "backends"
+    backends.write_text('[{"name": "a", "url": "http://127.0.0.1:1/v1?x=1", "model": "m"}]')
+    given = {
+        "SOKRATOS_DATABASE_URL": "SOKRATOS_DATABASE_URL",
+        "DATABASE_URL": "SOKRATOS_DATABASE_URL (given as DATABASE_URL)",
+        "database_url": "SOKRATOS_DATABASE_URL (given as database_url)",
+    }
+    for name, expected in given.items():
+        assert _refusal({name: bad_url}).variable == expected
+    assert (
+        _refusal({"SOKRATOS_DATABASE_URL_FILE": str(url_file)}).variable
+        == "SOKRATOS_DATABASE_URL (given as SOKRATOS_DATABASE_URL_FILE)"
+    )
+    assert (
+        _refusal({"CREDENTIALS_DIRECTORY": str(creds)}).variable
+        == "SOKRATOS_DATABASE_URL (given as $CREDENTIALS_DIRECTORY/SOKRATOS_DATABASE_URL)"
+    )
+    assert (
+        _refusal({"SOKRATOS_LLM_BACKENDS_FILE": str(backends)}).variable
+        == "SOKRATOS_LLM_BACKENDS[0].url (given as SOKRATOS_LLM_BACKENDS_FILE)"
+    )
+    assert _refusal({"SOKRATOS_LEASE": "soon"}).variable == "SOKRATOS_LEASE"
