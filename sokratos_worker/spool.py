@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +41,9 @@ ENQUEUE_TIMEOUT_MS = COMMAND_LOCK_TIMEOUT_MS
 # the main thread, so a large backlog must not hold up a stop, READY=1 or the heartbeat; the
 # rest are imported at the next tick.
 SPOOL_FILES_PER_IMPORT = 1000
+# And the time one import takes at most, checked between files: a file can take seconds (a
+# large conversation), so the file limit alone held a stop for minutes behind a large backlog.
+SPOOL_IMPORT_BUDGET_S = 5.0
 
 
 def storable_payload(payload: Any) -> dict[str, Any]:
@@ -113,8 +117,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def import_spool(spool_dir: Path, database: Database, identity: str | None = None) -> int:
-    """Enqueue the spooled files, oldest first and SPOOL_FILES_PER_IMPORT at most, deleting
-    each after its commit; returns files imported.
+    """Enqueue the spooled files, oldest first, deleting each after its commit, until
+    SPOOL_FILES_PER_IMPORT files or SPOOL_IMPORT_BUDGET_S; returns files imported.
 
     A file meant for another database than ``identity`` is left where it is (and said once).
     """
@@ -132,8 +136,9 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         )
         return 0
     imported = handled = 0
+    deadline = time.monotonic() + SPOOL_IMPORT_BUDGET_S
     for position, path in enumerate(files):
-        if handled >= SPOOL_FILES_PER_IMPORT:
+        if handled >= SPOOL_FILES_PER_IMPORT or time.monotonic() > deadline:
             _say_left_for_next_tick(len(files) - position, imported)
             break
         loaded = _load(path, database)
@@ -176,13 +181,14 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
 
 
 def _say_left_for_next_tick(left: int, imported: int) -> None:
-    """One import reached SPOOL_FILES_PER_IMPORT: say how many files wait for the next."""
+    """One import reached its file or time limit: say how many files wait for the next."""
     log.info(
         "spool_import_limited",
         imported=imported,
         left=left,
         limit=SPOOL_FILES_PER_IMPORT,
-        hint="the rest are imported at the next ticks, this many at a time",
+        budget_s=SPOOL_IMPORT_BUDGET_S,
+        hint="the rest are imported at the next ticks, up to this many files or seconds each",
     )
 
 

@@ -115,6 +115,42 @@ def test_a_spool_import_takes_a_bounded_number_of_files_and_says_how_many_are_le
     assert list(spool_dir.glob("*.json")) == []
 
 
+def test_a_spool_import_of_slow_files_ends_at_its_time_budget(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files that each take long to store (large conversations) end an import at its time
+    budget, checked between files: the file limit alone held a start or a stop for as long
+    as 1,000 such files took. Every file is still imported once, over several imports."""
+    monkeypatch.setattr(spool, "SPOOL_IMPORT_BUDGET_S", 0.5, raising=False)
+    db.execute(
+        """CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN PERFORM pg_sleep(0.4); RETURN NEW; END$$;
+           CREATE TRIGGER slow_insert BEFORE INSERT ON pending_triage
+           FOR EACH ROW EXECUTE FUNCTION slow_insert()"""
+    )
+    spool_dir = tmp_path / "spool"
+    for i in range(4):
+        spool_enqueue(
+            spool_dir,
+            Queue.TRIAGE,
+            {"exchange": f"user: {i}\nassistant: ok"},
+            idempotency_key=f"slow-{i}",
+            source=None,
+        )
+    database = Database(database_url, size=1)
+    try:
+        with capture_logs() as logs:
+            first = import_spool(spool_dir, database)
+            rest = [import_spool(spool_dir, database) for _ in range(4)]
+    finally:
+        database.close()
+    assert first in (1, 2), first  # (0.4 s a file, 0.5 s budget: 4 before)
+    assert first + sum(rest) == 4
+    assert _events(logs, "spool_import_limited")[0]["left"] == 4 - first
+    assert count(db, "SELECT count(*) FROM pending_triage") == 4
+    assert list(spool_dir.glob("*.json")) == []
+
+
 # -- 2. `run --once` writes its heartbeat while it drains ---------------------------------
 
 
