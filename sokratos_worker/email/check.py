@@ -32,6 +32,7 @@ from sokratos_worker.email.failed import (
 )
 from sokratos_worker.email.imap import (
     SERVED_TRIES,
+    ConnectionFailed,
     ImapAborted,
     ImapDeadlineExceeded,
     ImapError,
@@ -372,6 +373,17 @@ _ACCOUNT_HINT = (
     "no mail is lost: the next check starts where the last good one ended; if this repeats,"
     " check the account's host, port, security and password ('sokratos-worker check' tries them)"
 )
+# What a failure after the login gets unless _HINTS names its kind: the settings are past.
+_NEUTRAL_HINT = (
+    "no mail is lost: the next check starts where the last good one ended; see the error for"
+    " what failed (after the login, so not the account's settings): if it repeats at every"
+    " check, see the server's log or ask its operator"
+)
+_CRASH_HINT = (
+    "no mail is lost: the next check starts where the last good one ended; the check itself"
+    " failed, not the account's settings: the traceback is logged just before"
+    " (email_check_crashed); if it repeats, report it with that traceback"
+)
 _REFUSED_HINT = (
     "no mail is lost: the mail before the refused message is recorded, and the next check tries"
     f" it again; {REPAIR_HINT}; after {REFUSALS_BEFORE_PASSING} consecutive refusals it is"
@@ -382,10 +394,10 @@ _SERVER_STATE_HINT = (
     " in use, over a limit or quota, shutting down), which no setting of the account changes:"
     " if it lasts, see the server's log or ask its operator"
 )
+# The error already says when to raise the deadline (status shows it): not repeated here.
 _DEADLINE_HINT = (
     "no mail is lost: what was recorded before the deadline stays, and the next check resumes"
-    " there; if the server is merely slow (a large first check over a slow link), raise"
-    " SOKRATOS_EMAIL_CHECK_DEADLINE, else ask the server's operator"
+    " there; the error says when to raise SOKRATOS_EMAIL_CHECK_DEADLINE"
 )
 _UIDVALIDITY_HINT = (
     "no mail is lost: the server rebuilt the mailbox (a new UIDVALIDITY) while this check read"
@@ -398,8 +410,9 @@ _NOT_RETURNED_HINT = (
     " explains: if it repeats, see the server's log or ask its operator (Dovecot: doveadm"
     " force-resync)"
 )
-# The hint of each kind of IMAP failure that is not the account's settings (checked in order).
+# The hint of each kind of IMAP failure with its own advice (checked in order).
 _HINTS: tuple[tuple[type[ImapError], str], ...] = (
+    (ConnectionFailed, _ACCOUNT_HINT),
     (MessageRefused, _REFUSED_HINT),
     (ImapServerState, _SERVER_STATE_HINT),
     (ImapDeadlineExceeded, _DEADLINE_HINT),
@@ -427,10 +440,10 @@ def _mailbox_hint(account: EmailAccountConfig) -> str:
 
 def _imap_hint(exc: ImapError, account: EmailAccountConfig) -> str:
     """The hint for an IMAP failure: the account's settings only for what they can cause (a
-    connection or login failure), never for a message, the mailbox or the server's state."""
+    connection, TLS or login failure), never for a message, the mailbox or the server's state."""
     if isinstance(exc, MailboxNotOpened):
         return _SERVER_STATE_HINT if server_state(exc.answer) else _mailbox_hint(account)
-    return next((hint for kind, hint in _HINTS if isinstance(exc, kind)), _ACCOUNT_HINT)
+    return next((hint for kind, hint in _HINTS if isinstance(exc, kind)), _NEUTRAL_HINT)
 
 
 def _failed(
@@ -439,7 +452,7 @@ def _failed(
     error: str,
     now: datetime,
     *,
-    hint: str = _ACCOUNT_HINT,
+    hint: str,
 ) -> AccountReport:
     error = clean_text(error)  # an exception may quote mail bytes; last_error must be storable
     error = _without_password(account, error)
@@ -458,6 +471,34 @@ def _without_password(account: EmailAccountConfig, text: str) -> str:
     )
 
 
+# The pid of the lock holder last named, per account: a vanished session holds the lock for
+# up to two hours, and naming it again at every tick (each minute) would bury the log.
+_LOCK_HOLDER_SAID: dict[str, int | None] = {}
+
+
+def _last_check_long_ago(
+    checkpoint: store.Checkpoint | None, settings: Settings, now: datetime
+) -> datetime | None:
+    """The account's last check (or failure) once no check could still be running under a
+    lock taken since (past the deadline, twice the interval without one), else None."""
+    if checkpoint is None:
+        return None  # (never checked: a first check may run long)
+    stamps = [t for t in (checkpoint.checked_at, checkpoint.last_error_at) if t is not None]
+    quiet_s = 2 * settings.email_check_interval + settings.email_check_deadline
+    if not stamps or max(stamps) > now - timedelta(seconds=quiet_s):
+        return None
+    return max(stamps)
+
+
+def _said_before(account: str, holder: dict[str, Any] | None) -> bool:
+    """Whether this holder of the account's lock was named already; remembers it if not."""
+    pid = holder["pid"] if holder else None
+    if account in _LOCK_HOLDER_SAID and _LOCK_HOLDER_SAID[account] == pid:
+        return True
+    _LOCK_HOLDER_SAID[account] = pid
+    return False
+
+
 def _say_if_held_too_long(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -466,20 +507,20 @@ def _say_if_held_too_long(
     now: datetime,
 ) -> None:
     """Name the session holding the account's lock once no check could still be running
-    under it (past the deadline, twice the interval without one): a session whose host
-    vanished keeps it until the server's TCP keepalive ends the session (two hours with the
-    kernel's default), and the account was skipped without a word meanwhile."""
-    if checkpoint is None:
-        return  # (never checked: a first check may run long)
-    stamps = [t for t in (checkpoint.checked_at, checkpoint.last_error_at) if t is not None]
-    quiet_s = 2 * settings.email_check_interval + settings.email_check_deadline
-    if not stamps or max(stamps) > now - timedelta(seconds=quiet_s):
+    under it, once per holder: a session whose host vanished keeps it until the server's
+    TCP keepalive ends the session (two hours with the kernel's default), and the account
+    was skipped without a word meanwhile."""
+    last_check = _last_check_long_ago(checkpoint, settings, now)
+    if last_check is None:
+        _LOCK_HOLDER_SAID.pop(account.name, None)  # a check ran since: a later hold is news
         return
     holder = store.lock_holder(conn, account.name)
+    if _said_before(account.name, holder):
+        return
     log.warning(
         "email_account_lock_held",
         account=account.name,
-        last_check=max(stamps).isoformat(),
+        last_check=last_check.isoformat(),
         holder=holder,
         hint="another session holds this account's lock far past any check's deadline (a"
         " worker whose host vanished: the server ends its session when its TCP keepalive"
@@ -501,6 +542,7 @@ def _check_one(
     if not store.advisory_lock(conn, account.name):
         _say_if_held_too_long(conn, account, checkpoint, settings, now)
         return AccountReport(name=account.name, skipped_reason="checked by another worker")
+    _LOCK_HOLDER_SAID.pop(account.name, None)  # released: whoever takes it next is named anew
     try:
         # Read again under the lock: another worker may have just finished this account.
         checkpoint = store.load_checkpoint(conn, account.name, account.mailbox)
@@ -527,7 +569,7 @@ def _check_one(
         raise
     except Exception as exc:  # one account's surprise never stops the others
         log.exception("email_check_crashed", account=account.name)
-        return _failed(conn, account, f"{type(exc).__name__}: {exc}", now)
+        return _failed(conn, account, f"{type(exc).__name__}: {exc}", now, hint=_CRASH_HINT)
     finally:
         store.release_lock(conn, account.name)
     log.info(

@@ -81,6 +81,7 @@ __all__ = [
     "SEARCH_WINDOW",
     "SEARCH_WINDOW_GROWTH",
     "SERVED_TRIES",
+    "ConnectionFailed",
     "CutReason",
     "FetchedMessage",
     "ImapAborted",
@@ -132,6 +133,11 @@ GREETING_PATIENCE_S = 3.0
 
 class ImapError(WorkerError):
     """Connecting, TLS, logging in or talking to one account's server failed."""
+
+
+class ConnectionFailed(ImapError):
+    """Connecting, TLS or logging in failed: the account's host, port, security or password
+    may be the cause (no other failure's can be)."""
 
 
 class ImapRefused(ImapError):
@@ -250,7 +256,7 @@ class ImapSession:
             step = "login to"
             self._login(self._conn)
         except (imaplib.IMAP4.error, OSError, EOFError, ValueError) as exc:
-            raise self._failure(f"{step} {self._where()} failed", exc) from None
+            raise self._failure(f"{step} {self._where()} failed", exc, ConnectionFailed) from None
 
     def _reopen(self) -> None:
         """A new connection after the server closed this one, on the same mailbox epoch."""
@@ -266,8 +272,10 @@ class ImapSession:
                 f" {state.uidvalidity} while reconnecting; the next check reads the mailbox again"
             )
 
-    def _failure(self, what: str, exc: BaseException) -> ImapError:
-        """The error to raise for ``exc``; a cut session says why it was cut instead."""
+    def _failure(
+        self, what: str, exc: BaseException, kind: type[ImapError] = ImapError
+    ) -> ImapError:
+        """The error to raise for ``exc`` (a ``kind``); a cut session says why it was cut."""
         if self._watch.cut_reason == "stopping":
             return ImapAborted(f"{what}: cut short because the worker is stopping")
         if self._watch.cut_reason == "deadline":
@@ -279,7 +287,7 @@ class ImapSession:
                 " SOKRATOS_EMAIL_CHECK_DEADLINE; else ask the server's operator"
             )
         names = self._certificate_names() if name_mismatch(exc) else ()
-        return ImapError(f"{what}: {describe(exc)}{next_step(exc, self.account, names)}")
+        return kind(f"{what}: {describe(exc)}{next_step(exc, self.account, names)}")
 
     def _certificate_names(self) -> tuple[str, ...]:
         """The names the server's certificate covers, read over a second connection that checks

@@ -1,7 +1,9 @@
 """A failed check's hint names what to check for its kind of failure: the account's host, port,
 security and password only for a connection or login failure, never for a refused message,
 the server's own state, the deadline, a mailbox the server will not open (a renamed folder),
-a mailbox rebuilt during the check or messages the server lists but does not return.
+a mailbox rebuilt during the check or messages the server lists but does not return; a
+failure none of these names (a server's internal error, a crash of the check) gets a neutral
+hint, not the account's.
 
 Found by an email hunt (2026-12-06): every IMAP failure got the account hint, which
 contradicted the deadline's own advice and sent the operator of a renamed folder to the
@@ -35,6 +37,7 @@ pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 NOW = datetime.now(UTC)
 DAY = timedelta(days=1)
 ACCOUNT_HINT = "password"  # the account hint's mark: host, port, security and password
+NEUTRAL_HINT = "see the error"  # the mark of the hint for what the account's settings do not cause
 BODY_FETCH = re.compile(rb"^UID FETCH ([0-9,:]+) \(.*BODY\.PEEK\[\]", re.IGNORECASE)
 
 
@@ -104,6 +107,84 @@ def test_a_login_failure_keeps_the_account_hint(
     assert ACCOUNT_HINT in failed["hint"] and "no mail is lost" in failed["hint"]
 
 
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (a wrong port: the connection is refused)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return int(server.getsockname()[1])
+
+
+@pytest.mark.parametrize("mix_up", ["refused connection", "tls on a plain port"])
+def test_a_connection_or_tls_failure_keeps_the_account_hint(
+    dovecot: Dovecot,
+    account: AccountFactory,
+    database_url: str,
+    db: psycopg.Connection,
+    *,
+    closed_port: int,
+    mix_up: str,
+) -> None:
+    if mix_up == "refused connection":
+        settings = make_settings(account(port=closed_port))
+    else:
+        settings = make_settings(account(security="tls", ca_file=str(dovecot.ca_file)))
+    report, failed = failed_check(settings, database_url, db)
+    assert (report.error or "").startswith("connecting to"), report.error
+    assert ACCOUNT_HINT in failed["hint"] and "no mail is lost" in failed["hint"]
+
+
+def examined_without_uidvalidity(command: bytes) -> bytes | None:
+    """Answers EXAMINE with no UIDVALIDITY (a server that does not keep UIDs)."""
+    if not command.upper().startswith(b"EXAMINE"):
+        return None
+    return b"* 2 EXISTS\r\nTAG OK [READ-ONLY] EXAMINE completed\r\n"
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (body_fetch_of(2, b"TAG BAD [SERVERBUG] internal error\r\n"), "SERVERBUG"),
+        (examined_without_uidvalidity, "reported no UIDVALIDITY"),
+    ],
+    ids=["bad answer to a fetch", "no uidvalidity"],
+)
+def test_a_failure_after_the_login_the_table_does_not_list_is_not_blamed_on_the_account(
+    dovecot: Dovecot,
+    mailbox: str,
+    account: AccountFactory,
+    database_url: str,
+    db: psycopg.Connection,
+    *,
+    reply: Callable[[bytes], bytes | None],
+    error: str,
+) -> None:
+    """Found by review (reviewC): every failure the hint table did not list got the account
+    hint, sending the operator to the password for a server's internal error."""
+    for subject in ("one", "two"):
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    with ScriptedProxy(dovecot.imap_port, reply) as proxy:
+        report, failed = failed_check(make_settings(account(port=proxy.port)), database_url, db)
+    assert error in (report.error or ""), report.error
+    assert ACCOUNT_HINT not in failed["hint"], failed["hint"]
+    assert "no mail is lost" in failed["hint"] and NEUTRAL_HINT in failed["hint"]
+
+
+def test_a_crash_of_the_check_is_not_blamed_on_the_account(
+    account: AccountFactory,
+    database_url: str,
+    db: psycopg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fault(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a fault in the worker")
+
+    monkeypatch.setattr("sokratos_worker.email.check.lookback_cutoff", fault)
+    report, failed = failed_check(make_settings(account()), database_url, db)
+    assert report.error == "RuntimeError: a fault in the worker"
+    assert ACCOUNT_HINT not in failed["hint"], failed["hint"]
+    assert "email_check_crashed" in failed["hint"] and "no mail is lost" in failed["hint"]
+
+
 def test_a_refused_message_hints_at_the_servers_mail_store(
     dovecot: Dovecot,
     mailbox: str,
@@ -157,6 +238,8 @@ def test_the_deadline_hint_agrees_with_the_error(
     assert "deadline exceeded" in (report.error or "")
     assert ACCOUNT_HINT not in failed["hint"], failed["hint"]
     assert "raise SOKRATOS_EMAIL_CHECK_DEADLINE" in failed["hint"]
+    # The error gives the deadline's advice (status shows it); the hint does not repeat it.
+    assert "slow link" in (report.error or "") and "slow link" not in failed["hint"]
 
 
 def test_a_mailbox_that_no_longer_exists_hints_at_the_configured_mailbox(
