@@ -57,6 +57,7 @@ from sokratos_worker.config_sources import (
 from sokratos_worker.config_validators import (
     CaFile,
     HttpBaseUrl,
+    database_url_at_sign_problem,
     header_value_problem,
     http_base_url,
     refuse_bad_libpq_environment,
@@ -345,14 +346,9 @@ class Settings(BaseSettings):
                     "is not a libpq URI (postgresql://user:password@host:5432/dbname)"
                     " or key=value string"
                 ) from None
-            if "@" in str(parts.get("host") or ""):
-                # libpq split at the password's own "@": its tail became the host, and a
-                # host that never resolves read as an outage, its name quoting the password.
-                raise ValueError(
-                    "has an '@' in its password: percent-encode it as %40"
-                    " (postgresql://user:pass%40word@host/dbname)"
-                )
-            problem = libpq.option_problem(parts, combined=False)
+            problem = database_url_at_sign_problem(value, parts) or libpq.option_problem(
+                parts, combined=False
+            )
             if problem is not None:
                 raise ValueError(problem)
             refuse_bad_libpq_environment(parts)  # and the URL's sslmode with them

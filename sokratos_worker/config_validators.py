@@ -28,18 +28,20 @@ from sokratos_worker.config_error import ConfigError
 
 def http_base_url(value: str) -> str:
     """An ``http(s)://host[:port][/path]`` base URL without its trailing slash, or why not."""
+    if "@" in _after_authority(value):
+        # A password's raw '/', '?' or '#' ends the host early, and a password that starts
+        # with digits reads as a port: what precedes the last '@' may be part of one.
+        raise ValueError(
+            f"{_after_last_at(value)!r} has an '@' after its host: a '/', '#', '?' or '@' in"
+            " its password must be percent-encoded (%2F, %23, %3F, %40); a base URL holds no"
+            " other '@' there"
+        )
     shown = repr(without_credentials(value))  # a URL may carry basic-auth credentials
     try:
         parts = urlsplit(value)
         port_is_zero = parts.port == 0  # .port raises for one that is not 0 to 65535
     except ValueError as exc:
-        # (urlsplit's words quote the part it could not read: a password's, after an "@")
-        why = (
-            f" ({exc})"
-            if "@" not in value
-            else " (a '/', '#', '?' or '@' in its password must be percent-encoded)"
-        )
-        raise ValueError(f"{shown} is not a valid URL{why}") from None
+        raise ValueError(f"{shown} is not a valid URL ({_unparsable(value, exc)})") from None
     if port_is_zero:
         raise ValueError(f"{shown} has port 0: give the server's port")
     if parts.scheme not in ("http", "https"):
@@ -56,24 +58,104 @@ def http_base_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def _unparsable(value: str, error: ValueError) -> str:
+    """Why urlsplit refused ``value``, in words without its password: urlsplit's own about the
+    URL without credentials when that fails too (a port, a bracket), else the credentials'."""
+    bare = without_credentials(value)
+    if bare == value:
+        return str(error)
+    try:
+        urlsplit(bare).port  # noqa: B018 - read for the ValueError it raises
+    except ValueError as bare_error:
+        return str(bare_error)
+    return (
+        "its user name or password holds a character that must be percent-encoded, e.g. '[' as %5B"
+    )
+
+
 def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: ``user:password@`` (HTTP basic auth) taken out, also when
-    the password holds a '/', '#' or '?' or the scheme is missing (an '@' in a query stays)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    host = rest.partition("/")[0]
-    if "@" in host:
-        shown = host.rpartition("@")[2] + rest[len(host) :]
-    elif "@" in rest and _USER_PASSWORD.match(rest.rpartition("@")[0]):
-        shown = rest.rpartition("@")[2]  # a '/' in the password cut the host short
+    """``url`` as it may be shown: the ``user:password@`` (HTTP basic auth) that
+    :func:`url_credentials` finds taken out; any other URL unchanged."""
+    head, credentials, tail = _split_credentials(url)
+    return url if credentials is None else head + tail
+
+
+def url_credentials(url: str) -> str | None:
+    """The ``user:password`` (as spelled, percent-encoded) before a URL's host, or None.
+
+    RFC 3986's reading: up to the last '@' of the authority (what follows ``scheme://`` up to
+    the first '/', '?' or '#'). A password holding a raw '/', '?' or '#' ends the authority
+    early: when what precedes it cannot be ``host[:port]``, it is taken to the last '@' of
+    the URL. A password of digits before such a character reads as a port: ambiguous, and
+    :func:`http_base_url` refuses it."""
+    return _split_credentials(url)[1]
+
+
+def _split_credentials(url: str) -> tuple[str, str | None, str]:
+    """``url`` as ``scheme://``, the credentials (or None) and what follows their '@'."""
+    head, rest = _scheme_and_rest(url)
+    authority = _authority(rest)
+    if "@" in authority:
+        credentials = authority.rpartition("@")[0]
+    elif "@" in rest and not _HOST_PORT.fullmatch(authority):
+        credentials = rest.rpartition("@")[0]  # a '/', '?' or '#' in the password
     else:
-        return url
-    return f"{scheme}://{shown}" if sep else shown
+        return head, None, rest
+    return head, credentials, rest[len(credentials) + 1 :]
 
 
-# ``user:password`` before an '@' (not ``host:port``, whose port is digits only).
-_USER_PASSWORD = re.compile(r"[^:/?#@]*:(?!\d+(?:[/?#]|$))")
+def _scheme_and_rest(url: str) -> tuple[str, str]:
+    """``url`` as its ``scheme://`` ("" without one) and the rest (a "://" further on, in a
+    query, is not a scheme's)."""
+    scheme = _SCHEME.match(url)
+    head = scheme[0] if scheme else ""
+    return head, url[len(head) :]
+
+
+def _authority(rest: str) -> str:
+    """The authority at the start of ``rest`` (a URL after its ``scheme://``): up to the first
+    '/', '?' or '#'."""
+    return _AUTHORITY_END.split(rest, maxsplit=1)[0]
+
+
+def _after_authority(url: str) -> str:
+    """What follows a URL's authority: its path, query and fragment."""
+    rest = _scheme_and_rest(url)[1]
+    return rest[len(_authority(rest)) :]
+
+
+def _after_last_at(url: str) -> str:
+    """``url`` with all before its last '@' left out (shown as ``...``): none of a password."""
+    return f"{_scheme_and_rest(url)[0]}...@{url.rpartition('@')[2]}"
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_AUTHORITY_END = re.compile(r"[/?#]")
+# An authority without credentials: a host (a bracketed IPv6 address) and an optional port.
+_HOST_PORT = re.compile(r"(?:\[[^\]]*\]|[^:\[\]]*)(?::\d*)?")
+
+
+def database_url_at_sign_problem(url: str, parts: Mapping[str, object]) -> str | None:
+    """Why a database URL whose host or port holds an '@' is refused (libpq's host would never
+    resolve, an outage for ever, its name quoting a password), or None."""
+    host = str(parts.get("host") or "")
+    if "@" not in host + str(parts.get("port") or ""):
+        return None
+    authority = re.split(r"[/?]", url.partition("://")[2], maxsplit=1)[0] if "://" in url else ""
+    if authority.count("@") > 1:
+        # libpq split at the first '@' (a user name's or a password's): its tail became the
+        # host, or the port.
+        return (
+            "has an '@' in its user name or password: percent-encode it as %40"
+            " (postgresql://user:pass%40word@host/dbname)"
+        )
+    if host.startswith("@"):
+        return (
+            "names an abstract Unix socket (a host starting with '@'), which psycopg cannot"
+            " connect to (it looks the name up as a host): give the socket's directory"
+            " (host=/var/run/postgresql) or a TCP host"
+        )
+    return "has a host with an '@' in it, which is neither a host name nor a socket directory"
 
 
 def header_value_problem(secret: str) -> str | None:

@@ -17,9 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import structlog
+
+from sokratos_worker.config_validators import url_credentials
 
 if TYPE_CHECKING:
     from sokratos_worker.config import Settings
@@ -181,13 +183,12 @@ def as_echoed_by_imap(password: str) -> list[str]:
 
 
 def url_password(url: str | None) -> str | None:
-    """The password in a URL's ``user:password@``, or None."""
-    if not url or "@" not in url:
+    """The password in a URL's ``user:password@`` (decoded, as it is sent), or None: of the
+    credentials ``without_credentials`` takes out, so what is shown and what is masked agree."""
+    credentials = url_credentials(url) if url else None
+    if credentials is None:
         return None
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # a port that is not a number: no credentials worth finding
-        return None
+    password = credentials.partition(":")[2]
     return unquote(password) if password else None
 
 
@@ -293,8 +294,11 @@ class SecretRedactor:
                 event[key] = masked  # (a value replaced, no key added: iterating stays valid)
             if key in _KEPT_KEYS:
                 continue  # "event": its value masked, the key every line carries kept
-            code_name = isinstance(key, str) and _CODE_NAME.match(key)
-            if isinstance(key, str) and not code_name and (new := self._text(key)) is not key:
+            if (
+                isinstance(key, str)
+                and not _is_code_name(key)
+                and (new := self._text(key)) is not key
+            ):
                 renamed.append((key, new))
         for key, new in renamed:
             name = new
@@ -302,6 +306,13 @@ class SecretRedactor:
                 name += "_"
             event[name] = event.pop(key)
         return event
+
+    def _key(self, key: Any, depth: int) -> Any:
+        """A nested dict's ``key`` masked, or itself: a code name (the worker's own field name,
+        ``holder``'s ``user``) is never renamed, which would show the password it holds."""
+        if _is_code_name(key):
+            return key
+        return self._masked(key, depth)
 
     def _text(self, text: str) -> str:
         """``text`` masked, or ``text`` itself (the same object) when nothing was found."""
@@ -317,8 +328,7 @@ class SecretRedactor:
         if depth < MAX_DEPTH:
             if isinstance(value, dict):
                 items = [
-                    (self._masked(k, depth + 1), self._masked(v, depth + 1))
-                    for k, v in value.items()
+                    (self._key(k, depth + 1), self._masked(v, depth + 1)) for k, v in value.items()
                 ]
                 pairs = zip(items, value.items(), strict=True)
                 if all(k is a and v is b for (k, v), (a, b) in pairs):
@@ -355,6 +365,11 @@ def _unique_keys(items: list[tuple[Any, Any]], original: dict[Any, Any]) -> dict
     return result
 
 
+def _is_code_name(key: Any) -> bool:
+    """True for a snake_case field name, written in the code (see ``_CODE_NAME``)."""
+    return isinstance(key, str) and _CODE_NAME.match(key) is not None
+
+
 def _collect(value: Any, depth: int, texts: list[str]) -> None:
     """Every string in ``value`` (keys too) onto ``texts``, as :meth:`SecretRedactor._masked`
     walks it; an object's (or what lies past ``MAX_DEPTH``) text."""
@@ -364,7 +379,8 @@ def _collect(value: Any, depth: int, texts: list[str]) -> None:
         return
     elif depth < MAX_DEPTH and isinstance(value, dict):
         for key, inner in value.items():
-            _collect(key, depth + 1, texts)
+            if not _is_code_name(key):  # never renamed: a secret there needs no walk
+                _collect(key, depth + 1, texts)
             _collect(inner, depth + 1, texts)
     elif depth < MAX_DEPTH and isinstance(value, (list, tuple, set, frozenset)):
         for inner in value:
