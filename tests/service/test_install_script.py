@@ -244,3 +244,28 @@ def test_a_staged_install_prints_the_commands_as_they_run_once_copied(tmp_path: 
     assert "once the tree is copied to /" in next_steps, next_steps
     step_2 = next_steps.split("  2. ")[1].split("  3. ")[0]
     assert str(stage) not in step_2, step_2
+
+
+def test_a_wheel_is_installed_again_even_at_the_same_version(tmp_path: Path) -> None:
+    # Every build is 0.1.0, and pip keeps an installed wheel of the same version: an upgrade
+    # from a new wheel (docs/production.md §7) left the old code installed without a word.
+    venv_bin = tmp_path / "opt" / "sokratos-worker" / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    calls = tmp_path / "pip-calls"
+    (venv_bin / "python").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    (venv_bin / "sokratos-worker").write_text(f"#!{venv_bin}/python\n# launcher\n")
+    for script in venv_bin.iterdir():
+        script.chmod(0o755)
+    wheel = tmp_path / "sokratos_worker-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    result = _run("--prefix", str(tmp_path), "--python", sys.executable, str(wheel))
+    assert result.returncode == 0, result.stderr
+    pip = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    assert pip == [
+        f"-m pip install --quiet --upgrade {wheel}",
+        f"-m pip install --quiet --force-reinstall --no-deps {wheel}",
+    ], pip
+    # A name or a checkout is not reinstalled: pip upgrades a name, and rebuilds a directory.
+    calls.unlink()
+    assert _run("--prefix", str(tmp_path), "--python", sys.executable, "sokratos-worker").returncode == 0
+    assert "--force-reinstall" not in calls.read_text()
