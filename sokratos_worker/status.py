@@ -100,7 +100,14 @@ def _warn(report: dict[str, Any], *, caller_has_backend: bool) -> None:
     (labelled so) from this command's own configuration."""
     workers = report.get("workers") or []
     alive = [w for w in workers if not w.get("overdue")]
-    if workers and not alive:
+    if "read_only" in report:
+        # (A live worker's heartbeat cannot be written either: it looked running, then hung.)
+        report["warning"] = (
+            "the database takes no writes: no worker can claim an item or write its heartbeat"
+            " here, so the workers' states below are the last they wrote (a live one waits for"
+            " the primary): items wait until the primary is back"
+        )
+    elif workers and not alive:
         report["warning"] = (
             "every worker listed is silent far past its heartbeat (killed without a word, or"
             " hung): items wait until a worker runs again"
@@ -112,8 +119,9 @@ def _warn(report: dict[str, Any], *, caller_has_backend: bool) -> None:
                 " items wait in their queues"
             )
     elif not caller_has_backend:
+        read = "no live worker reports its own" if "workers" in report else "workers not read"
         report["warning"] = (
-            f"no LLM backend configured ({CALLER}; no live worker reports its own):"
+            f"no LLM backend configured ({CALLER}; {read}):"
             " a worker run so leaves items waiting in their queues"
         )
 

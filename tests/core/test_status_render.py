@@ -385,3 +385,29 @@ def test_version_names_the_build() -> None:
     )
     assert result.stdout == f"sokratos-worker {build_version()}\n", result
     assert re.fullmatch(r"\d+\.\d+\.\d+\+[0-9a-f]{10}", build_version())
+
+
+def test_a_read_only_database_explains_the_workers_states(db: psycopg.Connection) -> None:
+    """On a read-only database (a standby after a failover) no worker can write its
+    heartbeat: status listed a live, waiting worker as "running" and then as silent
+    ("killed without a word, or hung"), the wrong diagnosis. The warning says why."""
+    db.execute(
+        "INSERT INTO worker_heartbeats (worker_id, hostname, pid, version, last_tick_at,"
+        " state, detail) VALUES ('waiting', 'h', 1, '0', now() - interval '1 hour',"
+        " 'running', jsonb_build_object('heartbeat_s', 60))"
+    )
+    report = _report([])
+    report["workers"] = live_workers(db, stale_after_s=7200)
+    report["read_only"] = "the server is read-only"
+    report.pop("warning", None)
+    _warn(report, caller_has_backend=True)
+    assert "the database takes no writes" in report["warning"]
+    assert "killed without a word" not in report["warning"]
+    assert "the last they wrote" in render_status(report)
+
+
+def test_the_no_backend_warning_does_not_claim_workers_it_could_not_read() -> None:
+    report = {"database": "unreachable", "error": "connection refused"}
+    _warn(report, caller_has_backend=False)
+    assert "workers not read" in report["warning"], report["warning"]
+    assert "no live worker reports its own" not in report["warning"]
