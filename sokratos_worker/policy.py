@@ -26,7 +26,8 @@ class Step(StrEnum):
 
     RETRY = "retry"
     DEAD_LETTER = "dead_letter"
-    GIVE_BACK = "give_back"
+    GIVE_BACK = "give_back"  # no backend: given back, and claiming pauses until a probe answers
+    WAIT_FOR_DATABASE = "wait_for_database"  # the database away: given back, no backend pause
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,20 @@ class Decision:
     reason: str
 
 
-def after_failure(error: BaseException, *, attempt: int, max_attempts: int) -> Decision:
-    """Retry, dead-letter or give the attempt back (durability.md, what counts as an attempt)."""
+def after_failure(
+    error: BaseException, *, attempt: int, max_attempts: int, database_away: bool = False
+) -> Decision:
+    """Retry, dead-letter or give the attempt back (durability.md, what counts as an attempt).
+
+    ``database_away``: ``error`` was a database outage and a probe right after met one too
+    (durability.md rule 7, as for backends). Any other database error, one a server answering
+    that probe gave this item (its query's backend killed, out of memory, a deadlock), is the
+    item's attempt: given back, an item that meets it at every run would run for ever.
+    """
     if isinstance(error, BackendsUnavailable):
         return Decision(Step.GIVE_BACK, str(error))
+    if database_away:
+        return Decision(Step.WAIT_FOR_DATABASE, str(error))
     reason = describe(error)
     if isinstance(error, InvalidPayload) or attempt >= max_attempts:
         return Decision(Step.DEAD_LETTER, reason)

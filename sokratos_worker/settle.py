@@ -44,10 +44,12 @@ OUTCOME_KEY = "work_outcomes_queue_item_id_key"
 # The stop's release of unfinished items waits no longer behind a lock (a migration holding
 # a queue table): the leases expire instead, and the process exits.
 RELEASE_STATEMENT_TIMEOUT_MS = 5000
+# The probe after a database error: a server too slow to answer SELECT 1 in this is no outage.
+PROBE_STATEMENT_TIMEOUT_MS = 5000
 
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
-RELEASED = "released"  # given back: not the item's fault (no backend), attempt not counted
+RELEASED = "released"  # given back: not the item's fault (no backend, the database away)
 _FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
@@ -247,15 +249,16 @@ class Settler:
         self, item: Item, exc: BaseException, handler: Handler, bound: structlog.BoundLogger
     ) -> str:
         """Retry, give back or dead-letter the item; returns how the attempt ended."""
-        decision = after_failure(exc, attempt=item.attempt, max_attempts=self.settings.max_attempts)
+        decision = after_failure(
+            exc,
+            attempt=item.attempt,
+            max_attempts=self.settings.max_attempts,
+            database_away=self._database_away(exc),
+        )
         backend = getattr(exc, "backend", None)
-        if isinstance(exc, DatabaseUnavailable) and not reached_database(exc):
-            # A read met an outage: the item runs again once the database is back, rather
-            # than be decided on defaults (a threshold, no contradiction check) for good.
-            # (One the database answered, a full pool or a lock, is the item's attempt: given
-            # back, the item would be claimed again at once and meet it again, for ever.)
-            self._database_lost(exc)
-            kind = self._give_back(item, str(exc), bound)
+        if decision.step is Step.WAIT_FOR_DATABASE:
+            # The item runs again once the database answers (the give-back waits for it).
+            kind = self._give_back(item, decision.reason, bound)
         elif decision.step is Step.GIVE_BACK:
             # Paused first: an item given back before the pause was claimed again at once.
             self._pause(decision.reason)
@@ -269,6 +272,25 @@ class Settler:
         if kind != ABANDONED:  # an abandoned settle untracked it, and a newer claim may run now
             self._untrack(item)
         return kind
+
+    def _database_away(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a database outage that a probe right after (``SELECT 1`` through
+        the pool, bounded) meets too. Errors the server gives one query (its backend killed,
+        out of memory, a deadlock) are classed as outages as well; the probe tells them apart.
+        A full pool or a lock is the database answering: not probed."""
+        if not isinstance(exc, DatabaseUnavailable) or reached_database(exc):
+            return False
+        try:
+            with self.database.connection() as conn, time_limited(conn, PROBE_STATEMENT_TIMEOUT_MS):
+                conn.execute("SELECT 1")
+        except DatabaseUnavailable as probe_exc:
+            if reached_database(probe_exc):
+                return False
+            self._database_lost(probe_exc)  # the probe met the outage: the state says so
+            return True
+        except pg_errors.Error:
+            return False  # the server answered (a cancelled SELECT 1 is a slow server, not away)
+        return False
 
     def _give_back(self, item: Item, reason: str, bound: structlog.BoundLogger) -> str:
         """Not the item's fault: its attempt given back."""

@@ -18,7 +18,7 @@ from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.archive import Archive, archive_from_payload
 from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
 from sokratos_worker.pipelines.text import SHORTEST_HALVED_BYTES, byte_len, chunk_text
-from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
+from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter, WritePlan, contradiction_note
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
 log = structlog.get_logger(__name__)
@@ -143,7 +143,7 @@ class DistillationHandler:
         supersessions: list[Supersession] = []
         existing: list[int] = []
         known = 0  # facts matching one planned earlier in this item (no existing memory)
-        unchecked = 0  # facts saved without a contradiction verdict
+        plans: list[WritePlan] = []  # (their contradiction checks, for the detail)
         escaped = 0  # facts whose text held NUL or lone surrogates
         batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
         extracted = len(facts)
@@ -175,7 +175,7 @@ class DistillationHandler:
                 existing.append(plan.duplicate_of)
             memories.extend(plan.memories)
             supersessions.extend(plan.supersessions)
-            unchecked += plan.contradiction_failed is not None
+            plans.append(plan)
             escaped += plan.escaped
         log.info(
             "distillation_planned",
@@ -194,8 +194,9 @@ class DistillationHandler:
                 Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
             )
         detail = f"{len(seen) - known - len(existing)} new facts of {extracted}{below}"
-        if unchecked:
-            detail += f"; contradiction check failed for {unchecked}: nothing superseded"
+        note = contradiction_note(plans)
+        if note:
+            detail += f"; {note}"
         if escaped:
             detail += f"; the model's reply for {escaped}: {ESCAPED_NOTE}"  # contract: noted
         return Effects(

@@ -29,7 +29,7 @@ from sokratos_worker.pipelines.text import (
     prefix_bytes,
     truncate_within,
 )
-from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter
+from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter, contradiction_note
 from sokratos_worker.store.memories import MemoryReader
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
@@ -188,13 +188,9 @@ class TriageHandler:
         if verdict.paradigm_shift:
             # Transitions are the main application's (contract §5): leave it the model's flag.
             detail += "; paradigm shift flagged"
-        if plan.contradiction_failed:
-            superseded = (
-                f"{len(plan.supersessions)} superseded, the rest unchecked"
-                if plan.supersessions
-                else "nothing superseded"
-            )
-            detail += f"; contradiction check failed ({plan.contradiction_failed}): {superseded}"
+        note = contradiction_note([plan])
+        if note:
+            detail += f"; {note}"
         if plan.escaped:
             detail += f"; the model's reply: {ESCAPED_NOTE}"  # contract: escaping is noted
         return Effects(

@@ -51,11 +51,20 @@ def _superseding(
     return tuple(Supersession(old_memory_id=c.id, new_origin=new_origin) for c in contradicted)
 
 
-def _check_failed(item: Item, candidates: int, error: str) -> str:
-    """No valid verdict this time (invalid replies, an input too long) only means no
-    supersession; the memory itself is still worth saving. Returns ``error``."""
-    log.warning("contradiction_check_failed", item_id=item.id, candidates=candidates, error=error)
-    return error
+@dataclass(frozen=True)
+class ContradictionCheck:
+    """How one draft's contradiction check went: the candidates judged contradicted, how
+    many got a verdict, how many none, and why (no valid verdict only means no supersession
+    for those: the memory itself is still worth saving)."""
+
+    contradicted: tuple[MemorySnippet, ...] = ()
+    checked: int = 0
+    unchecked: int = 0
+    failed: str | None = None  # the errors' class names, when some got no verdict
+
+
+def _unchecked(candidates: Sequence[MemorySnippet], error: str) -> ContradictionCheck:
+    return ContradictionCheck(unchecked=len(candidates), failed=error)
 
 
 class MisnumberedVerdicts(ItemError):
@@ -91,8 +100,27 @@ class WritePlan:
     known_fact: bool = False
     # The saved memory within 0.15 (None when the match is a fact planned earlier in the item).
     known_fact_of: int | None = None
-    contradiction_failed: str | None = None  # why no verdict came (saved all the same)
+    contradiction_failed: str | None = None  # why some candidates got no verdict (saved anyway)
+    checked: int = 0  # contradiction candidates a verdict came for
+    unchecked: int = 0  # candidates none came for
     escaped: bool = False  # the model's text held NUL or lone surrogates, escaped to be stored
+
+
+def contradiction_note(plans: Sequence[WritePlan]) -> str:
+    """The outcome detail's word on the contradiction checks that failed among ``plans`` (""
+    when none did): why, how many candidates went unchecked and what those checks superseded
+    all the same (counted over the plans whose check failed)."""
+    failed = [plan for plan in plans if plan.contradiction_failed is not None]
+    if not failed:
+        return ""
+    why = ", ".join(sorted({str(plan.contradiction_failed) for plan in failed}))
+    unchecked = sum(plan.unchecked for plan in failed)
+    candidates = unchecked + sum(plan.checked for plan in failed)
+    superseded = sum(len(plan.supersessions) for plan in failed) or "nothing"
+    return (
+        f"contradiction check failed ({why}): {unchecked} of {candidates} candidates unchecked,"
+        f" {superseded} superseded"
+    )
 
 
 def cosine_distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -161,11 +189,13 @@ class MemoryWriter:
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
         memories = self._rows(item, draft, embedded, first_chunk, fact_check=fact_dedupe)
-        supersessions, failed = self._contradictions(item, draft.text, vec, memories[0].origin)
+        check = self._contradictions(item, draft.text, vec)
         return WritePlan(
             memories=memories,
-            supersessions=supersessions,
-            contradiction_failed=failed,
+            supersessions=_superseding(check.contradicted, memories[0].origin),
+            contradiction_failed=check.failed,
+            checked=check.checked,
+            unchecked=check.unchecked,
             escaped=escaped,
         )
 
@@ -210,49 +240,62 @@ class MemoryWriter:
             for i, (text, vec) in enumerate(chunks)
         )
 
-    def _contradictions(
-        self, item: Item, summary: str, vec: list[float], new_origin: str
-    ) -> tuple[tuple[Supersession, ...], str | None]:
-        """Supersessions of the live memories the LLM judges contradicted by ``summary``,
-        and why no verdict came (if it did not)."""
+    def _contradictions(self, item: Item, summary: str, vec: list[float]) -> ContradictionCheck:
+        """The live memories the LLM judges contradicted by ``summary``, and the candidates
+        no verdict came for (logged)."""
         if self.chat is None:
-            return (), None
+            return ContradictionCheck()
         candidates = self.reader.similar_live(vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES)
         if not candidates:
-            return (), None
+            return ContradictionCheck()
+        check = self._check(self.chat, item, summary, candidates)
+        if check.failed is not None:
+            log.warning(
+                "contradiction_check_failed",
+                item_id=item.id,
+                candidates=check.unchecked,
+                checked=check.checked,
+                error=check.failed,
+            )
+        return check
+
+    def _check(
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+    ) -> ContradictionCheck:
+        """One call over all ``candidates``, or one per candidate if they are too long
+        together for a backend's context."""
         try:
-            contradicted = self._ask_contradicted(self.chat, item, summary, candidates)
+            contradicted = self._ask_contradicted(chat, item, summary, candidates)
         except ContextTooLong:
             if len(candidates) == 1:
-                return (), _check_failed(item, 1, ContextTooLong.__name__)
-            # Too long together for a backend's context: one candidate at a time.
+                return _unchecked(candidates, ContextTooLong.__name__)
             log.info("contradiction_candidates_one_by_one", item_id=item.id)
-            return self._one_by_one(self.chat, item, summary, candidates, new_origin)
+            return self._one_by_one(chat, item, summary, candidates)
         except _NO_VERDICT:
             raise
         except ItemError as exc:
-            return (), _check_failed(item, len(candidates), type(exc).__name__)
-        return _superseding(contradicted, new_origin), None
+            return _unchecked(candidates, type(exc).__name__)
+        return ContradictionCheck(tuple(contradicted), checked=len(candidates))
 
     def _one_by_one(
-        self,
-        chat: ChatClient,
-        item: Item,
-        summary: str,
-        candidates: Sequence[MemorySnippet],
-        new_origin: str,
-    ) -> tuple[tuple[Supersession, ...], str | None]:
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+    ) -> ContradictionCheck:
         """Each candidate compared on its own: what one call found stands when another fails."""
         contradicted: list[MemorySnippet] = []
-        failed: str | None = None
+        failures: list[str] = []
         for candidate in candidates:
             try:
                 contradicted += self._ask_contradicted(chat, item, summary, [candidate])
             except _NO_VERDICT:
                 raise
             except ItemError as exc:
-                failed = _check_failed(item, 1, type(exc).__name__)
-        return _superseding(contradicted, new_origin), failed
+                failures.append(type(exc).__name__)
+        return ContradictionCheck(
+            tuple(contradicted),
+            checked=len(candidates) - len(failures),
+            unchecked=len(failures),
+            failed=", ".join(sorted(set(failures))) or None,
+        )
 
     def _ask_contradicted(
         self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]

@@ -15,7 +15,6 @@ from typing import Any
 import psycopg
 import structlog
 
-from sokratos_worker.errors import DatabaseUnavailable, reached_database
 from sokratos_worker.model import Effects, Item, NewMemory
 from sokratos_worker.store.connection import Database
 
@@ -178,7 +177,8 @@ def _insert(conn: psycopg.Connection, memory: NewMemory) -> int:
 def _duplicate_at_settle(conn: psycopg.Connection, memory: NewMemory) -> int | None:
     """A memory another item committed that makes ``memory`` redundant: a near-duplicate, or
     for a distilled fact (``fact_check``) any memory within 0.15. The item's own memories
-    (written by an earlier attempt, or earlier in this settle) are not counted."""
+    (written by an earlier attempt, or earlier in this settle) and raw archives are not
+    counted."""
     if memory.embedding is None:
         return None
     params = {
@@ -219,17 +219,19 @@ _DISTANCE = """(CASE WHEN m.embedding IS NOT NULL
                  THEN m.embedding <=> %(vec)s::vector END)"""
 
 
+# Every dedupe query leaves out raw archives (a failed distillation's conversation_archive
+# chunks): one holds the words, not the facts, and a replay that now distils the conversation
+# found its facts "known" (or near-duplicates) by the archive its own failure saved, so they
+# were never saved.
+_NOT_RAW_ARCHIVE = "m.source IS DISTINCT FROM 'conversation_archive'"
 # A live, non-identity memory within %(max)s written in the last %(window)s seconds.
 _NEAR_DUPLICATE = f"""SELECT m.id FROM memories m
-    WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
+    WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity' AND {_NOT_RAW_ARCHIVE}
       AND m.created_at > now() - make_interval(secs => %(window)s)
       AND {_DISTANCE} < %(max)s"""
-# Any memory at all within %(max)s (superseded and identity included): a known fact. Not a
-# raw archive (a failed distillation's conversation_archive chunks): it holds the words, not
-# the fact, and a replay that now distils the conversation found its facts "known" by the
-# archive its own failure saved, so they were never saved.
+# Any memory at all within %(max)s (superseded and identity included): a known fact.
 _ANY_MEMORY = f"""SELECT m.id FROM memories m
-    WHERE m.source IS DISTINCT FROM 'conversation_archive' AND {_DISTANCE} < %(max)s"""
+    WHERE {_NOT_RAW_ARCHIVE} AND {_DISTANCE} < %(max)s"""
 _NEAREST = f" ORDER BY {_DISTANCE} LIMIT 1"
 
 
@@ -238,15 +240,20 @@ def _vector_params(vec: Sequence[float], model: str | None) -> dict[str, Any]:
 
 
 class MemoryReader:
-    """The read queries of the pipelines; every one fails open (a read never fails an item)."""
+    """The read queries of the pipelines. A database outage, or a full pool, is raised: decided
+    on a fallback (a default threshold, no contradiction check), the item would be recorded so
+    for good; the settle decides whether the attempt is given back (a probe finds the database
+    away) or is the item's. Any other database error (a table or a privilege missing) would
+    meet every item alike: it is logged and the read falls back."""
 
     def __init__(self, database: Database, *, embedding_model: str | None) -> None:
         self.database = database
         self.embedding_model = embedding_model
 
     def adaptive_param(self, key: str, default: float) -> float:
-        """``adaptive_params.value`` for ``key``; the default on no row, any error, or a value
-        that is not a finite number (NaN passes every "salience < threshold" test)."""
+        """``adaptive_params.value`` for ``key``; the default on no row, a table or privilege
+        missing, or a value that is not a finite number (NaN passes every "salience <
+        threshold" test). A database outage or a full pool is raised (see the class)."""
         rows = self._read(
             "adaptive_param",
             "SELECT value FROM adaptive_params WHERE key = %(key)s",
@@ -279,7 +286,8 @@ class MemoryReader:
         max_distance: float = NEAR_DUPLICATE_DISTANCE,
         window_s: float = NEAR_DUPLICATE_WINDOW_S,
     ) -> int | None:
-        """A live, non-identity memory within ``max_distance`` written in the last hour."""
+        """A live, non-identity memory within ``max_distance`` written in the last hour (not a
+        raw archive)."""
         rows = self._read(
             "near_duplicate",
             _NEAR_DUPLICATE + _NEAREST,
@@ -306,7 +314,7 @@ class MemoryReader:
     def known_fact_id(
         self, vec: Sequence[float], max_distance: float = FACT_DUPLICATE_DISTANCE
     ) -> int | None:
-        """The nearest memory at all (superseded and identity included) this close, if any:
+        """The nearest memory (superseded and identity included, not a raw archive) this close:
         the outcome names it, as the settle's own re-check does."""
         rows = self._read(
             "known_fact_id",
@@ -341,21 +349,16 @@ class MemoryReader:
     def _read(
         self, query: str, sql: str, params: dict[str, Any], *, fallback: list[Any]
     ) -> list[Any]:
-        """Run one read; on a database error that is not an outage (a table or a privilege
-        missing), log it and return ``fallback``. An outage (DatabaseUnavailable) is raised:
-        decided on the fallback (a default threshold, no contradiction check), the item would
-        be recorded so for good; given back, it runs again once the database is back."""
+        """Run one read; on a database error that is not DatabaseUnavailable (a table or a
+        privilege missing), log it and return ``fallback``. DatabaseUnavailable (an outage, a
+        full pool, an error the server gave this query: its backend killed, out of memory, a
+        deadlock) is raised, never decided on the fallback: the settle gives the attempt back
+        when a probe finds the database away, else it is the item's (retried, then
+        failed_operations), so a read that fails every time cannot run for ever."""
         try:
             with self.database.connection() as conn:
                 return list(conn.execute(sql, params).fetchall())
-        except DatabaseUnavailable as exc:
-            if not reached_database(exc):
-                raise
-            # The database answered (a full pool, a lock): given back, the item would be
-            # claimed again at once and meet the same, for ever.
-            self._failed(query, exc)
-            return fallback
-        except psycopg.Error as exc:
+        except psycopg.Error as exc:  # (DatabaseUnavailable is not one: it passes)
             self._failed(query, exc)
             return fallback
 
