@@ -170,7 +170,7 @@ def _refuse_bad_source(queue: Queue, source: str | None) -> None:
 
 
 def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None) -> None:
-    """The same checks as sokratos_check_payload (sql/0046), in its order and words, so the
+    """The same checks as sokratos_check_payload (sql/0049), in its order and words, so the
     spool never holds what the import would turn into a failure."""
     _refuse_bad_source(queue, source)
     if queue is Queue.TRIAGE:
@@ -187,6 +187,50 @@ def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None)
     ):
         raise InvalidPayload(
             "payload.messages", "(an array) or payload.archive_text (a string) is required"
+        )
+    try:
+        _fields_as_the_worker_reads_them(queue, payload, source)
+    except InvalidPayload as exc:
+        raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
+
+
+def _fields_as_the_worker_reads_them(
+    queue: Queue, payload: dict[str, Any], source: str | None
+) -> None:
+    """The fields past the top level, read by the pipelines' own checks as sql/0049 reads
+    them: a trivial exchange is skipped unread, a `messages` archive's size is left to the
+    claim. Imported on first use, as in :func:`_distillable`."""
+    from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
+    from sokratos_worker.pipelines.archive import format_messages  # noqa: PLC0415
+    from sokratos_worker.pipelines.text import is_trivial  # noqa: PLC0415
+
+    if queue is Queue.DISTILLATION:
+        if payload.get("messages") is not None:
+            format_messages(payload["messages"])
+        else:
+            _archive_text_within_limit(payload["archive_text"])
+        fields.optional_int(payload, "pipeline_id")
+        fields.optional_str(payload, "conversation_id")
+    elif source == "email":
+        for name in ("subject", "from", "message_id", "account"):
+            fields.optional_str(payload, name)
+    elif not is_trivial(payload["exchange"]):
+        fields.optional_bool(payload, "tools_used")
+        fields.optional_iso_datetime(payload, "occurred_at")
+        fields.optional_int(payload, "pipeline_id")
+
+
+def _archive_text_within_limit(text: str) -> None:
+    """InvalidPayload for an archive_text longer than the worker distils."""
+    from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415
+    from sokratos_worker.pipelines.text import byte_len  # noqa: PLC0415
+
+    size = byte_len(text)
+    if size > MAX_ARCHIVE_BYTES:
+        raise InvalidPayload(
+            "archive_text",
+            f"would make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
+            " split the conversation into several items",
         )
 
 
