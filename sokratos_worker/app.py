@@ -16,7 +16,7 @@ from sokratos_worker.daemon import EMAIL_STOP_WAIT_S, SIGNAL_POLL_S, Worker, bui
 from sokratos_worker.exit_codes import EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.observed import ObservedChat
-from sokratos_worker.schema_check import embedding_mismatch, schema_problems
+from sokratos_worker.schema_check import schema_problems
 from sokratos_worker.service.metrics import Metrics
 from sokratos_worker.service.sdnotify import Notifier
 from sokratos_worker.store import queue_sql
@@ -103,16 +103,16 @@ def _migrate(conninfo: str, notifier: Notifier) -> None:
 
 
 def _check_schema(settings: Settings, database: Database) -> None:
+    """Refuse a schema the worker cannot use; warn of a migration history that differs.
+    (Memories of another embedding model are looked for in the background: see
+    ``Worker.warn_of_other_embeddings``.)"""
     with database.connection() as conn:
         problems = schema_problems(settings, conn)
         differences = [] if problems else history_differences(conn)
-        unreachable = None if problems else embedding_mismatch(settings, conn)
     if problems:
         raise problems[0]
     for difference in differences:  # warned, not refused: old workers run during an upgrade
         log.warning("migration_history_differs", difference=difference)
-    if unreachable:  # warned, not refused: changing the embedding model is legitimate
-        log.warning("memories_of_another_embedding_model", warning=unreachable)
 
 
 def run_worker(
@@ -171,6 +171,11 @@ def run_worker(
             )
             if local is not None and chat is not None:
                 _watch_local_model(local, chat, worker)
+            # It reads up to 10,000 vectors: a lock on memories must hold up neither the start
+            # nor a stop (the thread is a daemon's, abandoned at exit).
+            threading.Thread(
+                target=worker.warn_of_other_embeddings, name="embedding-look", daemon=True
+            ).start()
             code = _once_restoring_signals(worker) if once else worker.serve()
             if stopped is not None and worker.stop_requested and worker.exit_code == EXIT_OK:
                 stopped.set()
@@ -220,10 +225,11 @@ def _check_email_watching_signals(worker: Worker) -> None:
 
 
 class _DrainHeartbeats:
-    """The heartbeat row every SOKRATOS_HEARTBEAT_INTERVAL while ``run --once`` drains, from a
-    thread of its own: a write waiting on the database (away, or its table locked) must not
-    hold up the main thread's answer to a stop signal. A row already 'stopped' is final, so a
-    late write cannot undo the last one."""
+    """The daemon tick's heartbeat (its row, and the slots waiting for a lock named) every
+    SOKRATOS_HEARTBEAT_INTERVAL while ``run --once`` drains, from a thread of its own: a write
+    waiting on the database (away, or its table locked) must not hold up the main thread's
+    answer to a stop signal. A row already 'stopped' is final, so a late write cannot undo
+    the last one."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
@@ -239,7 +245,7 @@ class _DrainHeartbeats:
 
     def _run(self) -> None:
         while not self._done.wait(self._worker.settings.heartbeat_interval):
-            self._worker.record_heartbeat()
+            self._worker.beat()
 
 
 def _retention_watching_signals(worker: Worker) -> None:

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -35,6 +35,8 @@ from sokratos_worker.exit_codes import EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerContext, HandlerFactory, Handlers
 from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
+from sokratos_worker.schema_check import embedding_mismatch
+from sokratos_worker.service.background_writes import BackgroundWrites
 from sokratos_worker.service.clock_steps import ClockStepWatch, run_jobs_now
 from sokratos_worker.service.jobs import DaemonThreadExecutor, log_job_event, scheduler_logger
 from sokratos_worker.service.metrics import Metrics, MetricsServer, parse_addr
@@ -66,6 +68,9 @@ EMAIL_CHECK_EVERY_S = 60.0
 # Retention's first run, this long after start: out of the start's path, and a worker
 # restarted more often than hourly still prunes (then it runs every hour).
 MAINTENANCE_FIRST_RUN_AFTER_S = 60.0
+# The look for memories of another embedding model reads up to 10,000 vectors (60 MB at 1536
+# dimensions): past this (a lock on `memories`, a slow server) it is given up.
+EMBEDDING_LOOK_TIMEOUT_MS = 30_000
 # A busy slot's statement waiting this long for another session's lock is named at the tick.
 SLOT_LOCK_REPORT_S = 30.0
 # A stopped email check ends within moments (its session is cut); never wait on it longer.
@@ -75,16 +80,6 @@ EMAIL_STOP_WAIT_S = 5.0
 NO_BACKEND_CONFIGURED = (
     "no LLM backend configured: set SOKRATOS_LLM_BACKENDS (or SOKRATOS_LOCAL_MODEL=true) and"
     " restart the worker; items wait in their queues"
-)
-
-
-# What the server answers a new connection when a limit, not an outage, refuses it: the role's
-# or database's CONNECTION LIMIT, max_connections (libpq gives these as text, no SQLSTATE).
-CONNECTION_LIMIT_REFUSALS = (
-    "too many connections for role",
-    "too many connections for database",
-    "sorry, too many clients already",
-    "remaining connection slots are reserved",
 )
 
 
@@ -99,13 +94,6 @@ def _lock_waits_limited(conn: psycopg.Connection) -> Iterator[None]:
     finally:
         with suppress(psycopg.Error):  # (a broken connection is discarded by the pool)
             conn.execute("SET lock_timeout = 0")
-
-
-def refused_for_a_connection_limit(exc: DatabaseUnavailable) -> bool:
-    """True when the server answered ``exc``'s connection and refused it for a limit: the
-    database is up, and the connections already open go on."""
-    text = str(exc.__cause__ or exc)
-    return any(refusal in text for refusal in CONNECTION_LIMIT_REFUSALS)
 
 
 # A metrics address another process holds (two instances, one port), or one not (yet) on
@@ -158,6 +146,7 @@ class Worker:
     stops: StopRequests = field(default_factory=StopRequests)
     email_sessions: OpenSessions = field(default_factory=OpenSessions)
     database_contact: DatabaseContact = field(default_factory=DatabaseContact)
+    heartbeats: BackgroundWrites = field(init=False)
 
     @property
     def exit_code(self) -> int:
@@ -165,6 +154,8 @@ class Worker:
         return self.stops.exit_code
 
     def __post_init__(self) -> None:
+        # A change of state's heartbeat row, written out of the state's report lock.
+        self.heartbeats = BackgroundWrites(self._record_heartbeat, name="heartbeat_writer")
         # (Its callbacks read the runner, built next: the runner reports progress to it.)
         self.watchdog = DispatcherWatchdog(
             self.notifier,
@@ -221,9 +212,14 @@ class Worker:
             ),
         )
         self.runner.wake(notified=False)
+        self.beat()
+        return int(imported or 0)
+
+    def beat(self) -> None:
+        """The heartbeat of the tick and of ``run --once``'s drain: the heartbeat row, and the
+        slots that wait for a lock named."""
         self._record_heartbeat()
         self._safely("slot_lock_look", self.name_slot_lock_waits)
-        return int(imported or 0)
 
     def name_slot_lock_waits(self) -> None:
         """Name the locks busy slots have waited for longer than SLOT_LOCK_REPORT_S (a settle
@@ -298,6 +294,31 @@ class Worker:
         if pruned:
             log.info("maintenance_finished", pruned=pruned)
 
+    def warn_of_other_embeddings(self) -> None:
+        """Warn when memories carry embeddings of another model or dimension than configured
+        (``run`` calls it in a thread of its own: neither the start nor a stop waits on it)."""
+
+        def look() -> None:
+            try:
+                with (
+                    self.database.connection() as conn,
+                    time_limited(conn, EMBEDDING_LOOK_TIMEOUT_MS),
+                ):
+                    unreachable = embedding_mismatch(self.settings, conn)
+            except pg_errors.QueryCanceled:
+                log.warning(
+                    "embedding_look_given_up",
+                    timeout_s=EMBEDDING_LOOK_TIMEOUT_MS / 1000,
+                    hint="memories could not be read in time (a lock on memories, a slow"
+                    " server): whether some carry embeddings of another model is not known;"
+                    " 'sokratos-worker check' tells",
+                )
+                return
+            if unreachable:  # warned, not refused: changing the embedding model is legitimate
+                log.warning("memories_of_another_embedding_model", warning=unreachable)
+
+        self._safely("embedding_look", look)
+
     def _safely(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
@@ -341,10 +362,6 @@ class Worker:
             lambda: self._write_heartbeat(state, detail),
         )
 
-    def record_heartbeat(self) -> None:
-        """The heartbeat row of the state now (``run --once`` writes it during its drain)."""
-        self._record_heartbeat()
-
     def record_stopped(self) -> None:
         """The last heartbeat: ``status`` no longer lists this process as live."""
         self._safely("heartbeat", lambda: self._write_heartbeat("stopped", {}))
@@ -379,7 +396,7 @@ class Worker:
             "tick_finished",
             # What this tick did per queue; "handled" says which queues this worker drains
             # (none without a backend: then the empty counts do not mean an empty queue).
-            queues={q: dict(c) for q, c in stats.counts.items()},
+            queues=_per_queue(stats.counts),
             handled=[q.value for q in self.runner.queues],
             backends=dict(stats.backends),
             spool_imported=imported,
@@ -418,17 +435,12 @@ class Worker:
             log.warning("worker_state", state=state, detail=detail)
         else:
             log.info("worker_state", state=state)
-        if state in (State.NO_BACKEND, State.RUNNING):
-            # At once, not at the next tick: `status` said "running" for up to a heartbeat.
-            # (Waiting for the database could not be written.)
-            self._record_heartbeat()
-        elif state == State.STOPPING:
-            # `status` said "running" for the whole stop's grace. In a thread: the stop's
-            # release must not wait behind this write (the database may be away); a late one
-            # cannot undo "stopped", which is final.
-            threading.Thread(
-                target=self._record_heartbeat, name="stopping-heartbeat", daemon=True
-            ).start()
+        if state in (State.NO_BACKEND, State.RUNNING, State.STOPPING):
+            # At once, not at the next tick: `status` said "running" for up to a heartbeat, and
+            # through the stop's grace. In a thread: this runs under the state's report lock,
+            # which the stop waits for, and the database may be away; a late write cannot undo
+            # "stopped", which is final. (Waiting for the database could not be written.)
+            self.heartbeats.request()
 
     # -- LISTEN/NOTIFY ------------------------------------------------------------------
 
@@ -533,7 +545,7 @@ class Worker:
         return self.exit_code
 
     def _counts_since_last_report(self) -> dict[str, dict[str, int]]:
-        return {q: dict(c) for q, c in self.runner.take_stats().counts.items()}
+        return _per_queue(self.runner.take_stats().counts)
 
     def stop_with(self, code: int, reason: str) -> None:
         """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
@@ -658,8 +670,6 @@ class Worker:
     def _listener_failed(self, exc: Exception) -> None:
         """Record an outage for the LISTEN connection's failure, unless the server answered
         it (a connection limit refused it: the pool's connections still work)."""
-        if isinstance(exc, DatabaseUnavailable) and refused_for_a_connection_limit(exc):
-            return
         if isinstance(exc, DatabaseUnavailable):
             self._contact_failed(exc)
         else:
@@ -715,6 +725,11 @@ class Worker:
             metrics.set_failures(failures)
         # What /readyz answers, so the two never disagree within a scrape.
         metrics.set_database_up(self._ready())
+
+
+def _per_queue(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """A report's counts, per queue then per outcome (as ``tick_finished`` logs them)."""
+    return {queue: dict(by_kind) for queue, by_kind in counts.items()}
 
 
 def build_worker(

@@ -5,7 +5,8 @@ The classes of this module, and (in brackets) the modules that add to the tree::
     WorkerError
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
     │   ├── TableLocked              another session holds a table the command must write
-    │   └── PoolBusy                 every pooled connection stayed in use (the server answers)
+    │   ├── PoolBusy                 every pooled connection stayed in use (the server answers)
+    │   └── ConnectionLimitReached   the server refused a new connection for a limit
     ├── ItemError                    raised while handling an item (policy.after_failure
     │   │                            decides whether the attempt counts)
     │   ├── InvalidPayload           never retried: straight to failed_operations
@@ -45,9 +46,15 @@ class PoolBusy(DatabaseUnavailable):
     out: the database was reached, its statements are slow or wait for locks."""
 
 
+class ConnectionLimitReached(DatabaseUnavailable):
+    """The server answered a new connection and refused it for a limit (the role's or the
+    database's CONNECTION LIMIT, max_connections): the connections already open go on."""
+
+
 def reached_database(exc: DatabaseUnavailable) -> bool:
-    """True when ``exc`` shows the database answering (a lock or a full pool), not away."""
-    return isinstance(exc, TableLocked | PoolBusy)
+    """True when ``exc`` shows the database answering (a lock, a full pool, a connection
+    limit), not away."""
+    return isinstance(exc, TableLocked | PoolBusy | ConnectionLimitReached)
 
 
 class ItemError(WorkerError):

@@ -25,7 +25,13 @@ from collections.abc import Callable, Collection
 
 import structlog
 
-from sokratos_worker.errors import DatabaseUnavailable, PoolBusy, TableLocked, reached_database
+from sokratos_worker.errors import (
+    ConnectionLimitReached,
+    DatabaseUnavailable,
+    PoolBusy,
+    TableLocked,
+    reached_database,
+)
 from sokratos_worker.handlers import Handler
 from sokratos_worker.policy import describe
 
@@ -44,10 +50,19 @@ _BUSY_HINT = (
     " waits); claiming goes on when one comes free, and nothing is lost"
 )
 
+_LIMIT_HINT = (
+    "the server answers, but refused the pool another connection for a limit (the role's or"
+    " database's CONNECTION LIMIT, max_connections); claiming goes on when a connection comes"
+    " free, and nothing is lost. Raise the limit, or lower SOKRATOS_CONCURRENCY"
+    " ('sokratos-worker check' compares them)"
+)
+
 
 def _waiting_hint(exc: DatabaseUnavailable) -> str:
     if isinstance(exc, TableLocked):
         return _LOCKED_HINT
+    if isinstance(exc, ConnectionLimitReached):
+        return _LIMIT_HINT
     return _BUSY_HINT if isinstance(exc, PoolBusy) else _AWAY_HINT
 
 
@@ -90,7 +105,8 @@ class WorkerState:
     ) -> None:
         """``handlers``: probed to end a backend pause, while ``progress`` is reported and
         until ``stopping`` is set; ``wake``: the dispatcher claims again after a resume;
-        ``on_state(state, detail)``: a change of state; ``on_database_contact(reached)``: how
+        ``on_state(state, detail)``: a change of state (called under the report lock, which a
+        stop waits for: it must not wait on the database); ``on_database_contact(reached)``: how
         a claim, settle or renewal ended (called on the hot path)."""
         self.state = State.RUNNING
         self.detail = ""

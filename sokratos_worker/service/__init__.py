@@ -5,7 +5,8 @@ PostgreSQL (a short connection of its own, to name the lock a stalled dispatcher
 the daemon wires them in (``Notifier`` from the loop that proves progress, ``Metrics``
 updated by the drain and the status query, ``MetricsServer`` when ``SOKRATOS_METRICS_ADDR``
 is set, ``DatabaseContact`` told by each path how its contact with the database ended,
-``DispatcherWatchdog`` told when the dispatcher comes round).
+``DispatcherWatchdog`` told when the dispatcher comes round, ``BackgroundWrites`` running a
+change of state's heartbeat row out of the state's report lock).
 """
 
 from __future__ import annotations

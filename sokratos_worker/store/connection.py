@@ -15,7 +15,7 @@ from psycopg_pool.base import AttemptWithBackoff
 
 from sokratos_worker import libpq
 from sokratos_worker.config import ConfigError
-from sokratos_worker.errors import DatabaseUnavailable, PoolBusy
+from sokratos_worker.errors import ConnectionLimitReached, DatabaseUnavailable, PoolBusy
 
 # SQLSTATE classes that mean "the database is not reachable now", not "the query is wrong".
 # 25006: a server that takes no writes (a standby before or after a failover) is waited out.
@@ -94,14 +94,33 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+# What the server answers a new connection when a limit, not an outage, refuses it: the role's
+# or database's CONNECTION LIMIT, max_connections (libpq gives these as text, no SQLSTATE).
+CONNECTION_LIMIT_REFUSALS = (
+    "too many connections for role",
+    "too many connections for database",
+    "sorry, too many clients already",
+    "remaining connection slots are reserved",
+)
+
+
+def refused_for_a_connection_limit(exc: BaseException) -> bool:
+    """True when the server answered a new connection and refused it for a limit."""
+    text = str(exc)
+    return any(refusal in text for refusal in CONNECTION_LIMIT_REFUSALS)
+
+
 @contextmanager
 def translated() -> Iterator[None]:
-    """Re-raise transient psycopg errors as :class:`DatabaseUnavailable`."""
+    """Re-raise transient psycopg errors as :class:`DatabaseUnavailable` (a refusal for a
+    connection limit as :class:`ConnectionLimitReached`: the server answered it)."""
     try:
         yield
     except (psycopg.Error, PoolTimeout) as exc:
         if is_transient(exc):
             reason = READ_ONLY_SERVER if _sqlstate(exc) == _READ_ONLY else _first_line(exc)
+            if refused_for_a_connection_limit(exc):
+                raise ConnectionLimitReached(f"database unavailable: {reason}") from exc
             raise DatabaseUnavailable(f"database unavailable: {reason}") from exc
         raise
 
@@ -283,7 +302,7 @@ def make_pool(
     keep_open: int = 1,
     name: str = "sokratos-worker",
     configure: Callable[[psycopg.Connection], None] | None = None,
-) -> ConnectionPool:
+) -> _ReconnectingPool:
     """A pool whose connections are probed before use and replaced when broken.
 
     Each new connection gets :func:`worker_session` (the pool is the daemon's, made after
@@ -331,10 +350,31 @@ class _ReconnectingPool(ConnectionPool):
     test_the_pool_reopens_its_connections_soon_after_a_long_outage proves it still works.
     """
 
+    # Why its latest attempt to open a connection failed, and when (None: it succeeded): a
+    # checkout that timed out meanwhile tells a connection limit from an outage by it.
+    _last_connect_failure: tuple[float, BaseException] | None = None
+
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:
             attempt = _CappedBackoff(timeout=self.reconnect_timeout)
         super()._add_connection(attempt, growing)
+
+    def _connect(self, timeout: float | None = None) -> psycopg.Connection:
+        try:
+            conn = super()._connect(timeout)
+        except Exception as exc:
+            self._last_connect_failure = (time.monotonic(), exc)
+            raise
+        self._last_connect_failure = None
+        return conn
+
+    def limit_refusal_within(self, seconds: float) -> BaseException | None:
+        """The refusal for a connection limit its latest attempt to open a connection met
+        within the last ``seconds``, or None (it succeeded, failed otherwise, or long ago)."""
+        failure = self._last_connect_failure
+        if failure is None or time.monotonic() - failure[0] > seconds:
+            return None
+        return failure[1] if refused_for_a_connection_limit(failure[1]) else None
 
 
 def wait_for_database(
@@ -493,6 +533,15 @@ class Database:
         except PoolTimeout as exc:
             with self._lent_lock:
                 all_lent = self._lent >= self.pool.max_size
+            # (The pool's attempts during the wait are at most RECONNECT_DELAY_MAX_S apart.)
+            refused = self.pool.limit_refusal_within(self.pool.timeout + RECONNECT_DELAY_MAX_S)
+            if not all_lent and refused is not None:
+                raise ConnectionLimitReached(
+                    f"database unavailable: the server refused another connection for a limit"
+                    f" ({_fatal_line(_first_line(refused))}) while the pool's were in use for"
+                    f" {self.pool.timeout:g}s: is the role's CONNECTION LIMIT or max_connections"
+                    " too low for SOKRATOS_CONCURRENCY ('sokratos-worker check' compares them)?"
+                ) from exc
             if not all_lent:
                 raise  # some are being (re)opened and failing: an outage, as translated
             raise PoolBusy(

@@ -297,12 +297,26 @@ def lock_waits_of(
     conn: psycopg.Connection, pids: Sequence[int], longer_than_s: float
 ) -> list[tuple[int, float, LockWait]]:
     """Which of server processes ``pids`` have waited for another session's lock longer
-    than ``longer_than_s``: each with how long, and the lock's tables and holders."""
+    than ``longer_than_s``: each with how long, and the lock's tables and holders.
+
+    The wait is counted from when it began (pg_locks.waitstart, null for a moment after it
+    began), not from the statement's start: a long statement that has just begun to wait is
+    not named. (Read through to_jsonb: PostgreSQL 13 and older have no waitstart, and count
+    from the statement's start instead.)"""
     rows = conn.execute(
-        """SELECT pid, EXTRACT(EPOCH FROM now() - state_change)::float8 FROM pg_stat_activity
-           WHERE pid = ANY(%s) AND state = 'active' AND wait_event_type = 'Lock'
-             AND state_change < now() - make_interval(secs => %s)
-           ORDER BY pid""",
+        """SELECT pid, EXTRACT(EPOCH FROM now() - waited_since)::float8
+             FROM (SELECT a.pid,
+                          min(CASE WHEN to_jsonb(l) ? 'waitstart'
+                                   THEN COALESCE((to_jsonb(l) ->> 'waitstart')::timestamptz,
+                                                 now())
+                                   ELSE a.state_change END) AS waited_since
+                     FROM pg_stat_activity a
+                     JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted
+                    WHERE a.pid = ANY(%s) AND a.state = 'active'
+                      AND a.wait_event_type = 'Lock'
+                    GROUP BY a.pid) AS waiting
+            WHERE waited_since < now() - make_interval(secs => %s)
+            ORDER BY pid""",
         (list(pids), longer_than_s),
     ).fetchall()
     return [(int(pid), float(waited), lock_wait(conn, int(pid))) for pid, waited in rows]

@@ -27,6 +27,7 @@ from sokratos_worker.status import cannot_process, render_status
 from sokratos_worker.store.connection import Database
 from sokratos_worker.store.status import live_workers
 from sokratos_worker.worker_state import State
+from tests.support.daemon import wait_until
 from tests.support.handlers import ScriptedHandler
 
 
@@ -136,6 +137,8 @@ def test_a_backend_outage_keeps_its_own_reason(
     try:
         worker = _worker(database, path, handlers={Queue.TRIAGE: ScriptedHandler()})
         worker.runner._worker_state.set(State.NO_BACKEND, "no LLM backend reachable (scripted)")
+        # (written by the heartbeat writer's thread, within moments)
+        assert wait_until(lambda: len(_status_report(db)["workers"]) == 1, timeout=5)
     finally:
         database.close()
     (w,) = _status_report(db)["workers"]

@@ -220,9 +220,15 @@ def test_the_end_of_an_outage_is_written_to_the_heartbeat_at_once(
     db: psycopg.Connection, database_url: str
 ) -> None:
     """Waiting for the database cannot be written (it is said as a warning); "running" again
-    is, at once, not at the next heartbeat (a minute later by default: `status` showed the
-    worker silent meanwhile)."""
+    is, at once (by the heartbeat writer's thread, within moments), not at the next heartbeat
+    (a minute later by default: `status` showed the worker silent meanwhile)."""
     database = Database(database_url, size=1)
+
+    def row() -> list[tuple[object, ...]]:
+        return db.execute(
+            "SELECT state, last_tick_at > now() - interval '1 minute' FROM worker_heartbeats"
+        ).fetchall()
+
     try:
         worker = build_worker(
             fast_settings(), database, lambda _ctx: {Queue.TRIAGE: ScriptedHandler()}, None, None
@@ -232,12 +238,10 @@ def test_the_end_of_an_outage_is_written_to_the_heartbeat_at_once(
             state.database_lost(DatabaseUnavailable("database unavailable: connection refused"))
         assert count(db, "SELECT count(*) FROM worker_heartbeats") == 0
         state.database_back()
+        written = wait_until(lambda: row() == [("running", True)], timeout=5)
     finally:
         database.close()
-    row = db.execute(
-        "SELECT state, last_tick_at > now() - interval '1 minute' FROM worker_heartbeats"
-    )
-    assert row.fetchall() == [("running", True)]
+    assert written, row()
     # (journald's priority: waiting for the database is a warning, as "no backend" is)
     [waiting] = _events(logs, "worker_state")
     assert (waiting["state"], waiting["log_level"]) == ("waiting for database", "warning")

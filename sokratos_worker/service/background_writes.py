@@ -1,0 +1,52 @@
+"""A write run in a thread of its own when asked, so that the one asking never waits on it.
+
+The worker's state is reported under a lock that a stop waits for, and a report's heartbeat
+row is written to a database that may be away (a write into a network cut waits up to
+tcp_user_timeout, a minute): the report asks, and this thread writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class BackgroundWrites:
+    """Runs ``write`` in a thread of its own after each :meth:`request`.
+
+    Requests made while a write runs are merged into one more write, which reads what it
+    writes afresh: the last write made is of the latest state. The thread ends when no
+    request waits (a daemon thread: one stuck in the database never holds up the exit).
+    """
+
+    def __init__(self, write: Callable[[], None], *, name: str) -> None:
+        self._write = write
+        self._name = name
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._running = False
+
+    def request(self) -> None:
+        """Have ``write`` run soon, after the one running now if there is one."""
+        with self._lock:
+            self._wanted = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._running = False
+                    return
+                self._wanted = False
+            try:
+                self._write()
+            except Exception:  # the next request still writes
+                log.exception(f"{self._name}_failed")
