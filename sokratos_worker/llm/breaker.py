@@ -2,8 +2,9 @@
 
 Closed → open after ``threshold`` consecutive failures; after the cool-down one caller is
 admitted as the half-open trial; its success closes the circuit, its failure re-opens it
-with the cool-down doubled (capped). Only the trial's failure re-opens: calls that were
-already in flight when the circuit went half-open only count. Unlike Sokratos's breaker
+with the cool-down doubled (capped), and a trial that learnt nothing opens it again for the
+same cool-down. Only the trial's failure re-opens: calls that were already in flight when the
+circuit went half-open only count (their success closes it). Unlike Sokratos's breaker
 (behaviour reference §6.3), a trial that never reports back is treated as failed once its
 deadline passes.
 """
@@ -127,6 +128,21 @@ class CircuitBreaker:
                     self._reopen(reason)
             elif self._state is Circuit.CLOSED and self._failures >= self.threshold:
                 self._open(reason)
+
+    def record_inconclusive_trial(self, reason: str) -> None:
+        """End a half-open trial that learnt nothing (its probe found no free slot): open again
+        for the same cool-down, neither closed nor counted as a failed trial."""
+        with self._lock:
+            if self._state is not Circuit.HALF_OPEN:
+                return  # a call in flight already decided meanwhile
+            self._state = Circuit.OPEN
+            self._opened_at = self._clock()
+            log.info(
+                "circuit_trial_inconclusive",
+                backend=self.name,
+                cooldown_s=self._cooldown,
+                reason=reason,
+            )
 
     def allow_probe_now(self) -> None:
         """End an open circuit's cool-down, e.g. after a health probe found the server up."""

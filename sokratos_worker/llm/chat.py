@@ -13,6 +13,7 @@ a backend and the retry policy in :mod:`.backend`.
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -32,10 +33,12 @@ from sokratos_worker.llm.failures import (
     PROXY_REFUSED,
     RUN_CHECK,
     busy_reason,
+    form_refused,
     form_unserved,
     not_the_items_fault,
     partly_misconfigured,
     refusal,
+    request_refused,
     transient_reason,
 )
 from sokratos_worker.llm.http import (
@@ -63,7 +66,6 @@ from sokratos_worker.llm.types import (
     ChatFailed,
     ChatResult,
     ContextTooLong,
-    RequestRefused,
     T,
 )
 from sokratos_worker.logs import mask_secrets
@@ -83,6 +85,8 @@ CONTEXT_HINT = (
     "give the model a larger context (llama.cpp's server: -c; llama-cpp-python: --n_ctx;"
     " Ollama: num_ctx) or use a model with one"
 )
+# Why a half-open trial decided nothing: its probe waited its whole timeout for a slot.
+TRIAL_FOUND_NO_SLOT = "its half-open trial found every slot in use by calls in flight"
 # How much of a cut-off reply is sent back with TRUNCATED_PROMPT: a reply that ran until the
 # model's context was full would not fit in it a second time (llama.cpp's 2048 default).
 TRUNCATED_ECHO_CHARS = 400
@@ -116,6 +120,19 @@ class _ProbeForm:
     awaited: frozenset[str] = frozenset()
 
 
+class _FormTrouble(enum.Enum):
+    """Why a backend that no refusal came from failed a call and a probe in its form."""
+
+    OUTAGE = "outage"  # no plain request served, no slot to ask, or the form served again
+    STRUCTURED = "structured_output"  # plain served, the minimal request in its form not
+    THIS_FORM = "this_form"  # the minimal request in its form served, this call's form not
+
+
+def _unserved(answer: Probed) -> bool:
+    """The probe was answered, and not served (BUSY was not sent: no evidence, see Probed)."""
+    return answer in (Probed.REFUSED, Probed.DOWN)
+
+
 class _Busy(Exception):
     """Every concurrency slot of the backend stayed taken for a whole timeout."""
 
@@ -141,8 +158,9 @@ class FallbackChatClient:
         # Set when an item was given back and a backend it reached had refused it: the form
         # probe() then asks in, as a plain probe would pass and resume claiming only for the
         # item to be given back again. The minimal request's (every backend refused the
-        # request and some refused even that: a mode or parameter it does not take, a key;
-        # claiming resumes when one of those serves it), or the refused request's own (a
+        # request and some refused even that: a mode or parameter it does not take, a key; or
+        # a backend serving plain requests fails it: its structured_output; claiming resumes
+        # when one of those serves it), or the refused request's own (a
         # backend was down or skipped: claiming resumes when a backend serves that form, or
         # once every backend answers it, served or refused, as the item's next call then
         # decides). Cleared by any answer.
@@ -242,12 +260,17 @@ class FallbackChatClient:
         # refusal, which names the configuration; re-opened, it read as an outage for ever.
         # (Its wait for a slot is bounded by the probe's timeout: the trial's deadline counts
         # the wait and the probe, see Backend.)
-        # Busy with this process's own calls is up too: the item's call waits for a slot.
-        if probe_answer(backend, slot_wait=backend.probe_timeout) is not Probed.DOWN:
-            backend.breaker.record_success()
-            return ""
-        backend.breaker.record_failure("half-open probe failed", trial=True)
-        return "circuit_open: half-open probe failed"
+        result = probe_answer(backend, slot_wait=backend.probe_timeout)
+        if result is Probed.BUSY:
+            # No evidence either way (see Probed): the calls holding the slots decide when they
+            # end, and this call does not queue behind them on a server that may be hung.
+            backend.breaker.record_inconclusive_trial(TRIAL_FOUND_NO_SLOT)
+            return f"circuit_open: {TRIAL_FOUND_NO_SLOT}"
+        if result is Probed.DOWN:
+            backend.breaker.record_failure("half-open probe failed", trial=True)
+            return "circuit_open: half-open probe failed"
+        backend.breaker.record_success()
+        return ""
 
     def probe(self) -> bool:
         """True when a backend answers a one-token chat request now; ends its circuit's wait.
@@ -504,7 +527,8 @@ class FallbackChatClient:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
         Refused or rejected by EVERY backend: the minimal request in each backend's
-        structured-output form decides. Served by every one of them, this request or its type
+        structured-output form decides (one with no free slot to ask counts for neither side).
+        Served by every one of them, this request or its type
         is refused (a WAF rule, a 404 "no endpoints" for a long prompt, a 400 for this input or
         for a schema the server's grammar converter cannot take): :class:`RequestRefused`, the
         item's attempt, or the item would be given back and claimed again for ever. Refused
@@ -519,8 +543,8 @@ class FallbackChatClient:
         agrees, since the backend that was down may serve it. probe() then asks in that form
         and resumes claiming once it is served or every backend answers it, so the item's next
         call is decided by the backends themselves (no loop while one is down, none after).
-        With no refusal, a backend that answered 5xx, fails that form and serves a plain
-        one-token request is misconfigured (its structured_output): probe() asks the form.
+        With no refusal, the minimal request in each reached backend's form decides, see
+        :meth:`_form_failed`.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
@@ -528,16 +552,11 @@ class FallbackChatClient:
         if kinds and all(k in refusals for k in kinds):
             # Every backend refused this request: the minimal request in each one's form decides
             # between the configuration (any one refuses it too) and this request or its type
-            # (every one serves it).
+            # (every one serves it). One with no free slot for it tells nothing (see Probed).
             answers = {b.name: minimal_answer(b) for b in self._reached(tried, kinds)}
-            unserved = sorted(name for name, a in answers.items() if a is not Probed.SERVED)
+            unserved = sorted(name for name, a in answers.items() if _unserved(a))
             if not unserved:
-                return RequestRefused(
-                    f"every LLM backend refused this request ({summary}), while serving a"
-                    " minimal request in the same form: the request or its schema is refused,"
-                    " not the configuration",
-                    tried=tried,
-                )
+                return request_refused(tried, answers, summary)
             self._probe_form = _ProbeForm(
                 MinimalRequest, when_all_answer=False, awaited=frozenset(unserved)
             )
@@ -557,25 +576,56 @@ class FallbackChatClient:
                     # success must not resume claiming: probe() asks in it.
                     self._probe_form = _ProbeForm(response_model, when_all_answer=True)
                     return not_the_items_fault(tried, kinds, summary)
-                # A backend that answered 5xx and serves a plain request, but still fails one
-                # in this form (llama-cpp-python's 500 for json_schema), is misconfigured:
-                # resumed by a plain probe, the item would be given back and claimed again for
-                # ever. Asked in the form again after the plain one, a burst of 5xx that has
-                # just ended (a proxy's 502 while its upstream restarted) is not taken for it.
-                # (One that timed out or was not reached is not asked again.)
-                form_fails = [
-                    a.backend
-                    for a in tried
-                    if a.reason.startswith("http_5")
-                    and probe_one(self._backend(a.backend))
-                    and probe_answer(self._backend(a.backend), response_model) is Probed.DOWN
-                ]
-                if form_fails:
-                    self._probe_form = _ProbeForm(response_model, when_all_answer=False)
-                    return form_unserved(tried, form_fails, summary)
-                return not_the_items_fault(tried, kinds, summary)
+                return self._form_failed(tried, kinds, summary, response_model)
             # A backend it reached serves requests of this shape: this request broke it.
         return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
+
+    def _form_failed(
+        self,
+        tried: tuple[BackendAttempt, ...],
+        kinds: list[str],
+        summary: str,
+        response_model: type[BaseModel],
+    ) -> Exception:
+        """Nothing refused the call, and no backend it reached served a one-token request in its
+        form right after: whether each serves the minimal request in its form decides.
+
+        - Not even that, while it serves a plain request: its ``structured_output`` (llama-cpp-
+          python's 500 for json_schema); given back, and claiming resumes once one of them
+          serves the minimal request (a plain probe would resume it only for the item to be
+          given back again, for ever).
+        - That, but not this call's form: this request type's schema fails there (a 500 for
+          nested ``$defs``), which other request types do not: the attempt is used
+          (:class:`RequestRefused`), so other queues keep being served.
+        - Otherwise (nothing served, or no free slot to ask): an outage, given back until
+          ``probe()`` succeeds.
+        """
+        verdicts = {
+            b.name: self._form_trouble(b, response_model) for b in self._reached(tried, kinds)
+        }
+        misconfigured = sorted(n for n, v in verdicts.items() if v is _FormTrouble.STRUCTURED)
+        if misconfigured:
+            self._probe_form = _ProbeForm(
+                MinimalRequest, when_all_answer=False, awaited=frozenset(misconfigured)
+            )
+            return form_unserved(tried, misconfigured, summary)
+        refusing = sorted(n for n, v in verdicts.items() if v is _FormTrouble.THIS_FORM)
+        if refusing:
+            return form_refused(tried, refusing, summary)
+        return not_the_items_fault(tried, kinds, summary)
+
+    def _form_trouble(self, backend: Backend, response_model: type[BaseModel]) -> _FormTrouble:
+        """Why ``backend`` failed the call and the one-token request in the call's form."""
+        if not probe_one(backend):
+            return _FormTrouble.OUTAGE
+        minimal = minimal_answer(backend)
+        if _unserved(minimal):
+            return _FormTrouble.STRUCTURED
+        if minimal is Probed.BUSY:
+            return _FormTrouble.OUTAGE  # not asked: nothing tells it from an outage
+        # Asked again: a burst of 5xx that has just ended is an outage, not this form's.
+        again = probe_answer(backend, response_model)
+        return _FormTrouble.OUTAGE if again is Probed.SERVED else _FormTrouble.THIS_FORM
 
     def _reached(self, tried: tuple[BackendAttempt, ...], kinds: list[str]) -> list[Backend]:
         """The backends the request reached: a skipped or busy one never saw it, so its health

@@ -2,8 +2,10 @@
 
 The reason an attempt records for a permanent answer (the status, a redirect's target, the
 server's own error message with secrets masked), the reason for a busy skip, and, for a call
-every backend failed, the error that gives the attempt back: every backend busy, refusing
-(misconfigured: which key, model, url or proxy credentials to check) or unreachable.
+every backend failed, the error that gives the attempt back (every backend busy, refusing:
+misconfigured, which key, model, url, proxy credentials or structured_output to check, or
+unreachable) or, when the backends serve a minimal request, the one that uses it (this
+request or its schema refused).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sokratos_worker.llm.types import (
     LLMBackendsBusy,
     LLMBackendsMisconfigured,
     NoBackendReachable,
+    RequestRefused,
 )
 from sokratos_worker.logs import mask_secrets
 
@@ -64,13 +67,44 @@ def not_the_items_fault(
     return NoBackendReachable(f"{what} ({summary})", tried=tried)
 
 
+def request_refused(
+    tried: tuple[BackendAttempt, ...], answers: dict[str, Probed], summary: str
+) -> RequestRefused:
+    """Every backend refused this request, and none refused the minimal one in its form: the
+    request or its type (the attempt used). A backend with no free slot for the minimal
+    request is named as such, not as serving it."""
+    busy = [name for name, a in answers.items() if a is Probed.BUSY]
+    if not busy:
+        return RequestRefused(
+            f"every LLM backend refused this request ({summary}), while serving a minimal"
+            " request in the same form: the request or its schema is refused, not the"
+            " configuration",
+            tried=tried,
+        )
+    served = [name for name, a in answers.items() if a is Probed.SERVED]
+    also = f", and {', '.join(served)} served one in the same form" if served else ""
+    return RequestRefused(
+        f"every LLM backend refused this request ({summary}); {', '.join(busy)} had every slot"
+        f" in use by calls in flight, so no minimal request was sent to it{also}: taken as"
+        " this request's refusal (its attempt is used, so it is not given back for ever)",
+        tried=tried,
+    )
+
+
 def partly_misconfigured(
     tried: tuple[BackendAttempt, ...], answers: dict[str, Probed], summary: str
 ) -> LLMBackendsMisconfigured:
     """Every backend refused the request, some served the minimal one and the others refused
     it too (or did not answer it): those others' configuration (the attempt given back)."""
-    unserved = [name for name, a in answers.items() if a is not Probed.SERVED]
-    served = ", ".join(name for name, a in answers.items() if a is Probed.SERVED)
+    unserved = [name for name, a in answers.items() if a in (Probed.REFUSED, Probed.DOWN)]
+    others = "; ".join(
+        f"{', '.join(names)} {what}"
+        for what, names in (
+            ("served it", [n for n, a in answers.items() if a is Probed.SERVED]),
+            ("had no free slot to ask", [n for n, a in answers.items() if a is Probed.BUSY]),
+        )
+        if names
+    )
     proxied = {a.backend for a in tried if a.reason.startswith(PROXY_REFUSED)}
     what = " and ".join(
         f"the proxy credentials for {name}" if name in proxied else f"{name}'s api_key and model"
@@ -78,7 +112,7 @@ def partly_misconfigured(
     )
     return LLMBackendsMisconfigured(
         f"every LLM backend refused this request ({summary}), and {', '.join(unserved)} did"
-        f" not serve even a minimal request in the same form ({served} served it): check"
+        f" not serve even a minimal request in the same form ({others}): check"
         f" {what}{RUN_CHECK}",
         tried=tried,
     )
@@ -88,14 +122,29 @@ def form_unserved(
     tried: tuple[BackendAttempt, ...], names: list[str], summary: str
 ) -> LLMBackendsMisconfigured:
     """Nothing refused the request, but ``names`` serve a plain one-token request while failing
-    one in the request's structured-output form: their ``structured_output`` setting (or the
-    model's support for it), not the item (the attempt given back until the form is served)."""
+    the minimal one in their structured-output form: their ``structured_output`` setting (or
+    the model's support for it), not the item (the attempt given back until it is served)."""
     which = ", ".join(names)
     return LLMBackendsMisconfigured(
         f"no LLM backend gave a valid reply ({summary}); {which} served a plain one-token"
-        " request but failed one in this call's structured-output form, before and after"
-        " it: check"
+        " request but not a minimal one in its structured-output form: check"
         f" structured_output (and model) for {which} in SOKRATOS_LLM_BACKENDS{RUN_CHECK}",
+        tried=tried,
+    )
+
+
+def form_refused(
+    tried: tuple[BackendAttempt, ...], names: list[str], summary: str
+) -> RequestRefused:
+    """Nothing refused the request, and ``names`` serve the minimal request in their
+    structured-output form but fail this call's: this request type's schema fails there
+    (other types are served), so the attempt is used."""
+    which = ", ".join(names)
+    return RequestRefused(
+        f"no LLM backend gave a valid reply ({summary}); {which} served a minimal request in"
+        " its structured-output form but not a one-token request in this call's form, right"
+        " after the call: this request type's schema fails there, not the configuration"
+        f" (another structured_output mode for {which} may take it)",
         tried=tried,
     )
 
@@ -153,8 +202,11 @@ __all__ = [
     "PROXY_REFUSED",
     "RUN_CHECK",
     "busy_reason",
+    "form_refused",
+    "form_unserved",
     "not_the_items_fault",
     "partly_misconfigured",
     "refusal",
+    "request_refused",
     "transient_reason",
 ]

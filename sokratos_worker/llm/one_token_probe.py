@@ -4,7 +4,8 @@ The fallback client asks it for a circuit's half-open trial, for its own ``probe
 every backend failed a request, to tell an outage or a misconfiguration from a refusal of the
 request itself: in plain form, in the refused request's structured-output form, or as the
 minimal structured request (:data:`MinimalRequest`). It answers :class:`Probed`: served,
-refused (the server is up) or down. Only a real chat completion counts as served.
+refused (the server is up), down, or busy (not sent: no evidence either way). Only a real chat
+completion counts as served.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ MinimalRequest = _Probe
 
 
 class Probed(enum.Enum):
-    """What a one-token probe got."""
+    """What a one-token probe got.
+
+    BUSY is never evidence either way: the probe was not sent, as every slot of the backend
+    stayed taken by this process's own calls for the whole wait, and those calls may be
+    generating on a healthy server or hanging on a dead one. Every caller decides as if that
+    probe had not been made: a half-open trial records nothing (the calls in flight decide
+    when they end), ``probe()`` counts the backend as not answered, and a failed call's
+    verdict rests on the probes that did get an answer.
+    """
 
     SERVED = "served"
     REFUSED = "refused"  # a permanent answer (3xx, 4xx): the server is up
@@ -57,9 +66,7 @@ def request_would_be_served(backend: Backend, response_model: type[BaseModel]) -
 def minimal_answer(backend: Backend) -> Probed:
     """The minimal request in ``backend``'s structured-output form (see :data:`MinimalRequest`)."""
     result = probe_answer(backend, _Probe)
-    if result is Probed.BUSY:
-        return Probed.DOWN  # (unanswered, as far as the configuration can tell)
-    if result is not Probed.DOWN:
+    if result in (Probed.SERVED, Probed.REFUSED):  # it answered: the next call may reach it
         backend.breaker.allow_probe_now()
     return result
 

@@ -268,15 +268,18 @@ def test_a_probe_waits_for_a_slot_of_a_single_slot_backend_busy_with_a_call(
 def test_a_trial_waiting_for_a_slot_is_bounded_inside_its_deadline(
     servers: Callable[..., ScriptedLLM],
 ):
-    """The half-open trial waits for a slot at most its probe's timeout, inside its
-    deadline, and a backend whose slots stay taken by this process's own calls is up: queued
-    behind a long generation, the trial overran its deadline while only waiting ("half-open
-    probe overran its deadline", cool-down doubled), or re-opened the circuit (review)."""
+    """The half-open trial waits for a slot at most its probe's timeout, and its deadline
+    counts that wait and the probe: a trial queued behind a long generation overran a deadline
+    of the probe's timeout + 5 s while it was still waiting or probing ("half-open probe
+    overran its deadline", the cool-down doubled) (review). A probe timeout above 5 s, the slot
+    freed just inside the wait and a probe answered just inside its timeout: 13 s, over that
+    deadline (12 s), inside this one (19 s). A watcher reads the state meanwhile, as other
+    calls' admissions do."""
     a = servers(chat=json_responder({"ok": True}))
-    a.on(PROBE, lambda r: Reply.chat("OK"))
+    a.on(PROBE, lambda r: Reply.chat("OK", delay=6.4))
     client = FallbackChatClient(
         [backend(a, "a", timeout=30, max_concurrency=1)],
-        policy=RetryPolicy(attempts=1, probe_timeout=1, breaker_threshold=1, breaker_cooldown=0.2),
+        policy=RetryPolicy(attempts=1, probe_timeout=7, breaker_threshold=1, breaker_cooldown=0.2),
         sleep=lambda s: None,
     )
     try:
@@ -285,14 +288,27 @@ def test_a_trial_waiting_for_a_slot_is_bounded_inside_its_deadline(
         time.sleep(0.3)  # its cool-down is over: the next call is the trial
         slots = client._backend("a").slots
         slots.acquire()  # an earlier call's long generation holds the one slot
-        release = threading.Timer(8, slots.release)
+        release = threading.Timer(6.6, slots.release)  # just inside the trial's 7 s wait
         release.start()
-        result = client.complete(
-            response_model=Ok, system="s", user="u", max_tokens=8, purpose="t"
-        )
-        # Busy with this process's own call is up: closed, and the call waited for the slot.
+        seen: list[str] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.05):
+                seen.append(f"{b.state}: {b.last_error}")
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            result = client.complete(
+                response_model=Ok, system="s", user="u", max_tokens=8, purpose="t"
+            )
+        finally:
+            done.set()
+            watcher.join()
+        assert not [s for s in seen if "overran" in s], seen
         assert result.backend == "a" and b.state is Circuit.CLOSED
-        assert "overran" not in b.last_error, b.last_error
+        assert b.cooldown == 0.2  # never doubled
         release.join()
     finally:
         client.close()
