@@ -80,8 +80,8 @@ class ChatClient(Protocol):
         :class:`NoBackendReachable` when no backend could be reached at all (and a health
         probe right after failed too; :class:`LLMBackendsBusy` when every backend's slots
         stayed taken), and :class:`ChatFailed` for anything else (:class:`RequestRefused`
-        when every backend refused this request while serving a minimal one: not "no valid
-        reply this time", so a caller must not go on without it).
+        when every backend refused or kept failing this request while serving a minimal one:
+        not "no valid reply this time", so a caller must not go on without it).
         """
         ...
 
@@ -129,7 +129,8 @@ class ChatFailed(ItemError):
 
 
 class RequestRefused(ChatFailed):
-    """Every backend refused this request (a 4xx/3xx for its schema, a parameter, this input)
+    """Every backend refused this request (a 4xx/3xx for its schema, a parameter, this input;
+    or a 5xx or timeout for this request's form that persists while the minimal form is served)
     while serving the minimal structured request: the backends are up and configured, so the
     item's attempt is used, and a caller must not take it for "no valid reply" (no verdict this
     time) and go on without it: it propagates, the item is retried and ends in
