@@ -389,9 +389,11 @@ class Worker:
     def report(self, imported: int, state: str | None = None) -> None:
         """The tick's ``tick_finished``: what it did per queue since the last report, and
         ``state`` (by default the worker's now: ``run --once`` gives the drain's end's)."""
-        stats = self.runner.take_stats()
         # None (null) when the look failed: an empty list would say there were no failures.
         recent = self._safely("recent_failures", self._recent_failures)
+        # Taken after the look, which may wait seconds: a stop meanwhile abandons this tick,
+        # and the counts taken before it were in no line (worker_stopped has what is left).
+        stats = self.runner.take_stats()
         log.info(
             "tick_finished",
             # What this tick did per queue; "handled" says which queues this worker drains

@@ -477,9 +477,52 @@ def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     # A tick whose look timed out says it does not know (it said [], "no failures").
     assert None in [e["recent_failures"] for e in _events(log) if e["event"] == "tick_finished"]
     assert "worker_stopped" in text
+    # Every item is counted once, in a tick_finished or in worker_stopped: a stop during the
+    # tick's look at recent failures abandoned the counts the tick had taken before it.
+    counted = [
+        n
+        for e in _events(log)
+        if e["event"] in ("tick_finished", "worker_stopped")
+        for per_queue in e["queues"].values()  # type: ignore[union-attr]
+        for outcome, n in per_queue.items()
+        if outcome == "saved"
+    ]
+    assert sum(counted) == 5, counted  # type: ignore[arg-type]
     # The stop's last heartbeat waits out one statement timeout (5 s), then the process exits.
     assert stopped_in < 5 + 10, f"stopped in {stopped_in:.1f} s"
     assert _done(db) == 5
+
+
+def test_a_stop_while_a_tick_looks_at_recent_failures_loses_no_count(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The tick took the runner's counts, then waited on a locked failed_operations for its
+    look at recent failures; a stop then abandoned the tick, and its items were in no
+    tick_finished and not in worker_stopped (found by an observability hunt)."""
+    env = daemon_env(database_url, tmp_path, SOKRATOS_HEARTBEAT_INTERVAL="1s")
+    log = tmp_path / "daemon.log"
+    proc = start_daemon(env, log)
+    try:
+        assert wait_until(lambda: "worker_started" in log.read_text(), timeout=30)
+        with _locked_by_a_migration(database_url, "failed_operations"):
+            assert wait_until(lambda: "recent_failures_timed_out" in log.read_text(), timeout=30)
+            enqueue_many(db, 5)
+            assert wait_until(lambda: _done(db) == 5, timeout=30)
+            time.sleep(2.5)  # the next tick has taken its counts and waits on the lock
+            _stopped_in(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    counted = [
+        n
+        for e in _events(log)
+        if e["event"] in ("tick_finished", "worker_stopped")
+        for per_queue in e["queues"].values()  # type: ignore[union-attr]
+        for outcome, n in per_queue.items()
+        if outcome == "saved"
+    ]
+    assert sum(counted) == 5, counted  # type: ignore[arg-type]
 
 
 def test_a_queue_table_locked_at_stop_does_not_hold_the_exit(
