@@ -6,7 +6,8 @@ The classes of this module, and (in brackets) the modules that add to the tree::
     ├── DatabaseUnavailable          the database cannot be reached now (transient)
     │   ├── TableLocked              another session holds a table the command must write
     │   ├── PoolBusy                 every pooled connection stayed in use (the server answers)
-    │   └── ConnectionLimitReached   the server refused a new connection for a limit
+    │   ├── ConnectionLimitReached   the server refused a new connection for a limit
+    │   └── ClaimRefused             the server answered a claim with an error (a privilege)
     ├── ItemError                    raised while handling an item (policy.after_failure
     │   │                            decides whether the attempt counts)
     │   ├── InvalidPayload           never retried: straight to failed_operations
@@ -51,10 +52,15 @@ class ConnectionLimitReached(DatabaseUnavailable):
     database's CONNECTION LIMIT, max_connections): the connections already open go on."""
 
 
+class ClaimRefused(DatabaseUnavailable):
+    """The server answered a claim with an error no item causes (a privilege revoked from the
+    worker's role, a table or function missing): nothing can be claimed until it is fixed."""
+
+
 def reached_database(exc: DatabaseUnavailable) -> bool:
     """True when ``exc`` shows the database answering (a lock, a full pool, a connection
-    limit), not away."""
-    return isinstance(exc, TableLocked | PoolBusy | ConnectionLimitReached)
+    limit, a refused claim), not away."""
+    return isinstance(exc, TableLocked | PoolBusy | ConnectionLimitReached | ClaimRefused)
 
 
 class ItemError(WorkerError):

@@ -27,7 +27,7 @@ import structlog
 from psycopg import errors as pg_errors
 
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import DatabaseUnavailable
+from sokratos_worker.errors import ClaimRefused, DatabaseUnavailable
 from sokratos_worker.handlers import Handler
 from sokratos_worker.inflight import InFlight
 from sokratos_worker.leases import LeaseRenewer
@@ -263,7 +263,7 @@ class Runner:
                 self._wake.clear()
                 self._notified = False
                 try:
-                    asked, got = self._claim_for_idle_slots()
+                    asked, got = self._claim_or_say_refused()
                     next_in = None if got or asked == 0 else self._next_ready_in()
                 except DatabaseUnavailable as exc:
                     self._worker_state.database_lost(exc)
@@ -320,6 +320,15 @@ class Runner:
             if left <= 0 or self._wake.wait(min(left, 1.0)):
                 return
             self._progress()
+
+    def _claim_or_say_refused(self) -> tuple[int, int]:
+        """:meth:`_claim_for_idle_slots`; a claim the server refuses itself (a privilege
+        revoked) is :class:`ClaimRefused`: the worker waits for the database as in an outage,
+        not ready, saying why (it went on as "running", ready, a traceback at each try)."""
+        try:
+            return self._claim_for_idle_slots()
+        except pg_errors.Error as exc:
+            raise ClaimRefused(_claim_refusal(exc)) from exc
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
         free = self.settings.concurrency - self.inflight_count()
@@ -567,3 +576,9 @@ class Runner:
     def _progress(self) -> None:
         if self._on_progress is not None:
             self._on_progress()
+
+
+def _claim_refusal(exc: pg_errors.Error) -> str:
+    """The claim's refusal in one line: the server's message and its SQLSTATE."""
+    first = (exc.diag.message_primary or str(exc) or type(exc).__name__).splitlines()[0]
+    return f"the database refuses the claim: {first} (SQLSTATE {exc.sqlstate})"

@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection
 import structlog
 
 from sokratos_worker.errors import (
+    ClaimRefused,
     ConnectionLimitReached,
     DatabaseUnavailable,
     PoolBusy,
@@ -58,7 +59,17 @@ _LIMIT_HINT = (
 )
 
 
+_REFUSED_HINT = (
+    "the server answers, but refuses the claim itself (a privilege revoked from the worker's"
+    " role, a table or function missing): items wait, nothing is lost, and claiming resumes"
+    " by itself once it is fixed: run sql/roles.sql (and 'sokratos-worker migrate') as the"
+    " tables' owner; 'sokratos-worker check' names what is missing"
+)
+
+
 def _waiting_hint(exc: DatabaseUnavailable) -> str:
+    if isinstance(exc, ClaimRefused):
+        return _REFUSED_HINT
     if isinstance(exc, TableLocked):
         return _LOCKED_HINT
     if isinstance(exc, ConnectionLimitReached):

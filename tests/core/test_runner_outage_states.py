@@ -18,6 +18,8 @@ from sokratos_worker.model import Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store.connection import Database
 from sokratos_worker.worker_state import State
+from tests.support.daemon import wait_until
+from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
 
 AWAY = "connection failed: connection refused (is the server running?)"
@@ -127,3 +129,35 @@ def test_a_settle_meeting_an_outage_during_shutdown_does_not_report_running(
     worker_state.database_lost(DatabaseUnavailable(AWAY))  # an item's settle in the grace
     worker_state.database_back()  # its retry lands
     assert runner.state == State.STOPPING, states
+
+
+def test_a_claim_the_server_refuses_is_waited_out_not_running(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """A privilege revoked from the worker's role under a running worker: every claim failed
+    with a traceback while the worker said "running" and /readyz answered ready; items waited
+    unseen (found by an observability hunt). Now it waits for the database, saying why, and
+    claims the items once the privilege is back."""
+    db.execute(
+        """CREATE FUNCTION refuse_claims() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN RAISE EXCEPTION 'permission denied for table pending_triage'
+                   USING ERRCODE = '42501'; END$$;
+           CREATE TRIGGER refuse_claims BEFORE UPDATE ON pending_triage
+           FOR EACH ROW EXECUTE FUNCTION refuse_claims()"""
+    )
+    enqueue_many(db, 2)
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=True)
+    runner.start()
+    try:
+        assert wait_until(lambda: runner.state == State.WAITING_FOR_DATABASE, timeout=30), states
+        assert "the database refuses the claim: permission denied" in runner.state_detail
+        assert "SQLSTATE 42501" in runner.state_detail
+        db.execute("DROP TRIGGER refuse_claims ON pending_triage")
+        assert wait_until(
+            lambda: count(db, "SELECT count(*) FROM work_outcomes") == 2, timeout=30
+        )
+        assert wait_until(lambda: runner.state == State.RUNNING, timeout=10), states
+    finally:
+        runner.shutdown(5)
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
