@@ -37,6 +37,7 @@ from sokratos_worker.queue_shares import QueueShares
 from sokratos_worker.settle import (
     ABANDONED,
     RELEASE_STATEMENT_TIMEOUT_MS,
+    RELEASED,
     Settler,
     last_attempt,
     no_attempt_left,
@@ -85,10 +86,13 @@ class Runner:
         worker_id: str,
         on_state: Callable[[str, str], None] | None = None,
         on_progress: Callable[[], None] | None = None,
-        on_item_done: Callable[[Queue, str, float], None] | None = None,
+        on_item_done: Callable[[Queue, str, float | None], None] | None = None,
         on_database_contact: Callable[[bool], None] = _no_contact_report,
     ) -> None:
-        """``on_database_contact(reached)`` hears how each claim, settle and lease renewal
+        """``on_item_done(queue, how, seconds)`` hears how each attempt ended (``seconds`` is
+        None for an item released without running).
+
+        ``on_database_contact(reached)`` hears how each claim, settle and lease renewal
         ended: True when it reached PostgreSQL, False when the database was unavailable. It is
         called on the hot path (once per claim and settle), so it must be cheap."""
         self.settings = settings
@@ -231,6 +235,9 @@ class Runner:
         with self._lock:
             for item in released:
                 self._stats.add(item.queue, "given_back")
+        if self._on_item_done is not None:  # (the metric counted only the slots' give-backs)
+            for item in released:
+                self._on_item_done(item.queue, RELEASED, None)
         return len(released)
 
     def take_stats(self) -> Stats:

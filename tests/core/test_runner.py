@@ -330,3 +330,33 @@ def test_a_slot_reads_through_its_own_connection(db: psycopg.Connection, databas
         database.close()
     assert set(outcomes(db).values()) == {"skipped"} and len(outcomes(db)) == slots * 3
     assert handler.seen == [True] * (slots * 3), handler.seen
+
+
+def test_items_released_at_the_stop_are_reported_to_on_item_done_as_the_ticks_count_them(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """Items still running at the end of the grace are released (attempt given back): the
+    tick counts had them as given_back, but sokratos_items_total{outcome="released"}, fed by
+    on_item_done, counted only the slots' own give-backs (found by an observability hunt)."""
+    enqueue_many(db, 2, behaviour="sleep:3")
+    done: list[tuple[Queue, str, float | None]] = []
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=_settings(concurrency=2, shutdown_grace=1),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        worker_id="released",
+        on_item_done=lambda queue, how, seconds: done.append((queue, how, seconds)),
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while runner.inflight_count() < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert runner.shutdown(0.5) == 2
+    finally:
+        database.close()
+    given_back = runner.take_stats().counts[Queue.TRIAGE]["given_back"]
+    released = [(q, how, s) for q, how, s in done if how == "released"]
+    assert released == [(Queue.TRIAGE, "released", None)] * given_back, done
+    assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 2
