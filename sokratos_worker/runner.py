@@ -202,7 +202,10 @@ class Runner:
         """
         self.request_stop()  # first: the state's report may wait behind a heartbeat's write
         deadline = time.monotonic() + grace_s  # so may the grace's start: it counts from here
-        self._worker_state.set(State.STOPPING, "")
+        in_flight = self.inflight_count()
+        # (The detail stays on STATUS=: the bare state replaced the stop's own line at once.)
+        finishing = f"finishing {in_flight} items in flight" if in_flight else ""
+        self._worker_state.set(State.STOPPING, finishing)
         while self.inflight_count() and time.monotonic() < deadline:
             self._progress()  # items finishing within the grace is progress too
             time.sleep(0.05)

@@ -340,6 +340,7 @@ def test_items_released_at_the_stop_are_reported_to_on_item_done_as_the_ticks_co
     on_item_done, counted only the slots' own give-backs (found by an observability hunt)."""
     enqueue_many(db, 2, behaviour="sleep:3")
     done: list[tuple[Queue, str, float | None]] = []
+    states: list[tuple[str, str]] = []
     database = Database(database_url, size=4)
     runner = Runner(
         settings=_settings(concurrency=2, shutdown_grace=1),
@@ -347,6 +348,7 @@ def test_items_released_at_the_stop_are_reported_to_on_item_done_as_the_ticks_co
         handlers={Queue.TRIAGE: ScriptedHandler()},
         worker_id="released",
         on_item_done=lambda queue, how, seconds: done.append((queue, how, seconds)),
+        on_state=lambda state, detail: states.append((state, detail)),
     )
     runner.start()
     try:
@@ -360,3 +362,5 @@ def test_items_released_at_the_stop_are_reported_to_on_item_done_as_the_ticks_co
     released = [(q, how, s) for q, how, s in done if how == "released"]
     assert released == [(Queue.TRIAGE, "released", None)] * given_back, done
     assert count(db, "SELECT count(*) FROM pending_triage WHERE attempts = 0") == 2
+    # STATUS= keeps what the stop does (a bare "stopping" replaced the stop's own line).
+    assert ("stopping", "finishing 2 items in flight") in states, states
