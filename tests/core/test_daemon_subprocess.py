@@ -409,6 +409,18 @@ def _stopped_in(proc: subprocess.Popen[bytes], log: Path) -> float:
     return time.monotonic() - started
 
 
+def _saved_in_reports(log: Path) -> int:
+    """Items counted saved over every tick_finished and worker_stopped of ``log``."""
+    return sum(
+        n
+        for e in _events(log)
+        if e["event"] in ("tick_finished", "worker_stopped")
+        for per_queue in e["queues"].values()  # type: ignore[attr-defined]
+        for outcome, n in per_queue.items()
+        if outcome == "saved"
+    )
+
+
 def _events(log: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
 
@@ -479,15 +491,7 @@ def test_tables_locked_by_a_migration_hold_neither_the_drain_nor_the_stop(
     assert "worker_stopped" in text
     # Every item is counted once, in a tick_finished or in worker_stopped: a stop during the
     # tick's look at recent failures abandoned the counts the tick had taken before it.
-    counted = [
-        n
-        for e in _events(log)
-        if e["event"] in ("tick_finished", "worker_stopped")
-        for per_queue in e["queues"].values()  # type: ignore[union-attr]
-        for outcome, n in per_queue.items()
-        if outcome == "saved"
-    ]
-    assert sum(counted) == 5, counted  # type: ignore[arg-type]
+    assert _saved_in_reports(log) == 5
     # The stop's last heartbeat waits out one statement timeout (5 s), then the process exits.
     assert stopped_in < 5 + 10, f"stopped in {stopped_in:.1f} s"
     assert _done(db) == 5
@@ -514,15 +518,7 @@ def test_a_stop_while_a_tick_looks_at_recent_failures_loses_no_count(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    counted = [
-        n
-        for e in _events(log)
-        if e["event"] in ("tick_finished", "worker_stopped")
-        for per_queue in e["queues"].values()  # type: ignore[union-attr]
-        for outcome, n in per_queue.items()
-        if outcome == "saved"
-    ]
-    assert sum(counted) == 5, counted  # type: ignore[arg-type]
+    assert _saved_in_reports(log) == 5
 
 
 def test_a_queue_table_locked_at_stop_does_not_hold_the_exit(
