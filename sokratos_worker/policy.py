@@ -43,10 +43,11 @@ def after_failure(
 ) -> Decision:
     """Retry, dead-letter or give the attempt back (durability.md, what counts as an attempt).
 
-    ``database_away``: ``error`` was a database outage and a probe right after met one too
-    (durability.md rule 7, as for backends). Any other database error, one a server answering
-    that probe gave this item (its query's backend killed, out of memory, a deadlock), is the
-    item's attempt: given back, an item that meets it at every run would run for ever.
+    ``database_away``: ``error`` was a database outage to wait out (durability.md rule 7, as
+    for backends): the attempt is given back. The settle says no for a full pool, a lock or a
+    refusal (the server answered) and once an item has been given back so a few times (a read
+    that takes the server down every time would otherwise run for ever): then it is the
+    item's attempt.
     """
     if isinstance(error, BackendsUnavailable):
         return Decision(Step.GIVE_BACK, str(error))

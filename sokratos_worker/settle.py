@@ -10,6 +10,7 @@ the callables it is given: ``count``, ``untrack``, ``database_lost``, ``database
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -44,8 +45,11 @@ OUTCOME_KEY = "work_outcomes_queue_item_id_key"
 # The stop's release of unfinished items waits no longer behind a lock (a migration holding
 # a queue table): the leases expire instead, and the process exits.
 RELEASE_STATEMENT_TIMEOUT_MS = 5000
-# The probe after a database error: a server too slow to answer SELECT 1 in this is no outage.
-PROBE_STATEMENT_TIMEOUT_MS = 5000
+# How many times an item is given back for a database outage (in this process) before such a
+# failure counts as its attempt: an outage is not the item's fault, but a read that takes the
+# server down every time (or ends its own session) would otherwise run for ever.
+DATABASE_GIVE_BACKS_PER_ITEM = 3
+_GIVE_BACKS_REMEMBERED = 10_000
 
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
@@ -169,6 +173,8 @@ class Settler:
         self._database_lost = database_lost
         self._database_back = database_back
         self._pause = pause
+        self._database_give_backs: dict[tuple[Queue, int], int] = {}
+        self._give_backs_lock = threading.Lock()
 
     # -- success ---------------------------------------------------------------------
 
@@ -253,7 +259,7 @@ class Settler:
             exc,
             attempt=item.attempt,
             max_attempts=self.settings.max_attempts,
-            database_away=self._database_away(exc),
+            database_away=self._database_away(item, exc),
         )
         backend = getattr(exc, "backend", None)
         if decision.step is Step.WAIT_FOR_DATABASE:
@@ -273,24 +279,21 @@ class Settler:
             self._untrack(item)
         return kind
 
-    def _database_away(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is a database outage that a probe right after (``SELECT 1`` through
-        the pool, bounded) meets too. Errors the server gives one query (its backend killed,
-        out of memory, a deadlock) are classed as outages as well; the probe tells them apart.
-        A full pool or a lock is the database answering: not probed."""
+    def _database_away(self, item: Item, exc: BaseException) -> bool:
+        """Whether ``exc`` is a database outage to wait out with the item's attempt given back:
+        not a full pool, a lock or a refusal (the server answered), and not past
+        DATABASE_GIVE_BACKS_PER_ITEM give-backs of this item (then it is the item's attempt)."""
         if not isinstance(exc, DatabaseUnavailable) or reached_database(exc):
             return False
-        try:
-            with self.database.connection() as conn, time_limited(conn, PROBE_STATEMENT_TIMEOUT_MS):
-                conn.execute("SELECT 1")
-        except DatabaseUnavailable as probe_exc:
-            if reached_database(probe_exc):
+        key = (item.queue, item.id)
+        with self._give_backs_lock:
+            given = self._database_give_backs.get(key, 0)
+            if given >= DATABASE_GIVE_BACKS_PER_ITEM:
                 return False
-            self._database_lost(probe_exc)  # the probe met the outage: the state says so
-            return True
-        except pg_errors.Error:
-            return False  # the server answered (a cancelled SELECT 1 is a slow server, not away)
-        return False
+            if len(self._database_give_backs) >= _GIVE_BACKS_REMEMBERED:
+                self._database_give_backs.clear()  # (a bound: an outage touches few items)
+            self._database_give_backs[key] = given + 1
+        return True
 
     def _give_back(self, item: Item, reason: str, bound: structlog.BoundLogger) -> str:
         """Not the item's fault: its attempt given back."""
