@@ -299,12 +299,15 @@ class MemoryReader:
     def similar_live(
         self, vec: Sequence[float], max_distance: float = 0.4, limit: int = 3
     ) -> list[MemorySnippet]:
-        """The nearest live, non-identity memories within ``max_distance``, nearest first."""
+        """The nearest live, non-identity memories within ``max_distance``, nearest first;
+        not a raw archive, which holds a conversation's words, not a claim to contradict (a
+        replayed distillation's fact would be judged against, and could supersede, the very
+        archive its failure saved)."""
         rows = self._read(
             "similar_live",
             f"""SELECT m.id, m.summary FROM memories m
                 WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
-                  AND {_DISTANCE} < %(max)s
+                  AND {_NOT_RAW_ARCHIVE} AND {_DISTANCE} < %(max)s
                 ORDER BY {_DISTANCE}, m.id LIMIT %(limit)s""",
             {**self._vec(vec), "max": max_distance, "limit": limit},
             fallback=[],

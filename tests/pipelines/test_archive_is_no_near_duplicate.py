@@ -68,3 +68,19 @@ def test_the_settle_does_not_drop_a_fact_for_an_archive_near_it(
     apply(db, Effects(Outcome.SAVED, memories=(fact,)))
     facts = [r["origin"] for r in memory_rows(db) if r["source"] != "conversation_archive"]
     assert facts == ["pending_distillation:2:0"]
+
+
+def test_a_replayed_fact_is_not_judged_against_its_own_archive(
+    db: psycopg.Connection, database: Database
+) -> None:
+    """Nor is an archive a contradiction candidate: judged against the archive its failure
+    saved (its nearest memory), a replayed fact could supersede it and hide the raw record."""
+    embedder, chat = _archive_saved(db, database)
+    chat.script("distillation", {"facts": [{"text": FACT, "salience": 8, "tags": ["birth"]}]})
+    chat.script("contradiction", {"verdicts": [{"existing": 1, "contradicts": True}]})
+    handler = distill_handler(database, chat, embedder)
+    effects = handler.handle(make_item(PAYLOAD, queue=Queue.DISTILLATION, item_id=2))
+    apply(db, effects)
+    assert "contradiction" not in chat.purposes(), chat.purposes()
+    archives = [r for r in memory_rows(db) if r["source"] == "conversation_archive"]
+    assert archives and all(r["superseded_by"] is None for r in archives), archives
