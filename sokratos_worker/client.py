@@ -198,8 +198,8 @@ def _fields_as_the_worker_reads_them(
     queue: Queue, payload: dict[str, Any], source: str | None
 ) -> None:
     """The fields past the top level, read by the pipelines' own checks as sql/0049 reads
-    them: a trivial exchange is skipped unread, a `messages` archive's size is left to the
-    claim. Imported on first use, as in :func:`_distillable`."""
+    them: a trivial exchange is skipped unread, an archive's size is left to the claim (sql/0050:
+    dead-lettered there, its payload kept). Imported on first use, as in :func:`_distillable`."""
     from sokratos_worker.pipelines import payload as fields  # noqa: PLC0415
     from sokratos_worker.pipelines.archive import format_messages  # noqa: PLC0415
     from sokratos_worker.pipelines.text import is_trivial  # noqa: PLC0415
@@ -207,8 +207,6 @@ def _fields_as_the_worker_reads_them(
     if queue is Queue.DISTILLATION:
         if payload.get("messages") is not None:
             format_messages(payload["messages"])
-        else:
-            _archive_text_within_limit(payload["archive_text"])
         fields.optional_int(payload, "pipeline_id")
         fields.optional_str(payload, "conversation_id")
     elif source == "email":
@@ -218,20 +216,6 @@ def _fields_as_the_worker_reads_them(
         fields.optional_bool(payload, "tools_used")
         fields.optional_iso_datetime(payload, "occurred_at")
         fields.optional_int(payload, "pipeline_id")
-
-
-def _archive_text_within_limit(text: str) -> None:
-    """InvalidPayload for an archive_text longer than the worker distils."""
-    from sokratos_worker.pipelines.distill import MAX_ARCHIVE_BYTES  # noqa: PLC0415
-    from sokratos_worker.pipelines.text import byte_len  # noqa: PLC0415
-
-    size = byte_len(text)
-    if size > MAX_ARCHIVE_BYTES:
-        raise InvalidPayload(
-            "archive_text",
-            f"would make an archive of {size:,} bytes; at most {MAX_ARCHIVE_BYTES:,} are distilled:"
-            " split the conversation into several items",
-        )
 
 
 def enqueue_triage(

@@ -338,6 +338,8 @@ class Runner:
         try:
             return self._claim_for_idle_slots()
         except pg_errors.Error as exc:
+            if (exc.sqlstate or "")[:2] not in _SETUP_REFUSALS:
+                raise  # (a bug of the worker's own: its traceback, as before)
             raise ClaimRefused(_claim_refusal(exc)) from exc
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
@@ -586,6 +588,11 @@ class Runner:
     def _progress(self) -> None:
         if self._on_progress is not None:
             self._on_progress()
+
+
+# SQLSTATE classes of a refusal the setup causes, not an item: 42 (a privilege revoked, a
+# table or function missing), 3F (a schema missing).
+_SETUP_REFUSALS = ("42", "3F")
 
 
 def _claim_refusal(exc: pg_errors.Error) -> str:

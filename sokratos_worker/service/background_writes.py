@@ -37,7 +37,12 @@ class BackgroundWrites:
             if self._running:
                 return
             self._running = True
-        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        except RuntimeError:  # (no thread to be had, or the interpreter exiting): not written
+            with self._lock:
+                self._running = False  # else no later request would ever start one again
+            log.warning(f"{self._name}_not_started", hint="the next request tries again")
 
     def _run(self) -> None:
         while True:

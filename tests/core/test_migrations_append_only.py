@@ -36,6 +36,7 @@ APPLIED = {
     "0047_idempotency_key_unique_index": "1331dccd3a7fce041f8b8681774b198328b3c71a9f881c6e99fa6c6d095cc512",
     "0048_key_lookups_on_their_indexes": "6191a198c420e88a9f85745316fd2a3ba7cc6780143334c296dd39173d25556b",
     "0049_payload_fields_checked_as_the_worker_reads_them": "4788f143c32175033980dc6ae3c60cd3c43e9925f4f66e16e3078b0f1d257ad4",
+    "0050_oversized_archive_kept_for_the_claim": "facc892420de3a0810affbe2cb5437402d231ca7dd765e3718b0212c4f783549",
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Queue
@@ -161,3 +162,29 @@ def test_a_claim_the_server_refuses_is_waited_out_not_running(
     finally:
         runner.shutdown(5)
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
+
+
+def test_a_claim_error_that_is_no_setup_refusal_keeps_its_traceback(
+    db: psycopg.Connection, make_runner: MakeRunner
+) -> None:
+    """Only a refusal the setup causes (SQLSTATE class 42 or 3F) is waited out: any other
+    error of the claim (a bug of the worker's own SQL) keeps its claim_failed traceback
+    instead of a privilege hint that would send the operator to sql/roles.sql (review)."""
+    db.execute(
+        """CREATE FUNCTION break_claims() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN RAISE EXCEPTION 'a bug' USING ERRCODE = 'XX000'; END$$;
+           CREATE TRIGGER break_claims BEFORE UPDATE ON pending_triage
+           FOR EACH ROW EXECUTE FUNCTION break_claims()"""
+    )
+    enqueue_many(db, 1)
+    states: list[tuple[str, str]] = []
+    runner = make_runner(states, probe_ok=True)
+    with capture_logs() as logs:
+        runner.start()
+        try:
+            assert wait_until(
+                lambda: any(e["event"] == "claim_failed" for e in logs), timeout=30
+            )
+        finally:
+            runner.shutdown(5)
+    assert State.WAITING_FOR_DATABASE not in [state for state, _ in states], states
