@@ -45,7 +45,7 @@ from sokratos_worker.settle import (
     reused_id_hint,
 )
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database
+from sokratos_worker.store.connection import Connection, Database, refused_by_setup
 from sokratos_worker.worker_state import State, WorkerState
 
 log = structlog.get_logger(__name__)
@@ -338,7 +338,7 @@ class Runner:
         try:
             return self._claim_for_idle_slots()
         except pg_errors.Error as exc:
-            if (exc.sqlstate or "")[:2] not in _SETUP_REFUSALS:
+            if not refused_by_setup(exc):
                 raise  # (a bug of the worker's own: its traceback, as before)
             raise ClaimRefused(_claim_refusal(exc)) from exc
 
@@ -588,11 +588,6 @@ class Runner:
     def _progress(self) -> None:
         if self._on_progress is not None:
             self._on_progress()
-
-
-# SQLSTATE classes of a refusal the setup causes, not an item: 42 (a privilege revoked, a
-# table or function missing), 3F (a schema missing).
-_SETUP_REFUSALS = ("42", "3F")
 
 
 def _claim_refusal(exc: pg_errors.Error) -> str:

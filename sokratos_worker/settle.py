@@ -31,7 +31,12 @@ from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
 from sokratos_worker.policy import Decision, Step, after_failure, describe, retry_delay
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database, time_limited
+from sokratos_worker.store.connection import (
+    Connection,
+    Database,
+    refused_by_setup,
+    time_limited,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -190,14 +195,29 @@ class Settler:
         from ``claim_from`` unless it is None; None when the settle was abandoned."""
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
-            return store.settle_success(
-                conn,
-                item,
-                effects,
-                owner=self.worker_id,
-                claim_from=claim_from,
-                lease_s=self.settings.lease,
-            )
+            try:
+                return store.settle_success(
+                    conn,
+                    item,
+                    effects,
+                    owner=self.worker_id,
+                    claim_from=claim_from,
+                    lease_s=self.settings.lease,
+                )
+            except pg_errors.Error as exc:
+                if claim_from is None or not refused_by_setup(exc):
+                    raise
+                # The next item's claim refused (a privilege revoked on that queue): this
+                # item's outcome is still written, without it (it failed with the claim).
+                bound.warning("settle_claim_refused", queue=claim_from.value, error=str(exc))
+                return store.settle_success(
+                    conn,
+                    item,
+                    effects,
+                    owner=self.worker_id,
+                    claim_from=None,
+                    lease_s=self.settings.lease,
+                )
 
         return self._with_database(item, settle, bound)
 

@@ -78,6 +78,17 @@ def refused_for_its_content(exc: BaseException) -> bool:
     return exc.sqlstate.startswith(_REFUSED_CONTENT)
 
 
+# SQLSTATE classes of a refusal the setup causes, not an item: 42 (a privilege revoked, a
+# table or function missing), 3F (a schema missing).
+_REFUSED_BY_SETUP = ("42", "3F")
+
+
+def refused_by_setup(exc: BaseException) -> bool:
+    """True when the server refused a statement for the setup (a privilege, a missing table
+    or schema), which no item causes and every item would meet."""
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in _REFUSED_BY_SETUP
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors that go away by themselves: lost connections, restarts, conflicts."""
     if isinstance(exc, PoolTimeout | DatabaseUnavailable):

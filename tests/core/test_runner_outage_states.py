@@ -188,3 +188,37 @@ def test_a_claim_error_that_is_no_setup_refusal_keeps_its_traceback(
         finally:
             runner.shutdown(5)
     assert State.WAITING_FOR_DATABASE not in [state for state, _ in states], states
+
+
+def test_a_settle_whose_next_claim_is_refused_still_writes_its_outcome(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A privilege revoked on one queue only: a triage item's successful settle also claims
+    the slot's next item, from the refused queue; the whole statement failed and the item's
+    success was counted a failure, then dead-lettered (found by a review). Now the outcome is
+    written without that claim, and the refused queue's items wait."""
+    db.execute(
+        """CREATE FUNCTION refuse_claims() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN RAISE EXCEPTION 'permission denied for table pending_distillation'
+                   USING ERRCODE = '42501'; END$$;
+           CREATE TRIGGER refuse_claims BEFORE UPDATE ON pending_distillation
+           FOR EACH ROW EXECUTE FUNCTION refuse_claims()"""
+    )
+    enqueue_many(db, 1, queue="pending_distillation")
+    enqueue_many(db, 6)
+    database = Database(database_url, size=4)
+    runner = Runner(
+        settings=fast_settings(concurrency=2, max_attempts=3),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
+        worker_id="refused",
+    )
+    runner.start()
+    try:
+        saved = "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'"
+        assert wait_until(lambda: count(db, saved) == 6, timeout=60)
+    finally:
+        runner.shutdown(5)
+        database.close()
+    assert count(db, "SELECT count(*) FROM failed_operations") == 0
+    assert count(db, "SELECT count(*) FROM pending_distillation WHERE attempts = 0") == 1
