@@ -53,9 +53,9 @@ from sokratos_worker.llm.one_token_probe import (
     PROBE_MESSAGE,
     MinimalRequest,
     Probed,
+    heard,
     minimal_answer,
     probe_answer,
-    probe_one,
     request_would_be_served,
 )
 from sokratos_worker.llm.reply import ReplyInvalid, parse_reply
@@ -109,28 +109,29 @@ class _Permanent(Exception):
 
 
 @dataclass(frozen=True)
-class _ProbeForm:
-    """The form probe() asks in after an item was given back with a backend refusing it."""
+class _Pause:
+    """What ends the pause a failed call's verdict asked for (:meth:`FallbackChatClient._judge`,
+    rule c): any backend serving a one-token request in the call's ``form`` (the item's next
+    call would be served), or the ``awaited`` backends: for an outage, every one of them
+    answering again (the item's next call then reaches them all and is decided by rule b);
+    for a misconfiguration, one of them serving the minimal request in its form."""
 
-    model: type[BaseModel]
-    when_all_answer: bool  # claiming also resumes once every backend answers it (refused too)
-    # Only these backends serving it resumes claiming (empty: any backend): the ones that
-    # refused the minimal request while another served it, as the item would be given back
-    # again for as long as they refuse it.
-    awaited: frozenset[str] = frozenset()
-
-
-class _FormTrouble(enum.Enum):
-    """Why a backend that no refusal came from failed a call and a probe in its form."""
-
-    OUTAGE = "outage"  # no plain request served, no slot to ask, or the form served again
-    STRUCTURED = "structured_output"  # plain served, the minimal request in its form not
-    THIS_FORM = "this_form"  # the minimal request in its form served, this call's form not
+    form: type[BaseModel]
+    awaited: frozenset[str]
+    outage: bool
 
 
-def _unserved(answer: Probed) -> bool:
-    """The probe was answered, and not served (BUSY was not sent: no evidence, see Probed)."""
-    return answer in (Probed.REFUSED, Probed.DOWN)
+class _Verdict(enum.Enum):
+    """One backend's part in a call no backend answered validly (see ``_judge``)."""
+
+    UNANSWERED = "unanswered"  # skipped, no free slot, or a 5xx/timeout and the plain probe too
+    MISCONFIGURED = "misconfigured"  # not even the minimal request in its form is served
+    PASSING = "passing"  # a 5xx/timeout, then its form served again or no slot to ask: an outage
+    REFUSES = "refuses"  # this request (a 4xx) or its form (a 5xx/timeout the re-ask confirms)
+
+
+# A backend's permanent answer to the call (a 4xx or 3xx): it answered.
+_REFUSALS = frozenset({"refused", "rejected"})
 
 
 class _Busy(Exception):
@@ -155,16 +156,10 @@ class FallbackChatClient:
         self._sleep = sleep
         self._random = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         self._backends = [Backend(b, self.policy, clock) for b in backends]
-        # Set when an item was given back and a backend it reached had refused it: the form
-        # probe() then asks in, as a plain probe would pass and resume claiming only for the
-        # item to be given back again. The minimal request's (every backend refused the
-        # request and some refused even that: a mode or parameter it does not take, a key; or
-        # a backend serving plain requests fails it: its structured_output; claiming resumes
-        # when one of those serves it), or the refused request's own (a
-        # backend was down or skipped: claiming resumes when a backend serves that form, or
-        # once every backend answers it, served or refused, as the item's next call then
-        # decides). Cleared by any answer.
-        self._probe_form: _ProbeForm | None = None
+        # Set when a failed call's item was given back (see _judge): what ends that pause, as a
+        # plain probe would resume claiming only for the item to be given back again, for
+        # ever. Cleared by any valid reply.
+        self._pause: _Pause | None = None
 
     def breaker(self, name: str) -> CircuitBreaker:
         """The named backend's circuit breaker (for status and tests)."""
@@ -236,7 +231,7 @@ class FallbackChatClient:
                 tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
                 continue
             backend.breaker.record_success()
-            self._probe_form = None
+            self._pause = None
             tried.append(self._attempt(backend, "answered", "", started))
             return ChatResult(
                 value=value,
@@ -277,37 +272,49 @@ class FallbackChatClient:
 
         A chat request, not ``GET /models``: a server whose completions all fail (a model that
         crashed, a GPU out of memory) still lists its models, and would make every item look
-        like the one that broke it.
+        like the one that broke it. After a failed call's item was given back, what ends that
+        pause (see :class:`_Pause`).
         """
-        form = self._probe_form
+        if self._pause is not None:
+            return self._pause_ends(self._pause)
         healthy = False
-        answered = True  # every backend answered (served or refused) the form asked
         for backend in self._backends:
-            result = probe_answer(backend, form.model if form is not None else None)
-            if result is Probed.SERVED:
-                # It serves: closed, so the resumed items all reach it. Left half-open, one
-                # went as the trial and the rest failed at once with circuit_open, given back
-                # (a new outage logged right after circuit_closed, claiming paused again).
-                backend.breaker.record_success()
-                # With backends awaited (they refused the minimal request another served), only
-                # one of them serving it changes the item's next call: another backend serving
-                # it already did when the item was given back.
-                if form is None or not form.awaited or backend.name in form.awaited:
-                    healthy = True
-            elif result is Probed.REFUSED:
-                backend.breaker.allow_probe_now()  # it answers: the next call may reach it
-                # After an outage (no form awaited), a refusal means the server is back with
-                # a configuration problem (a key rotated meanwhile): the item's next call
-                # names it and pauses on it, in the minimal request's form; waiting here
-                # would say "unreachable" for ever.
-                if form is None:
-                    healthy = True
-            elif result in (Probed.DOWN, Probed.BUSY):
-                answered = False
-        # A backend was down when the item was given back, another refused its form: once every
-        # backend answers, the item's next call is decided (served, or refused everywhere and
-        # judged by the minimal request), so claiming resumes and cannot loop for ever.
-        return healthy or (form is not None and form.when_all_answer and answered)
+            result = probe_answer(backend)
+            # Served: closed, so the resumed items all reach it. Left half-open, one went as
+            # the trial and the rest failed at once with circuit_open, given back (a new outage
+            # logged right after circuit_closed, claiming paused again).
+            heard(backend, result, closes=True)
+            # A refusal means the server is back with a configuration problem (a key rotated
+            # meanwhile): the item's next call names it and pauses on it; waiting here would
+            # say "unreachable" for ever.
+            healthy = healthy or result.answered
+        return healthy
+
+    def _pause_ends(self, pause: _Pause) -> bool:
+        """Whether a backend serves the paused call's form now, or the awaited ones are back
+        (see :class:`_Pause`); every backend is asked, so each one serving has its circuit
+        closed."""
+        served = False
+        back: list[bool] = []
+        for backend in self._backends:
+            result = probe_answer(backend, pause.form)
+            heard(backend, result, closes=True)
+            served = served or result is Probed.SERVED
+            if backend.name in pause.awaited and result is not Probed.SERVED:
+                back.append(self._awaited_back(backend, result, outage=pause.outage))
+        if served:
+            return True
+        return all(back) if pause.outage else any(back)
+
+    def _awaited_back(self, backend: Backend, in_form: Probed, *, outage: bool) -> bool:
+        """An awaited backend that did not serve the paused form: after an outage, whether it
+        answers now (that form refused, or a plain request answered); after a
+        misconfiguration, whether it serves the minimal request in its form."""
+        if outage and in_form is not Probed.DOWN:
+            return in_form is Probed.REFUSED  # busy: still not asked
+        result = probe_answer(backend, None if outage else MinimalRequest)
+        heard(backend, result, closes=True)
+        return result.answered if outage else result is Probed.SERVED
 
     def states(self) -> list[BackendState]:
         """Every backend's circuit, with what ``status`` shows about it."""
@@ -526,106 +533,117 @@ class FallbackChatClient:
     ) -> Exception:
         """The error for a call no backend answered validly (durability.md's attempt table).
 
-        Refused or rejected by EVERY backend: the minimal request in each backend's
-        structured-output form decides (one with no free slot to ask counts for neither side).
-        Served by every one of them, this request or its type
-        is refused (a WAF rule, a 404 "no endpoints" for a long prompt, a 400 for this input or
-        for a schema the server's grammar converter cannot take): :class:`RequestRefused`, the
-        item's attempt, or the item would be given back and claimed again for ever. Refused
-        (or unanswered) by any one, it is that backend's configuration (an expired key: 401 to
-        everything), which once fixed may serve this request: given back, and probe() asks the
-        minimal request of those backends, so claiming resumes only once one of them serves it
-        (a plain probe, or another backend serving it, does not lift it). The item's next call
-        is then decided by the backends' real answers.
-
-        Unreachable, skipped or busy somewhere (with refusals or not): an outage only when a
-        probe right after, in the request's own form, of each backend the request reached
-        agrees, since the backend that was down may serve it. probe() then asks in that form
-        and resumes claiming once it is served or every backend answers it, so the item's next
-        call is decided by the backends themselves (no loop while one is down, none after).
-        With no refusal, the minimal request in each reached backend's form decides, see
-        :meth:`_form_failed`.
+        A reply that never validated is the item's (its attempt). So is a request a backend
+        it reached fails while serving a one-token request in its form right after (a request
+        that breaks a healthy server, or one input refused: it must not loop for ever). Any
+        other failure is judged by :meth:`_judge` on each backend's :class:`_Verdict`.
         """
         summary = "; ".join(f"{a.backend}: {a.reason}" for a in tried)
         log.warning("llm_call_failed_everywhere", purpose=purpose, tried=summary)
-        refusals = {"refused", "rejected"}
-        if kinds and all(k in refusals for k in kinds):
-            # Every backend refused this request: the minimal request in each one's form decides
-            # between the configuration (any one refuses it too) and this request or its type
-            # (every one serves it). One with no free slot for it tells nothing (see Probed).
-            answers = {b.name: minimal_answer(b) for b in self._reached(tried, kinds)}
-            unserved = sorted(name for name, a in answers.items() if _unserved(a))
-            if not unserved:
-                return request_refused(tried, answers, summary)
-            self._probe_form = _ProbeForm(
-                MinimalRequest, when_all_answer=False, awaited=frozenset(unserved)
-            )
-            if len(unserved) == len(answers):
-                return not_the_items_fault(tried, kinds, summary)
-            return partly_misconfigured(tried, answers, summary)
-        if all(k in {"unreachable", "skipped", "busy", *refusals} for k in kinds):
-            # Some backend never answered (down, circuit open, busy): it may serve this request
-            # when it is back, so a backend that refused (or failed) is asked in the request's
-            # own form, not the minimal one.
-            served = any(
-                request_would_be_served(b, response_model) for b in self._reached(tried, kinds)
-            )
-            if not served:
-                if any(k in refusals for k in kinds):
-                    # Until that form is served (or every backend answers it), a plain probe's
-                    # success must not resume claiming: probe() asks in it.
-                    self._probe_form = _ProbeForm(response_model, when_all_answer=True)
-                    return not_the_items_fault(tried, kinds, summary)
-                return self._form_failed(tried, kinds, summary, response_model)
-            # A backend it reached serves requests of this shape: this request broke it.
-        return ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
+        failed = ChatFailed(f"no LLM backend gave a valid reply ({summary})", tried=tried)
+        if "invalid" in kinds:
+            return failed
+        if not all(k in _REFUSALS for k in kinds) and any(
+            request_would_be_served(b, response_model) for b in self._reached(tried, kinds)
+        ):
+            return failed
+        backends = [self._backend(a.backend) for a in tried]
+        kind_of = {a.backend: k for a, k in zip(tried, kinds, strict=True)}
+        # Whether each backend answered first: one that did not decides the call on its own
+        # (rule a), and the others' form is then not worth a probe.
+        verdicts = {b.name: self._answered(b, kind_of[b.name]) for b in backends}
+        minimal: dict[str, Probed] = {}
+        if _Verdict.UNANSWERED not in verdicts.values():
+            for b in backends:
+                verdicts[b.name], minimal[b.name] = self._form_verdict(
+                    b, kind_of[b.name], response_model
+                )
+        return self._judge(
+            tried, kinds, verdicts, minimal=minimal, summary=summary, form=response_model
+        )
 
-    def _form_failed(
+    def _judge(
         self,
         tried: tuple[BackendAttempt, ...],
         kinds: list[str],
+        verdicts: dict[str, _Verdict],
+        *,
+        minimal: dict[str, Probed],
         summary: str,
-        response_model: type[BaseModel],
+        form: type[BaseModel],
     ) -> Exception:
-        """Nothing refused the call, and no backend it reached served a one-token request in its
-        form right after: whether each serves the minimal request in its form decides.
+        """THE rule for a call no backend answered validly (each verdict: :class:`_Verdict`).
 
-        - Not even that, while it serves a plain request: its ``structured_output`` (llama-cpp-
-          python's 500 for json_schema); given back, and claiming resumes once one of them
-          serves the minimal request (a plain probe would resume it only for the item to be
-          given back again, for ever).
-        - That, but not this call's form: this request type's schema fails there (a 500 for
-          nested ``$defs``), which other request types do not: the attempt is used
-          (:class:`RequestRefused`), so other queues keep being served.
-        - Otherwise (nothing served, or no free slot to ask): an outage, given back until
-          ``probe()`` succeeds.
+        a. A backend of the fallback order could not be asked or did not answer (down, circuit
+           open, no free slot, a 5xx or timeout whose plain probe fails or finds no slot): an
+           outage for the item (:class:`NoBackendReachable`, :class:`LLMBackendsBusy`; the
+           attempt given back), as that backend may serve it later. Claiming pauses until a
+           backend serves the call's form, or every one of those answers again (the next call
+           is then judged by b, so it cannot loop while one is down, nor after).
+        b. Else every backend answered this request, and none served it:
+           - a backend serves neither it nor the minimal request in its form (a 4xx to that
+             too: a key, a model, a mode; a 5xx or timeout while plain requests are served:
+             its ``structured_output``): misconfigured (given back; rule c);
+           - else a backend that failed it with a 5xx or timeout served its form on the re-ask
+             (a burst that ended) or had no free slot to ask: an outage (given back, claiming
+             paused until a plain probe succeeds);
+           - else every backend refused it (a 4xx) or fails its form (a 5xx or timeout the
+             re-ask confirms) while serving the minimal request: :class:`RequestRefused`, the
+             item's attempt, so other queues go on and the item is not given back for ever.
+        c. A pause for misconfiguration ends when a backend that did not serve the minimal
+           request serves it, or ANY backend serves the call's form (:class:`_Pause`).
+
+        BUSY (no free slot) is never evidence that a request type fails: only "could not ask".
         """
-        verdicts = {
-            b.name: self._form_trouble(b, response_model) for b in self._reached(tried, kinds)
-        }
-        misconfigured = sorted(n for n, v in verdicts.items() if v is _FormTrouble.STRUCTURED)
-        if misconfigured:
-            self._probe_form = _ProbeForm(
-                MinimalRequest, when_all_answer=False, awaited=frozenset(misconfigured)
-            )
-            return form_unserved(tried, misconfigured, summary)
-        refusing = sorted(n for n, v in verdicts.items() if v is _FormTrouble.THIS_FORM)
-        if refusing:
-            return form_refused(tried, refusing, summary)
-        return not_the_items_fault(tried, kinds, summary)
 
-    def _form_trouble(self, backend: Backend, response_model: type[BaseModel]) -> _FormTrouble:
-        """Why ``backend`` failed the call and the one-token request in the call's form."""
-        if not probe_one(backend):
-            return _FormTrouble.OUTAGE
+        def named(verdict: _Verdict) -> list[str]:
+            return [name for name, v in verdicts.items() if v is verdict]
+
+        if unanswered := named(_Verdict.UNANSWERED):
+            self._pause = _Pause(form, frozenset(unanswered), outage=True)
+            return not_the_items_fault(tried, kinds, summary)
+        failed_form = {a.backend for a, k in zip(tried, kinds, strict=True) if k not in _REFUSALS}
+        if misconfigured := named(_Verdict.MISCONFIGURED):
+            self._pause = _Pause(form, frozenset(misconfigured), outage=False)
+            if structured := [name for name in misconfigured if name in failed_form]:
+                return form_unserved(tried, structured, summary)
+            if len(misconfigured) == len(verdicts):
+                return not_the_items_fault(tried, kinds, summary)
+            return partly_misconfigured(tried, minimal, summary)
+        if named(_Verdict.PASSING):
+            self._pause = None  # the form was served again (or could not be asked): plain
+            return not_the_items_fault(tried, kinds, summary)
+        if failed_form:
+            return form_refused(tried, sorted(failed_form), summary)
+        return request_refused(tried, minimal, summary)
+
+    def _answered(self, backend: Backend, kind: str) -> _Verdict:
+        """UNANSWERED when the call could not ask ``backend`` (skipped, busy) or it failed with
+        a 5xx or timeout and a plain probe right after fails or finds no slot (rule a); else
+        REFUSES, for now (:meth:`_form_verdict` decides)."""
+        if kind in {"skipped", "busy"}:
+            return _Verdict.UNANSWERED
+        if kind in _REFUSALS or probe_answer(backend).answered:
+            return _Verdict.REFUSES
+        return _Verdict.UNANSWERED
+
+    def _form_verdict(
+        self, backend: Backend, kind: str, response_model: type[BaseModel]
+    ) -> tuple[_Verdict, Probed]:
+        """What the minimal request in ``backend``'s form (and, after a 5xx or timeout, the
+        call's form asked again) says of a backend that answered the call (see ``_judge``)."""
         minimal = minimal_answer(backend)
-        if _unserved(minimal):
-            return _FormTrouble.STRUCTURED
+        if minimal.unserved:
+            return _Verdict.MISCONFIGURED, minimal
+        if kind in _REFUSALS:  # its 4xx is its answer: the minimal request only tells its setup
+            return _Verdict.REFUSES, minimal
         if minimal is Probed.BUSY:
-            return _FormTrouble.OUTAGE  # not asked: nothing tells it from an outage
+            return _Verdict.PASSING, minimal  # not asked: "could not ask", never "this form"
         # Asked again: a burst of 5xx that has just ended is an outage, not this form's.
         again = probe_answer(backend, response_model)
-        return _FormTrouble.OUTAGE if again is Probed.SERVED else _FormTrouble.THIS_FORM
+        if again in (Probed.SERVED, Probed.BUSY):  # served, or not asked: an outage either way
+            return _Verdict.PASSING, minimal
+        return _Verdict.REFUSES, minimal
 
     def _reached(self, tried: tuple[BackendAttempt, ...], kinds: list[str]) -> list[Backend]:
         """The backends the request reached: a skipped or busy one never saw it, so its health

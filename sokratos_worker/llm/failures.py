@@ -18,7 +18,7 @@ from sokratos_worker import jsontext
 from sokratos_worker.config import without_credentials
 from sokratos_worker.llm.backend import Backend
 from sokratos_worker.llm.http import Verdict
-from sokratos_worker.llm.one_token_probe import Probed
+from sokratos_worker.llm.one_token_probe import Probed, split
 from sokratos_worker.llm.types import (
     BackendAttempt,
     LLMBackendsBusy,
@@ -73,20 +73,20 @@ def request_refused(
     """Every backend refused this request, and none refused the minimal one in its form: the
     request or its type (the attempt used). A backend with no free slot for the minimal
     request is named as such, not as serving it."""
-    busy = [name for name, a in answers.items() if a is Probed.BUSY]
-    if not busy:
+    parts = split(answers)
+    if not parts.busy:
         return RequestRefused(
             f"every LLM backend refused this request ({summary}), while serving a minimal"
             " request in the same form: the request or its schema is refused, not the"
             " configuration",
             tried=tried,
         )
-    served = [name for name, a in answers.items() if a is Probed.SERVED]
-    also = f", and {', '.join(served)} served one in the same form" if served else ""
+    also = f", and {', '.join(parts.served)} served one in the same form" if parts.served else ""
     return RequestRefused(
-        f"every LLM backend refused this request ({summary}); {', '.join(busy)} had every slot"
-        f" in use by calls in flight, so no minimal request was sent to it{also}: taken as"
-        " this request's refusal (its attempt is used, so it is not given back for ever)",
+        f"every LLM backend refused this request ({summary}); {', '.join(parts.busy)} had"
+        f" every slot in use by calls in flight, so no minimal request was sent to it{also}:"
+        " taken as this request's refusal (its attempt is used, so it is not given back for"
+        " ever)",
         tried=tried,
     )
 
@@ -96,13 +96,11 @@ def partly_misconfigured(
 ) -> LLMBackendsMisconfigured:
     """Every backend refused the request, some served the minimal one and the others refused
     it too (or did not answer it): those others' configuration (the attempt given back)."""
-    unserved = [name for name, a in answers.items() if a in (Probed.REFUSED, Probed.DOWN)]
+    parts = split(answers)
+    unserved = parts.unserved
     others = "; ".join(
         f"{', '.join(names)} {what}"
-        for what, names in (
-            ("served it", [n for n, a in answers.items() if a is Probed.SERVED]),
-            ("had no free slot to ask", [n for n, a in answers.items() if a is Probed.BUSY]),
-        )
+        for what, names in (("served it", parts.served), ("had no free slot to ask", parts.busy))
         if names
     )
     proxied = {a.backend for a in tried if a.reason.startswith(PROXY_REFUSED)}

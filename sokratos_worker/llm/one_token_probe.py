@@ -11,6 +11,8 @@ completion counts as served.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -42,10 +44,11 @@ class Probed(enum.Enum):
 
     BUSY is never evidence either way: the probe was not sent, as every slot of the backend
     stayed taken by this process's own calls for the whole wait, and those calls may be
-    generating on a healthy server or hanging on a dead one. Every caller decides as if that
-    probe had not been made: a half-open trial records nothing (the calls in flight decide
-    when they end), ``probe()`` counts the backend as not answered, and a failed call's
-    verdict rests on the probes that did get an answer.
+    generating on a healthy server or hanging on a dead one. It only ever means "could not
+    ask": a half-open trial records nothing (the calls in flight decide when they end),
+    ``probe()`` counts the backend as not answered, and a failed call takes that backend for
+    one it could not ask (the rule for a failed call: ``FallbackChatClient._judge`` in
+    :mod:`.chat`).
     """
 
     SERVED = "served"
@@ -53,21 +56,58 @@ class Probed(enum.Enum):
     DOWN = "down"  # no answer, a transient one, or not a chat completion
     BUSY = "busy"  # not sent: every slot stayed taken by this process's calls to it
 
+    @property
+    def answered(self) -> bool:
+        """The server answered it (served or refused): it is up."""
+        return self in (Probed.SERVED, Probed.REFUSED)
+
+    @property
+    def unserved(self) -> bool:
+        """It was sent and not served (BUSY was not sent: no evidence)."""
+        return self in (Probed.REFUSED, Probed.DOWN)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The backends a probe served, could not be sent to (busy) and did not serve."""
+
+    served: list[str]
+    busy: list[str]
+    unserved: list[str]
+
+
+def split(answers: Mapping[str, Probed]) -> Split:
+    """``answers`` (backend name: its probe's answer) split three ways, in their order."""
+    return Split(
+        served=[name for name, a in answers.items() if a is Probed.SERVED],
+        busy=[name for name, a in answers.items() if a is Probed.BUSY],
+        unserved=[name for name, a in answers.items() if a.unserved],
+    )
+
+
+def heard(backend: Backend, result: Probed, *, closes: bool = False) -> None:
+    """The breaker's side of a probe's answer: served closes the circuit when ``closes`` (the
+    pause's probe: the resumed items must all reach it), else it and a refusal end an open
+    circuit's cool-down (it answers: the next call may reach it); down and busy record
+    nothing, as a call's own failure is recorded where it failed."""
+    if result is Probed.SERVED and closes:
+        backend.breaker.record_success()
+    elif result.answered:
+        backend.breaker.allow_probe_now()
+
 
 def request_would_be_served(backend: Backend, response_model: type[BaseModel]) -> bool:
     """The one-token probe in ``response_model``'s structured-output form: a refusal of the
     form itself (OpenRouter's 404 for unsupported parameters) is then every item's."""
-    if not probe_one(backend, response_model):
-        return False
-    backend.breaker.allow_probe_now()
-    return True
+    result = probe_answer(backend, response_model)
+    heard(backend, result)
+    return result is Probed.SERVED
 
 
 def minimal_answer(backend: Backend) -> Probed:
     """The minimal request in ``backend``'s structured-output form (see :data:`MinimalRequest`)."""
     result = probe_answer(backend, _Probe)
-    if result in (Probed.SERVED, Probed.REFUSED):  # it answered: the next call may reach it
-        backend.breaker.allow_probe_now()
+    heard(backend, result)
     return result
 
 
@@ -123,8 +163,11 @@ __all__ = [
     "PROBE_MESSAGE",
     "MinimalRequest",
     "Probed",
+    "Split",
+    "heard",
     "minimal_answer",
     "probe_answer",
     "probe_one",
     "request_would_be_served",
+    "split",
 ]

@@ -77,11 +77,12 @@ class ChatClient(Protocol):
 
         Raises :class:`ContextTooLong` when a backend said the input is over its model's
         context (the next backends are not sent the same oversize input: shorten it first),
-        :class:`NoBackendReachable` when no backend could be reached at all (and a health
-        probe right after failed too; :class:`LLMBackendsBusy` when every backend's slots
-        stayed taken), and :class:`ChatFailed` for anything else (:class:`RequestRefused`
-        when every backend refused or kept failing this request while serving a minimal one:
-        not "no valid reply this time", so a caller must not go on without it).
+        :class:`NoBackendReachable` when a backend could not be asked or did not answer (a
+        health probe right after failed too, or it had no free slot; :class:`LLMBackendsBusy`
+        when every backend's slots stayed taken), as it may serve the request later, and
+        :class:`ChatFailed` for anything else (:class:`RequestRefused` when every backend
+        refused or kept failing this request while serving a minimal one: not "no valid reply
+        this time", so a caller must not go on without it).
         """
         ...
 
@@ -142,7 +143,9 @@ class ContextTooLong(ChatFailed):
 
 
 class NoBackendReachable(BackendsUnavailable):
-    """No chat backend could be reached at all (connect errors, circuits open, 5xx)."""
+    """A chat backend could not be asked or did not answer (connect errors, circuits open, 5xx
+    with a failing health probe, no free slot), or its 5xx burst ended meanwhile: the attempt
+    is given back (the rule: ``FallbackChatClient._judge``)."""
 
     def __init__(self, message: str, *, tried: tuple[BackendAttempt, ...] = ()) -> None:
         super().__init__(message)
