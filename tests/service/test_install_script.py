@@ -126,7 +126,7 @@ def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement
     # The venv exists already (so it is not created): its python records what pip was asked
     # (and nothing else: the script also asks it where roles.sql is).
     (venv_bin / "python").write_text(
-        f'#!/bin/sh\n[ "$1" = -m ] && printf "%s\\n" "$@" > {asked}\nexit 0\n'
+        f'#!/bin/sh\n[ "$1" = -m ] && printf "%s\\n" "$@" >> {asked}\nexit 0\n'
     )
     (venv_bin / "sokratos-worker").write_text("#!/bin/sh\nexit 0\n")
     for script in venv_bin.iterdir():
@@ -135,14 +135,11 @@ def test_extras_go_where_pip_reads_them(tmp_path: Path, source: str, requirement
         "--prefix", str(tmp_path), "--python", sys.executable, "--extras", "local", source
     )
     assert result.returncode == 0, result.stderr
-    assert asked.read_text().splitlines() == [
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--upgrade",
-        requirement,
-    ]
+    upgrade = ["-m", "pip", "install", "--quiet", "--upgrade", requirement]
+    # A wheel is installed again at the same version (every build is 0.1.0).
+    again = ["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", requirement]
+    expected = upgrade + (again if source.endswith(".whl") else [])
+    assert asked.read_text().splitlines() == expected
     assert f"installing {requirement}" in result.stdout
 
 
