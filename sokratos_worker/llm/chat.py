@@ -231,7 +231,7 @@ class FallbackChatClient:
                 tried.append(self._attempt(backend, "failed", f"invalid_reply: {exc}", started))
                 continue
             backend.breaker.record_success()
-            self._pause = None
+            self._end_pause_served(response_model)
             tried.append(self._attempt(backend, "answered", "", started))
             return ChatResult(
                 value=value,
@@ -289,6 +289,15 @@ class FallbackChatClient:
             # say "unreachable" for ever.
             healthy = healthy or result.answered
         return healthy
+
+    def _end_pause_served(self, form: type[BaseModel]) -> None:
+        """A valid reply in the paused call's form ends the pause; one in another form does
+        not: a fallback serving triage while the primary is down and the fallback fails the
+        paused contradiction form would resume claiming, and the same item would be claimed,
+        fail and be given back again, for as long as the primary is down."""
+        pause = self._pause
+        if pause is not None and pause.form is form:
+            self._pause = None
 
     def _pause_ends(self, pause: _Pause) -> bool:
         """Whether a backend serves the paused call's form now, or the awaited ones are back
