@@ -207,10 +207,9 @@ class Settler:
             except pg_errors.Error as exc:
                 if claim_from is None or not refused_by_setup(exc):
                     raise
-                # The next item's claim refused (a privilege revoked on that queue): this
-                # item's outcome is still written, without it (it failed with the claim).
-                bound.warning("settle_claim_refused", queue=claim_from.value, error=str(exc))
-                return store.settle_success(
+                # Perhaps the next item's claim refused (a privilege revoked on that queue):
+                # this item's outcome is still written, without it (it failed with the claim).
+                done = store.settle_success(
                     conn,
                     item,
                     effects,
@@ -218,6 +217,9 @@ class Settler:
                     claim_from=None,
                     lease_s=self.settings.lease,
                 )
+                # (Said once the settle alone went through: then the claim was refused.)
+                bound.warning("settle_claim_refused", queue=claim_from.value, error=str(exc))
+                return done
 
         return self._with_database(item, settle, bound)
 

@@ -583,6 +583,12 @@ class FallbackChatClient:
     ) -> Exception:
         """THE rule for a call no backend answered validly (each verdict: :class:`_Verdict`).
 
+        Decided before it, in :meth:`_failure`: a reply that never validated, or a request a
+        reached backend failed while serving a one-token request in the call's form right
+        after (unless every backend answered 4xx), is the item's own (:class:`ChatFailed`,
+        the attempt used), whatever the others did: durability.md's "the probe right after
+        succeeds" row (a request that breaks a healthy server must not loop for ever).
+
         a. A backend of the fallback order could not be asked or did not answer (down, circuit
            open, no free slot, a 5xx or timeout whose plain probe fails or finds no slot): an
            outage for the item (:class:`NoBackendReachable`, :class:`LLMBackendsBusy`; the

@@ -212,7 +212,9 @@ def test_a_settle_whose_next_claim_is_refused_still_writes_its_outcome(
         database=database,
         handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
         worker_id="refused",
+        on_state=lambda state, detail: states.append(state),
     )
+    states: list[str] = []
     runner.start()
     try:
         saved = "SELECT count(*) FROM work_outcomes WHERE outcome = 'saved'"
@@ -220,5 +222,9 @@ def test_a_settle_whose_next_claim_is_refused_still_writes_its_outcome(
     finally:
         runner.shutdown(5)
         database.close()
+    # Waiting from the first refusal on: the other queue's settles did not flip it back to
+    # running (readiness and its alert flapped with them; found by a review).
+    waiting = states.index(State.WAITING_FOR_DATABASE)
+    assert State.RUNNING not in states[waiting:], states
     assert count(db, "SELECT count(*) FROM failed_operations") == 0
     assert count(db, "SELECT count(*) FROM pending_distillation WHERE attempts = 0") == 1
