@@ -228,11 +228,13 @@ def test_tokens_of_a_repaired_call_count_both_requests_when_one_reports_no_usage
     assert (result.prompt_tokens, result.completion_tokens) == (5, 3)
 
 
-def test_a_call_answered_after_a_give_back_lets_a_plain_probe_resume_claiming(
+def test_a_call_of_another_form_answered_after_a_give_back_does_not_end_the_pause(
     servers: Servers, make_client: MakeClient
 ):
-    """The form probe() asks in after a give-back (the minimal request, awaiting the backend
-    that refused it) is cleared by any later answer: a plain probe then decides again."""
+    """The pause after a give-back (awaiting the backend that refused the minimal request) is
+    not ended by an answer in another form: it once was, and the given-back item was claimed,
+    failed and given back again for as long as the key stayed expired (found by a review).
+    It ends when the awaited backend serves again."""
     expired, refusing = {"mode": "expired"}, {"mode": "refuses"}
     client = primary_and_fallback(servers, make_client, switchable(expired), switchable(refusing))
 
@@ -240,6 +242,8 @@ def test_a_call_answered_after_a_give_back_lets_a_plain_probe_resume_claiming(
     assert client.probe() is False  # awaiting "primary", whose key still fails
 
     assert ask(client) == "fallback"  # another request type is answered meanwhile
+    assert client.probe() is False
+    expired["mode"] = "serves"  # the key renewed
     assert client.probe() is True
 
 
