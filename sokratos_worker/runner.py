@@ -320,7 +320,7 @@ class Runner:
     def _claimed_without_error(self, asked: int) -> None:
         """The dispatcher's pass ended without a database error: leave any wait for it."""
         if asked:  # a claim was sent (none when every slot is busy): the database answered
-            self._worker_state.database_back(claimed=True)
+            self._worker_state.database_back()
 
     def _wait(self, seconds: float) -> None:
         # Wake at least every second so the watchdog sees progress.

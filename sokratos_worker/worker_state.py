@@ -128,7 +128,6 @@ class WorkerState:
         self._on_state = on_state
         self._on_database_contact = on_database_contact
         self._lock = threading.Lock()
-        self._claims_refused = False  # the outage in progress is a refused claim (ClaimRefused)
         # When the next health probe is due (monotonic); 0 when claiming is not paused.
         self.paused_until = 0.0
         self._pause_delay = 5.0
@@ -181,8 +180,6 @@ class WorkerState:
             first = self._outage_since is None
             if first:
                 self._outage_since = time.monotonic()
-            if isinstance(exc, ClaimRefused):
-                self._claims_refused = True
             if self.state == State.RUNNING:
                 self.state, self.detail = State.WAITING_FOR_DATABASE, str(exc)
         if first:
@@ -193,17 +190,12 @@ class WorkerState:
             )
         self._report()
 
-    def database_back(self, *, claimed: bool = False) -> None:
-        """A claim or settle reached the database: the end of an outage is said once. A
-        refused claim is over only when a claim (``claimed``) goes through: the settles of the
-        other queue's items flipped the state back and forth (and readiness, and its alert)."""
+    def database_back(self) -> None:
+        """A claim or settle reached the database: the end of an outage is said once."""
         self._on_database_contact(True)
         if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
             return  # the hot path: no lock when there is no outage
         with self._lock:
-            if self._claims_refused and not claimed:
-                return
-            self._claims_refused = False
             since, self._outage_since = self._outage_since, None
             if self.state == State.WAITING_FOR_DATABASE:
                 self.state, self.detail = State.RUNNING, ""

@@ -158,7 +158,7 @@ class FallbackChatClient:
         self._backends = [Backend(b, self.policy, clock) for b in backends]
         # Set when a failed call's item was given back (see _judge): what ends that pause, as a
         # plain probe would resume claiming only for the item to be given back again, for
-        # ever. Cleared by any valid reply.
+        # ever. Cleared by a valid reply in its form, or once probe() finds it ended.
         self._pause: _Pause | None = None
 
     def breaker(self, name: str) -> CircuitBreaker:
@@ -275,8 +275,14 @@ class FallbackChatClient:
         like the one that broke it. After a failed call's item was given back, what ends that
         pause (see :class:`_Pause`).
         """
-        if self._pause is not None:
-            return self._pause_ends(self._pause)
+        pause = self._pause
+        if pause is not None:
+            if not self._pause_ends(pause):
+                return False
+            # Ended: cleared, or a pause whose form is never served again (the item's next
+            # call judged its own failure) would hold every later probe to its test.
+            self._clear_pause(pause)
+            return True
         healthy = False
         for backend in self._backends:
             result = probe_answer(backend)
@@ -297,6 +303,11 @@ class FallbackChatClient:
         fail and be given back again, for as long as the primary is down."""
         pause = self._pause
         if pause is not None and pause.form is form:
+            self._clear_pause(pause)
+
+    def _clear_pause(self, pause: _Pause) -> None:
+        """Clear ``pause`` unless another call has set a newer one meanwhile."""
+        if self._pause is pause:
             self._pause = None
 
     def _pause_ends(self, pause: _Pause) -> bool:

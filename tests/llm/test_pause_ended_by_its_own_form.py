@@ -40,3 +40,41 @@ def test_a_reply_in_another_form_does_not_end_the_pause(servers: Any) -> None:
         assert client.probe() is False, "claiming resumed while the primary is still down"
     finally:
         client.close()
+
+
+def test_a_pause_found_ended_by_the_probe_is_cleared(servers: Any) -> None:
+    """A pause is cleared when probe() finds it ended: left set (when the item's next call is
+    judged its own failure, its form is never served again), it held every later probe to its
+    own test, long after it ended (found by a review)."""
+    primary_state = {"down": True}
+
+    def primary(request: Any) -> Reply:
+        if primary_state["down"]:
+            return Reply.error(503, "down", type="server_error")
+        if schema_name(request) is None:
+            return Reply.chat("OK", completion_tokens=1)
+        return Reply.chat({"contradicts": False, "explanation": "no"})  # back
+
+    def fallback(request: Any) -> Reply:
+        if schema_name(request) == "Contradiction":
+            return Reply.error(500, "json_schema with $defs unsupported", type="server_error")
+        if schema_name(request) is None:
+            return Reply.chat("OK", completion_tokens=1)
+        return Reply.chat({"score": 5, "summary": "x", "ok": True})
+
+    client = FallbackChatClient(
+        [
+            backend(scripted(servers, primary), "primary", timeout=1),
+            backend(scripted(servers, fallback), "fallback", timeout=1),
+        ],
+        policy=RetryPolicy(attempts=1, probe_timeout=1, breaker_threshold=100),
+        sleep=lambda s: None,
+    )
+    try:
+        assert isinstance(ask_contradiction(client), BackendsUnavailable)
+        assert client.probe() is False
+        primary_state["down"] = False  # back
+        assert client.probe() is True
+        assert client._pause is None
+    finally:
+        client.close()

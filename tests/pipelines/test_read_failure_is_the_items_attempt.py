@@ -58,6 +58,7 @@ def _run_until_decided(
     reads: object,
     chat: FakeChat,
     item_id: int,
+    *,
     max_attempts: int = 3,
 ) -> dict[str, int]:
     """Run the runner until the item has an outcome (20 s at most); its triage counts."""
