@@ -14,25 +14,31 @@ from sokratos_worker.testing import Reply
 from tests.llm.conftest import ask, ask_contradiction, backend, schema_name, scripted
 
 
-def test_a_reply_in_another_form_does_not_end_the_pause(servers: Any) -> None:
-    def down(request: Any) -> Reply:
-        return Reply.error(503, "down", type="server_error")
+def _fallback(request: Any) -> Reply:
+    """Serves plain requests and the Scored form; fails the Contradiction form (500)."""
+    if schema_name(request) == "Contradiction":
+        return Reply.error(500, "json_schema with $defs unsupported", type="server_error")
+    if schema_name(request) is None:
+        return Reply.chat("OK", completion_tokens=1)
+    return Reply.chat({"score": 5, "summary": "x", "ok": True})
 
-    def fallback(request: Any) -> Reply:
-        if schema_name(request) == "Contradiction":
-            return Reply.error(500, "json_schema with $defs unsupported", type="server_error")
-        if schema_name(request) is None:
-            return Reply.chat("OK", completion_tokens=1)
-        return Reply.chat({"score": 5, "summary": "x", "ok": True})
 
-    client = FallbackChatClient(
+def _client(servers: Any, primary: Any) -> FallbackChatClient:
+    return FallbackChatClient(
         [
-            backend(scripted(servers, down), "primary", timeout=1),
-            backend(scripted(servers, fallback), "fallback", timeout=1),
+            backend(scripted(servers, primary), "primary", timeout=1),
+            backend(scripted(servers, _fallback), "fallback", timeout=1),
         ],
         policy=RetryPolicy(attempts=1, probe_timeout=1, breaker_threshold=100),
         sleep=lambda s: None,
     )
+
+
+def test_a_reply_in_another_form_does_not_end_the_pause(servers: Any) -> None:
+    def down(request: Any) -> Reply:
+        return Reply.error(503, "down", type="server_error")
+
+    client = _client(servers, down)
     try:
         assert isinstance(ask_contradiction(client), BackendsUnavailable)
         assert client.probe() is False  # paused while the primary is down
@@ -55,21 +61,7 @@ def test_a_pause_found_ended_by_the_probe_is_cleared(servers: Any) -> None:
             return Reply.chat("OK", completion_tokens=1)
         return Reply.chat({"contradicts": False, "explanation": "no"})  # back
 
-    def fallback(request: Any) -> Reply:
-        if schema_name(request) == "Contradiction":
-            return Reply.error(500, "json_schema with $defs unsupported", type="server_error")
-        if schema_name(request) is None:
-            return Reply.chat("OK", completion_tokens=1)
-        return Reply.chat({"score": 5, "summary": "x", "ok": True})
-
-    client = FallbackChatClient(
-        [
-            backend(scripted(servers, primary), "primary", timeout=1),
-            backend(scripted(servers, fallback), "fallback", timeout=1),
-        ],
-        policy=RetryPolicy(attempts=1, probe_timeout=1, breaker_threshold=100),
-        sleep=lambda s: None,
-    )
+    client = _client(servers, primary)
     try:
         assert isinstance(ask_contradiction(client), BackendsUnavailable)
         assert client.probe() is False
