@@ -75,6 +75,8 @@ EMBEDDING_LOOK_TIMEOUT_MS = 30_000
 SLOT_LOCK_REPORT_S = 30.0
 # A stopped email check ends within moments (its session is cut); never wait on it longer.
 EMAIL_STOP_WAIT_S = 5.0
+# A state change's heartbeat write still running when the pool closes is waited for this long.
+HEARTBEAT_WRITER_CLOSE_WAIT_S = 5.0
 
 # Why a worker without handlers claims nothing: its reported state is "no backend" with this.
 NO_BACKEND_CONFIGURED = (
@@ -156,6 +158,8 @@ class Worker:
     def __post_init__(self) -> None:
         # A change of state's heartbeat row, written out of the state's report lock.
         self.heartbeats = BackgroundWrites(self._record_heartbeat, name="heartbeat_writer")
+        # A write left running when the pool closes would fail and log into what runs next.
+        self.database.before_close(self._close_heartbeat_writer)
         # (Its callbacks read the runner, built next: the runner reports progress to it.)
         self.watchdog = DispatcherWatchdog(
             self.notifier,
@@ -361,6 +365,14 @@ class Worker:
             "heartbeat",
             lambda: self._write_heartbeat(state, detail),
         )
+
+    def _close_heartbeat_writer(self) -> None:
+        if not self.heartbeats.close(HEARTBEAT_WRITER_CLOSE_WAIT_S):
+            log.warning(
+                "heartbeat_writer_still_running",
+                waited_s=HEARTBEAT_WRITER_CLOSE_WAIT_S,
+                hint="a heartbeat write waits on the database; the pool closes without it",
+            )
 
     def record_stopped(self) -> None:
         """The last heartbeat: ``status`` no longer lists this process as live."""

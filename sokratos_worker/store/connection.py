@@ -448,6 +448,11 @@ class Database:
         # The server process of each connection a thread holds (a slot's), by thread: what a
         # look at pg_stat_activity asks about (a settle waiting on a lock).
         self._held_pids: dict[int, int] = {}
+        self._before_close: list[Callable[[], None]] = []
+
+    def before_close(self, action: Callable[[], None]) -> None:
+        """Have ``action`` run when :meth:`close` is called, before the pool closes."""
+        self._before_close.append(action)
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the connections kept open are open (and configured); False at timeout.
@@ -574,7 +579,9 @@ class Database:
             self._lent += change
 
     def close(self) -> None:
-        """Close every pooled connection."""
+        """Run the :meth:`before_close` actions, then close every pooled connection."""
+        for action in self._before_close:
+            action()
         self.pool.close(timeout=5.0)
 
 

@@ -51,3 +51,34 @@ def test_a_thread_that_cannot_start_does_not_stop_later_writes(
     assert writes == []
     writer.request()
     assert wait_until(lambda: writes == ["w"], timeout=5)
+
+
+def test_close_waits_for_the_running_write_and_starts_no_more() -> None:
+    """A write left running when the pool closed failed against it and logged into the next
+    test's capture (CI read that line as the next test's first event)."""
+    release = threading.Event()
+    writes: list[str] = []
+
+    def write() -> None:
+        writes.append("w")
+        release.wait(10)
+        writes.append("done")
+
+    writer = BackgroundWrites(write, name="heartbeat_writer")
+    writer.request()
+    assert wait_until(lambda: writes == ["w"], timeout=5)
+    writer.request()  # wanted after the running one: close() drops it
+    threading.Timer(0.2, release.set).start()
+    assert writer.close(timeout=10) is True
+    assert writes == ["w", "done"]
+    writer.request()
+    assert not wait_until(lambda: len(writes) > 2, timeout=0.5)
+
+
+def test_close_says_when_the_write_outlasts_its_wait() -> None:
+    release = threading.Event()
+    writer = BackgroundWrites(lambda: release.wait(10) and None, name="heartbeat_writer")
+    writer.request()
+    assert wait_until(lambda: writer._running, timeout=5)
+    assert writer.close(timeout=0.1) is False
+    release.set()

@@ -194,3 +194,38 @@ def test_a_process_stopped_as_a_whole_is_not_a_stalled_dispatcher(
         worker.watchdog.look()
     assert _pinged(sock)
     assert "dispatcher_stalled" not in [e["event"] for e in logs]
+
+
+def test_closing_the_database_first_waits_for_the_heartbeat_writer(
+    tmp_path: Path, database_url: str
+) -> None:
+    """A state change's heartbeat write still running when the pool closed failed against it
+    and logged into whatever ran next (a later test's capture); the close waits for it."""
+    settings = Settings()
+    database = Database(database_url, size=2)
+    worker = Worker(
+        settings=settings,
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
+    )
+    entered, release = threading.Event(), threading.Event()
+    written: list[str] = []
+    record = worker._record_heartbeat
+
+    def slow_record() -> None:
+        entered.set()
+        release.wait(10)
+        record()
+        written.append("written")
+
+    worker.heartbeats._write = slow_record
+    worker._on_state("running", "")
+    assert entered.wait(5)
+    threading.Timer(0.3, release.set).start()
+    with capture_logs() as logs:
+        database.close()
+    assert written == ["written"]  # finished against an open pool, before it closed
+    assert [e["event"] for e in logs if "heartbeat" in e["event"]] == []
+    worker._on_state("running", "")  # after the close: no write starts
+    assert not wait_until(lambda: len(written) > 1, timeout=0.5)
