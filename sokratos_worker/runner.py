@@ -45,7 +45,12 @@ from sokratos_worker.settle import (
     reused_id_hint,
 )
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Connection, Database, refused_by_setup
+from sokratos_worker.store.connection import (
+    Connection,
+    Database,
+    claim_refusal,
+    refused_by_setup,
+)
 from sokratos_worker.worker_state import State, WorkerState
 
 log = structlog.get_logger(__name__)
@@ -54,6 +59,9 @@ log = structlog.get_logger(__name__)
 # is cancelled: the cancel and the wait for the claim to end share this bound (a stop takes at
 # most the grace + 5 s + 2 s).
 CLAIM_CANCEL_TIMEOUT_S = 2.0
+# A queue whose claims the server refuses (a privilege revoked) is asked again this often,
+# by the dispatcher or a settle: each refusal is an ERROR line in the server's log.
+REFUSED_CLAIM_RETRY_S = 5.0
 
 
 def _no_contact_report(reached: bool) -> None:
@@ -139,6 +147,8 @@ class Runner:
             database_lost=self._worker_state.database_lost,
             database_back=self._worker_state.database_back,
             pause=self._worker_state.pause,
+            claim_refused=self._worker_state.claim_refused,
+            claim_accepted=self._worker_state.claim_accepted,
         )
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
@@ -148,6 +158,9 @@ class Runner:
         self._threads: list[threading.Thread] = []
         self._rotation = 0
         self._shares = QueueShares(self.queues)
+        # When each queue whose claims are refused may be asked again (monotonic).
+        self._refused_retry_at: dict[Queue, float] = {}
+        self._refused_lock = threading.Lock()
         # The server process of the dispatcher's statement in progress (None between them):
         # the watchdog asks PostgreSQL what it waits for when the dispatcher stops coming round.
         self.dispatcher_backend_pid: int | None = None
@@ -340,7 +353,7 @@ class Runner:
         except pg_errors.Error as exc:
             if not refused_by_setup(exc):
                 raise  # (a bug of the worker's own: its traceback, as before)
-            raise ClaimRefused(_claim_refusal(exc)) from exc
+            raise ClaimRefused(claim_refusal(exc)) from exc
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
         free = self.settings.concurrency - self.inflight_count()
@@ -361,7 +374,19 @@ class Runner:
                         break
                     if limit <= 0 or q in short:
                         continue
-                    items = self._claim_cancellable(conn, q, limit)
+                    if not self._may_claim_from(q):
+                        short.add(q)
+                        continue
+                    try:
+                        items = self._claim_cancellable(conn, q, limit)
+                    except pg_errors.Error as exc:
+                        if not refused_by_setup(exc):
+                            raise
+                        # The other queues are still claimed: this one waits for its fix.
+                        self._worker_state.claim_refused(q, ClaimRefused(claim_refusal(exc)))
+                        short.add(q)
+                        continue
+                    self._worker_state.claim_accepted(q)
                     self._shares.claimed(q, all_asked=len(items) >= limit)
                     if len(items) < limit:
                         short.add(q)
@@ -376,6 +401,27 @@ class Runner:
         finally:
             self._inflight.end_claim()
         return asked, got
+
+    def _may_claim_from(self, queue: Queue) -> bool:
+        """False for a queue whose claims the server refuses, until its next retry is due;
+        the one thread told True is the retry (the next is due a while later)."""
+        if queue not in self._worker_state.refused_queues():
+            return True
+        with self._refused_lock:
+            now = time.monotonic()
+            if now < self._refused_retry_at.get(queue, 0.0):
+                return False
+            self._refused_retry_at[queue] = now + REFUSED_CLAIM_RETRY_S
+            return True
+
+    def _refused_retry_in(self) -> float | None:
+        """Seconds until a refused queue's claim is due again; None when none is refused."""
+        refused = self._worker_state.refused_queues()
+        if not refused:
+            return None
+        with self._refused_lock:
+            due = min(self._refused_retry_at.get(q, 0.0) for q in refused)
+        return max(0.0, due - time.monotonic())
 
     def _claim_cancellable(self, conn: Connection, queue: Queue, limit: int) -> list[Item]:
         """One claim statement, which the stop cancels if it still waits after the release."""
@@ -392,8 +438,13 @@ class Runner:
         return items
 
     def _next_ready_in(self) -> float | None:
+        """When the next item of a queue not refused becomes claimable, or a refused queue's
+        retry is due, whichever is first (None: nothing waits)."""
+        refused = self._worker_state.refused_queues()
         with self._dispatcher_connection() as conn:
-            return store.next_ready_in(conn, self.queues)
+            ready_in = store.next_ready_in(conn, [q for q in self.queues if q not in refused])
+        retry_in = self._refused_retry_in()
+        return min((t for t in (ready_in, retry_in) if t is not None), default=None)
 
     @contextmanager
     def _dispatcher_connection(self) -> Iterator[Connection]:
@@ -541,12 +592,22 @@ class Runner:
             not (self._worker_state.paused() or self._budget_spent())
             and self._inflight.begin_claim()
         )
-        claim_from = item.queue
+        wanted = item.queue
         if want_next and len(self.queues) > 1:
-            claim_from = self._shares.for_settle(item.queue, self._inflight.by_queue())
+            wanted = self._shares.for_settle(item.queue, self._inflight.by_queue())
+        claim_from: Queue | None = wanted if want_next else None
+        if claim_from is not None and not self._may_claim_from(claim_from):
+            # Refused, its retry not due: this item's queue instead, else none at all.
+            fallback = item.queue != claim_from and self._may_claim_from(item.queue)
+            claim_from = item.queue if fallback else None
         try:
             return self._settle_and_claim(
-                item, effects, bound, started, claim_from=claim_from if want_next else None
+                item,
+                effects,
+                bound,
+                started,
+                claim_from=claim_from,
+                wake_dispatcher=want_next and claim_from is None,
             )
         finally:
             if want_next:
@@ -560,9 +621,10 @@ class Runner:
         started: float,
         *,
         claim_from: Queue | None,
+        wake_dispatcher: bool = False,
     ) -> tuple[Item | None, str]:
         """The settle of :meth:`_settle_success`, claiming the next item from ``claim_from``
-        unless it is None."""
+        unless it is None; ``wake_dispatcher``: the dispatcher fills the slot instead."""
         done = self._settler.write_success(item, effects, bound, claim_from=claim_from)
         if done is None:
             return None, ABANDONED
@@ -577,7 +639,7 @@ class Runner:
             # Claimed as the stop or a pause came: given back, not run (nor left to the lease).
             self._give_back(next_items)
             return None, kind
-        if claim_from is not None and not next_items and len(self.queues) > 1:
+        if wake_dispatcher or (claim_from is not None and not next_items and len(self.queues) > 1):
             # The other queue may have items: the dispatcher fills the slot now (it would wait
             # up to 5 s), once the item is untracked so that it counts the slot free.
             self.wake(notified=False)
@@ -588,9 +650,3 @@ class Runner:
     def _progress(self) -> None:
         if self._on_progress is not None:
             self._on_progress()
-
-
-def _claim_refusal(exc: pg_errors.Error) -> str:
-    """The claim's refusal in one line: the server's message and its SQLSTATE."""
-    first = (exc.diag.message_primary or str(exc) or type(exc).__name__).splitlines()[0]
-    return f"the database refuses the claim: {first} (SQLSTATE {exc.sqlstate})"

@@ -22,6 +22,7 @@ from psycopg import errors as pg_errors
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import (
     INVALID_PAYLOAD_PREFIX,
+    ClaimRefused,
     DatabaseUnavailable,
     InvalidPayload,
     NoAttemptLeft,
@@ -34,6 +35,7 @@ from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import (
     Connection,
     Database,
+    claim_refusal,
     refused_by_setup,
     time_limited,
 )
@@ -167,9 +169,13 @@ class Settler:
         database_lost: Callable[[DatabaseUnavailable], None],
         database_back: Callable[[], None],
         pause: Callable[[str], None],
+        claim_refused: Callable[[Queue, ClaimRefused], None] = lambda queue, exc: None,
+        claim_accepted: Callable[[Queue], None] = lambda queue: None,
     ) -> None:
         """``database_lost`` / ``database_back``: a settle met the database away / reached it
-        (the runner's state); ``pause``: no backend can be reached, stop claiming."""
+        (the runner's state); ``pause``: no backend can be reached, stop claiming;
+        ``claim_refused`` / ``claim_accepted``: the claim of the next item a settle carried was
+        refused by the server / went through."""
         self.settings = settings
         self.database = database
         self.worker_id = worker_id
@@ -178,6 +184,8 @@ class Settler:
         self._database_lost = database_lost
         self._database_back = database_back
         self._pause = pause
+        self._claim_refused = claim_refused
+        self._claim_accepted = claim_accepted
         self._database_give_backs: dict[tuple[Queue, int], int] = {}
         self._give_backs_lock = threading.Lock()
 
@@ -196,7 +204,7 @@ class Settler:
 
         def settle(conn: Connection) -> tuple[SettleResult, list[Item]]:
             try:
-                return store.settle_success(
+                done = store.settle_success(
                     conn,
                     item,
                     effects,
@@ -219,7 +227,11 @@ class Settler:
                 )
                 # (Said once the settle alone went through: then the claim was refused.)
                 bound.warning("settle_claim_refused", queue=claim_from.value, error=str(exc))
+                self._claim_refused(claim_from, ClaimRefused(claim_refusal(exc)))
                 return done
+            if claim_from is not None:
+                self._claim_accepted(claim_from)
+            return done
 
         return self._with_database(item, settle, bound)
 

@@ -9,9 +9,12 @@ pause is over, to probe the backends and resume (:meth:`~WorkerState.maybe_resum
 
 The rules: an outage turns running into waiting for the database, and its end turns waiting
 back into running; a backend pause and a stop outlast any outage; a resume during an outage
-goes back to waiting. Each outage and its end are said once, by whichever thread meets them,
-and each change of state is reported to the daemon (``on_state``: sd_notify, metrics,
-heartbeat) once, the last report being of the latest state.
+goes back to waiting. A queue whose claims the server refuses (a privilege revoked) keeps the
+worker waiting until a claim from that queue is accepted (:meth:`~WorkerState.claim_refused`,
+:meth:`~WorkerState.claim_accepted`): the other queue's contacts do not end it. Each outage
+and its end are said once, by whichever thread meets them, and each change of state is
+reported to the daemon (``on_state``: sd_notify, metrics, heartbeat) once, the last report
+being of the latest state.
 
 Its lock guards the state alone (the runner's in-flight lock guards the items and the stats):
 no other lock is taken while it is held.
@@ -34,6 +37,7 @@ from sokratos_worker.errors import (
     reached_database,
 )
 from sokratos_worker.handlers import Handler
+from sokratos_worker.model import Queue
 from sokratos_worker.policy import describe
 
 log = structlog.get_logger(__name__)
@@ -137,6 +141,8 @@ class WorkerState:
         self._outage_since: float | None = None
         self._report_lock = threading.Lock()  # state reports go out one at a time
         self._reported = (self.state, self.detail)
+        # The queues whose claims the server refuses: each refusal and when it was first met.
+        self._refused: dict[Queue, tuple[str, float]] = {}
 
     # -- changes ---------------------------------------------------------------------
 
@@ -191,17 +197,68 @@ class WorkerState:
         self._report()
 
     def database_back(self) -> None:
-        """A claim or settle reached the database: the end of an outage is said once."""
+        """A claim or settle reached the database: the end of an outage is said once; the
+        worker runs again unless a queue's claims are still refused."""
         self._on_database_contact(True)
         if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
             return  # the hot path: no lock when there is no outage
         with self._lock:
             since, self._outage_since = self._outage_since, None
             if self.state == State.WAITING_FOR_DATABASE:
-                self.state, self.detail = State.RUNNING, ""
+                self.state, self.detail = self._running_or_refused()
         if since is not None:
             log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
         self._report()
+
+    # -- claims the server refuses (per queue) -------------------------------------
+
+    def claim_refused(self, queue: Queue, exc: ClaimRefused) -> None:
+        """The server refused a claim from ``queue`` (it answered: no outage). The worker
+        waits until a claim from that queue is accepted; the first refusal is said."""
+        self._on_database_contact(True)
+        with self._lock:
+            first = queue not in self._refused
+            since = self._refused[queue][1] if not first else time.monotonic()
+            self._refused[queue] = (str(exc), since)
+            if self.state == State.RUNNING or (
+                self.state == State.WAITING_FOR_DATABASE and self._outage_since is None
+            ):
+                self.state, self.detail = self._running_or_refused()
+        if first:
+            log.warning(
+                "waiting_for_database",
+                queue=queue.value,
+                error=str(exc),
+                hint=_REFUSED_HINT,
+            )
+        self._report()
+
+    def claim_accepted(self, queue: Queue) -> None:
+        """A claim from ``queue`` went through: its refusal, if any, is over."""
+        if not self._refused:
+            return  # the hot path: no lock when nothing is refused
+        with self._lock:
+            refusal = self._refused.pop(queue, None)
+            if refusal is None:
+                return
+            if self.state == State.WAITING_FOR_DATABASE and self._outage_since is None:
+                self.state, self.detail = self._running_or_refused()
+        log.info(
+            "claims_accepted_again",
+            queue=queue.value,
+            refused_s=round(time.monotonic() - refusal[1], 1),
+        )
+        self._report()
+
+    def refused_queues(self) -> frozenset[Queue]:
+        """The queues whose claims the server refuses now."""
+        return frozenset(self._refused)
+
+    def _running_or_refused(self) -> tuple[str, str]:
+        """Running, or waiting with the first refusal still in force (called under the lock)."""
+        if not self._refused:
+            return State.RUNNING, ""
+        return State.WAITING_FOR_DATABASE, next(iter(self._refused.values()))[0]
 
     # -- pause when no backend can be reached ----------------------------------------
 
@@ -237,13 +294,14 @@ class WorkerState:
         if self._probe_while_alive():
             self._pause_delay = 5.0
             self.paused_until = 0.0
-            # Back to waiting if the database went away meanwhile: its end sets running.
-            away = self._outage_since is not None
-            self._move(
-                State.WAITING_FOR_DATABASE if away else State.RUNNING,
-                "database unavailable" if away else "",
-                only_from=(State.NO_BACKEND,),
-            )
+            # Back to waiting if the database went away (or refuses a queue's claims)
+            # meanwhile: its end sets running.
+            with self._lock:
+                if self._outage_since is not None:
+                    state, detail = State.WAITING_FOR_DATABASE, "database unavailable"
+                else:
+                    state, detail = self._running_or_refused()
+            self._move(state, detail, only_from=(State.NO_BACKEND,))
             log.info("claiming_resumed")
             self._wake()
         else:

@@ -83,6 +83,12 @@ def refused_for_its_content(exc: BaseException) -> bool:
 _REFUSED_BY_SETUP = ("42", "3F")
 
 
+def claim_refusal(exc: psycopg.Error) -> str:
+    """The claim's refusal in one line: the server's message and its SQLSTATE."""
+    first = (exc.diag.message_primary or str(exc) or type(exc).__name__).splitlines()[0]
+    return f"the database refuses the claim: {first} (SQLSTATE {exc.sqlstate})"
+
+
 def refused_by_setup(exc: BaseException) -> bool:
     """True when the server refused a statement for the setup (a privilege, a missing table
     or schema), which no item causes and every item would meet."""
