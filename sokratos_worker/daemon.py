@@ -43,7 +43,7 @@ from sokratos_worker.service.metrics import Metrics, MetricsServer, parse_addr
 from sokratos_worker.service.port_holder import port_holder
 from sokratos_worker.service.reachability import DatabaseContact
 from sokratos_worker.service.sdnotify import Notifier
-from sokratos_worker.service.stop_requests import StopRequests
+from sokratos_worker.service.stop_requests import LAST_WORDS_BUDGET_S, StopRequests
 from sokratos_worker.service.watchdog import DispatcherWatchdog
 from sokratos_worker.spool import import_spool
 from sokratos_worker.store import email as email_store
@@ -574,8 +574,41 @@ class Worker:
     def install_signals(self) -> None:
         """SIGTERM, SIGINT and SIGHUP stop claiming and let items in flight finish (a hangup,
         such as a closed terminal, would otherwise kill the process with items leased); the
-        main thread acts on them in :meth:`notice_signal`."""
+        main thread acts on them in :meth:`notice_signal`. A second signal's exit writes the
+        "stopped" heartbeat first."""
+        self.stops.last_words = self._stopped_at_exit_now()
         self.stops.install()
+
+    def _stopped_at_exit_now(self) -> Callable[[], dict[str, Any] | None]:
+        """The "stopped" heartbeat for a second signal's exit, on a connection of its own (the
+        pool's lock may be held by the code the signal interrupted), with nothing logged (the
+        log's lock may be too); what it needs is read now, not then."""
+        conninfo, worker_id = self.database.conninfo, self.worker_id
+        hostname, version = socket.gethostname(), build_version()
+
+        def write() -> dict[str, Any] | None:
+            try:
+                with connect(conninfo, timeout=LAST_WORDS_BUDGET_S) as conn:
+                    conn.execute(f"SET statement_timeout = {int(LAST_WORDS_BUDGET_S * 1000)}")
+                    status_store.record_heartbeat(
+                        conn,
+                        worker_id=worker_id,
+                        hostname=hostname,
+                        pid=os.getpid(),
+                        version=version,
+                        state="stopped",
+                        detail={"exited": "second stop signal"},
+                    )
+            except Exception as exc:
+                return {
+                    "event": "stopped_heartbeat_not_written",
+                    "level": "warning",
+                    "error": str(exc).strip() or type(exc).__name__,
+                    "hint": "status shows this worker stopping until its heartbeat goes stale",
+                }
+            return None
+
+        return write
 
     def notice_signal(self) -> bool:
         """In the main thread: act on a recorded stop signal or :meth:`stop_with` (stop

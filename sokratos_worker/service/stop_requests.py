@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -26,6 +28,8 @@ SECOND_SIGNAL_HINT = (
     " then run again, and the attempt each was on counts"
 )
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# A second signal's last words (the "stopped" heartbeat) get this long before the exit.
+LAST_WORDS_BUDGET_S = 2.0
 
 
 class StopRequests:
@@ -38,6 +42,9 @@ class StopRequests:
         self._signal_at: float | None = None  # (monotonic)
         self._internal_at: float | None = None
         self._internal_code = EXIT_OK
+        # Run by a second signal before the exit, bounded (the worker's "stopped" heartbeat);
+        # returns a log event for a failure, None when done.
+        self.last_words: Callable[[], dict[str, Any] | None] | None = None
 
     def install(self) -> None:
         """SIGTERM, SIGINT and SIGHUP ask for a stop; a second one exits at once.
@@ -52,7 +59,7 @@ class StopRequests:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            exit_now(name)
+            exit_now(name, last_words=self.last_words)
         self._signal_at = time.monotonic()
         self.signal_name = name
 
@@ -80,8 +87,11 @@ class StopRequests:
         return self._internal_code
 
 
-def exit_now(signal_name: str) -> NoReturn:
+def exit_now(
+    signal_name: str, *, last_words: Callable[[], dict[str, Any] | None] | None = None
+) -> NoReturn:
     """The second stop signal: exit 1 without waiting for the items in flight, after
+    ``last_words`` (the worker's "stopped" heartbeat, given LAST_WORDS_BUDGET_S) and after
     stopping the embedded PostgreSQL this process was the last to hold (a few seconds at
     most), which os._exit would leave running: it runs in a session of its own.
 
@@ -97,9 +107,36 @@ def exit_now(signal_name: str) -> NoReturn:
             "hint": SECOND_SIGNAL_HINT,
         }
     )
+    if last_words is not None and (failed := _within_budget(last_words)) is not None:
+        _write_line(failed)
     for event in release_held_at_exit_now():
         _write_line(event)
     os._exit(EXIT_FAILURE)
+
+
+def _within_budget(last_words: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Run ``last_words`` in a thread for up to LAST_WORDS_BUDGET_S: the code the signal
+    interrupted may hold a lock it needs, and the exit must not wait on that for ever."""
+    said: list[dict[str, Any] | None] = []
+
+    def run() -> None:
+        try:
+            said.append(last_words())
+        except Exception as exc:  # the process exits anyway: say so, never raise
+            said.append({"event": "last_words_failed", "level": "warning", "error": repr(exc)})
+
+    thread = threading.Thread(target=run, name="last-words", daemon=True)
+    thread.start()
+    thread.join(LAST_WORDS_BUDGET_S)
+    if said:
+        return said[0]
+    return {
+        "event": "last_words_unfinished",
+        "level": "warning",
+        "waited_s": LAST_WORDS_BUDGET_S,
+        "hint": "the stopped heartbeat may not be written: status shows this worker stopping"
+        " until its heartbeat goes stale",
+    }
 
 
 def _write_line(event: dict[str, Any]) -> None:

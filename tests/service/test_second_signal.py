@@ -162,6 +162,10 @@ def test_a_second_ctrl_c_stops_the_embedded_postgresql_and_leaves_the_item_lease
             ).fetchone()
             assert row == (1, True, True)
             assert count(db, "SELECT count(*) FROM work_outcomes") == 0
+            # Its last heartbeat says stopped (status listed it as stopping until it went
+            # stale; found noted as left on 2026-12-06).
+            states = db.execute("SELECT state, detail FROM worker_heartbeats").fetchall()
+            assert states == [("stopped", {"exited": "second stop signal"})], states
     finally:
         handle.stop()
     assert _servers_of(data_dir) == []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -66,3 +68,19 @@ def test_a_signal_after_the_workers_own_stop_keeps_its_code_and_is_a_first_signa
     os.kill(os.getpid(), signal.SIGTERM)
     assert stops.signal_name == "SIGTERM"
     assert stops.exit_code == GAVE_UP
+
+
+def test_last_words_that_hang_are_left_after_their_budget() -> None:
+    """A second signal's "stopped" heartbeat runs in a thread: the code the signal interrupted
+    may hold a lock it needs, and the exit must come anyway."""
+    from sokratos_worker.service import stop_requests
+
+    hang = threading.Event()
+    started = time.monotonic()
+    said = stop_requests._within_budget(lambda: hang.wait(30) and None)
+    assert said is not None and said["event"] == "last_words_unfinished", said
+    assert time.monotonic() - started < stop_requests.LAST_WORDS_BUDGET_S + 5
+    hang.set()
+    assert stop_requests._within_budget(lambda: None) is None
+    failed = stop_requests._within_budget(lambda: 1 / 0)  # type: ignore[func-returns-value]
+    assert failed is not None and failed["event"] == "last_words_failed", failed
