@@ -147,7 +147,7 @@ class Runner:
             database_lost=self._worker_state.database_lost,
             database_back=self._worker_state.database_back,
             pause=self._worker_state.pause,
-            claim_refused=self._worker_state.claim_refused,
+            claim_refused=self._claim_refused,
             claim_accepted=self._worker_state.claim_accepted,
         )
         self._handoff: queue_mod.SimpleQueue[Item | None] = queue_mod.SimpleQueue()
@@ -287,7 +287,7 @@ class Runner:
                 self._notified = False
                 try:
                     asked, got = self._claim_or_say_refused()
-                    next_in = None if got or asked == 0 else self._next_ready_in()
+                    next_in = self._next_claim_in(asked, got)
                 except DatabaseUnavailable as exc:
                     self._worker_state.database_lost(exc)
                     log.debug("claim_waiting_for_database", error=str(exc), retry_in_s=db_delay)
@@ -366,6 +366,7 @@ class Runner:
         # filled theirs (a queue that came short has no more).
         plan = [*self._shares.split(free, order), *((q, None) for q in order)]
         short: set[Queue] = set()
+        sent = False  # a claim statement went out (none when every queue's retry waits)
         try:
             with self._dispatcher_connection() as conn:
                 for q, share in plan:
@@ -377,16 +378,18 @@ class Runner:
                     if not self._may_claim_from(q):
                         short.add(q)
                         continue
+                    sent = True
                     try:
                         items = self._claim_cancellable(conn, q, limit)
                     except pg_errors.Error as exc:
                         if not refused_by_setup(exc):
                             raise
                         # The other queues are still claimed: this one waits for its fix.
-                        self._worker_state.claim_refused(q, ClaimRefused(claim_refusal(exc)))
+                        self._claim_refused(q, ClaimRefused(claim_refusal(exc)))
                         short.add(q)
                         continue
-                    self._worker_state.claim_accepted(q)
+                    if not self._stop_claiming.is_set():  # (a claim cancelled at the stop
+                        self._worker_state.claim_accepted(q)  # may never have been checked)
                     self._shares.claimed(q, all_asked=len(items) >= limit)
                     if len(items) < limit:
                         short.add(q)
@@ -400,7 +403,7 @@ class Runner:
                     got += len(items)
         finally:
             self._inflight.end_claim()
-        return asked, got
+        return (asked if sent else 0), got
 
     def _may_claim_from(self, queue: Queue) -> bool:
         """False for a queue whose claims the server refuses, until its next retry is due;
@@ -413,6 +416,12 @@ class Runner:
                 return False
             self._refused_retry_at[queue] = now + REFUSED_CLAIM_RETRY_S
             return True
+
+    def _claim_refused(self, queue: Queue, exc: ClaimRefused) -> None:
+        """A claim from ``queue`` was refused: the next is due REFUSED_CLAIM_RETRY_S later."""
+        with self._refused_lock:
+            self._refused_retry_at[queue] = time.monotonic() + REFUSED_CLAIM_RETRY_S
+        self._worker_state.claim_refused(queue, exc)
 
     def _refused_retry_in(self) -> float | None:
         """Seconds until a refused queue's claim is due again; None when none is refused."""
@@ -436,6 +445,15 @@ class Runner:
                 log.info("claim_cancelled_at_stop", queue=queue.value)
                 items = []  # rolled back: it claimed nothing
         return items
+
+    def _next_claim_in(self, asked: int, got: int) -> float | None:
+        """How soon the dispatcher should claim again, when no wake comes first (None: at
+        the heartbeat): a full batch or a busy slot wakes it; else the next ready item."""
+        if got:
+            return None
+        if not asked:  # every slot busy, or every queue refused with no retry due
+            return self._refused_retry_in()
+        return self._next_ready_in()
 
     def _next_ready_in(self) -> float | None:
         """When the next item of a queue not refused becomes claimable, or a refused queue's

@@ -229,7 +229,7 @@ class Settler:
                 bound.warning("settle_claim_refused", queue=claim_from.value, error=str(exc))
                 self._claim_refused(claim_from, ClaimRefused(claim_refusal(exc)))
                 return done
-            if claim_from is not None:
+            if claim_from is not None and done[0].settled:  # (a fenced settle claims nothing)
                 self._claim_accepted(claim_from)
             return done
 

@@ -186,7 +186,8 @@ class WorkerState:
             first = self._outage_since is None
             if first:
                 self._outage_since = time.monotonic()
-            if self.state == State.RUNNING:
+            # (Waiting for a refused queue: the outage is now what it waits for first.)
+            if self.state == State.RUNNING or (first and self.state == State.WAITING_FOR_DATABASE):
                 self.state, self.detail = State.WAITING_FOR_DATABASE, str(exc)
         if first:
             log.warning(

@@ -14,12 +14,15 @@ import threading
 import time
 
 import psycopg
+import structlog
 from structlog.testing import capture_logs
 
-from sokratos_worker.model import Queue
+from sokratos_worker.errors import ClaimRefused, DatabaseUnavailable
+from sokratos_worker.model import Effects, NewMemory, Outcome, Queue
 from sokratos_worker.runner import REFUSED_CLAIM_RETRY_S, Runner
+from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
-from sokratos_worker.worker_state import State
+from sokratos_worker.worker_state import State, WorkerState
 from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
@@ -103,3 +106,88 @@ def test_one_queue_refused_keeps_the_worker_waiting_while_the_other_flows(
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
     assert count(db, "SELECT count(*) FROM pending_distillation") == 0
     assert count(db, "SELECT max(attempts) FROM work_outcomes") == 1
+
+
+def _two_queue_runner(database_url: str) -> tuple[Runner, Database]:
+    database = Database(database_url, size=5)
+    runner = Runner(
+        settings=fast_settings(concurrency=2),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
+        worker_id="w",
+    )
+    return runner, database
+
+
+def test_a_fenced_settle_does_not_end_a_refusal_its_claim_never_tested(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """A settle with memories whose lease another worker took is fenced before its claim of
+    the next item runs: it said the refused queue accepted again, and the next pass said the
+    refusal anew (the flap, found by a review)."""
+    db.execute(REFUSE_DISTILLATION_CLAIMS)
+    enqueue_many(db, 1, queue="pending_distillation")
+    runner, database = _two_queue_runner(database_url)
+    try:
+        with capture_logs() as logs:
+            runner._claim_for_idle_slots()  # the dispatcher's pass: distillation refused
+            assert runner.state == State.WAITING_FOR_DATABASE
+            enqueue_many(db, 1)
+            (ours,) = store.claim(db, Queue.TRIAGE, owner="w", limit=1, lease_s=60)
+            db.execute("UPDATE pending_triage SET lease_expires_at = now() - interval '1 s'")
+            store.claim(db, Queue.TRIAGE, owner="other", limit=1, lease_s=60)
+            effects = Effects(
+                Outcome.SAVED,
+                memories=(NewMemory(origin=ours.origin(0), summary="m", salience=5),),
+            )
+            done = runner._settler.write_success(
+                ours, effects, structlog.get_logger(), claim_from=Queue.DISTILLATION
+            )
+            assert done is not None and not done[0].settled
+            assert runner.state == State.WAITING_FOR_DATABASE
+            assert runner._worker_state.refused_queues() == {Queue.DISTILLATION}
+    finally:
+        database.close()
+    assert [e["event"] for e in logs if e["event"] == "claims_accepted_again"] == []
+
+
+def test_the_first_refusal_waits_its_retry_interval_too(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The first refusal set no retry time: the dispatcher asked again ~10 ms later."""
+    db.execute(REFUSE_DISTILLATION_CLAIMS)
+    enqueue_many(db, 1, queue="pending_distillation")
+    runner, database = _two_queue_runner(database_url)
+    runner.start()
+    try:
+        assert wait_until(lambda: _refusals(db) >= 1, timeout=30)
+        time.sleep(REFUSED_CLAIM_RETRY_S / 2)
+        assert _refusals(db) == 1
+    finally:
+        runner.shutdown(2)
+        database.close()
+
+
+def test_an_outage_during_a_refusal_is_what_the_state_names() -> None:
+    """Waiting for a refused queue when the database went away: the detail kept naming the
+    refusal through the outage (found by a review); after the outage, the refusal again."""
+    reports: list[tuple[str, str]] = []
+    state = WorkerState(
+        handlers=[],
+        stopping=threading.Event(),
+        progress=lambda: None,
+        wake=lambda: None,
+        on_state=lambda s, d: reports.append((s, d)),
+        on_database_contact=lambda reached: None,
+    )
+    refusal = "the database refuses the claim: permission denied (SQLSTATE 42501)"
+    state.claim_refused(Queue.DISTILLATION, ClaimRefused(refusal))
+    state.database_lost(DatabaseUnavailable("database unavailable: connection refused"))
+    assert (state.state, state.detail) == (
+        State.WAITING_FOR_DATABASE,
+        "database unavailable: connection refused",
+    )
+    state.database_back()
+    assert (state.state, state.detail) == (State.WAITING_FOR_DATABASE, refusal)
+    state.claim_accepted(Queue.DISTILLATION)
+    assert (state.state, state.detail) == (State.RUNNING, "")

@@ -77,7 +77,11 @@ def test_close_waits_for_the_running_write_and_starts_no_more() -> None:
 
 def test_close_says_when_the_write_outlasts_its_wait() -> None:
     release = threading.Event()
-    writer = BackgroundWrites(lambda: release.wait(10) and None, name="heartbeat_writer")
+
+    def write() -> None:
+        release.wait(10)
+
+    writer = BackgroundWrites(write, name="heartbeat_writer")
     writer.request()
     assert wait_until(lambda: writer._running, timeout=5)
     assert writer.close(timeout=0.1) is False
