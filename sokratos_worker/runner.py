@@ -356,9 +356,6 @@ class Runner:
             raise ClaimRefused(claim_refusal(exc)) from exc
 
     def _claim_for_idle_slots(self) -> tuple[int, int]:
-        # The give-backs owed since an outage first: claimed before them, an item whose
-        # settle was abandoned would have its attempt counted again (raises while away).
-        self._settler.give_back_owed()
         free = self.settings.concurrency - self.inflight_count()
         if free <= 0 or not self.queues or not self._inflight.begin_claim():
             return 0, 0
@@ -611,7 +608,6 @@ class Runner:
         # after the stop, none either (begin_claim checks it).
         want_next = (
             not (self._worker_state.paused() or self._budget_spent())
-            and self._settler.owed_given_back()  # (as the dispatcher's claim, see there)
             and self._inflight.begin_claim()
         )
         wanted = item.queue

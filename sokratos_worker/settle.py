@@ -2,12 +2,10 @@
 
 Every write here is fenced by the item's lease and attempt (durability.md): a settle that
 changes nothing is explained by :meth:`Settler.report_fenced`. A settle that meets the database
-away is retried while the lease lasts, then abandoned: a give-back or a success so cut off is
-owed as a give-back, written once the database answers and before this process claims again
-(:meth:`Settler.give_back_owed`); a retry or a dead letter is left to the lease's expiry. The
-runner owns the slots, :mod:`worker_state` the worker's state; a :class:`Settler` reaches them
-only through the callables it is given: ``count``, ``untrack``, ``database_lost``,
-``database_back`` and ``pause``.
+away is retried while the lease lasts, then abandoned to the lease's expiry. The runner owns
+the slots, :mod:`worker_state` the worker's state; a :class:`Settler` reaches them only through
+the callables it is given: ``count``, ``untrack``, ``database_lost``, ``database_back`` and
+``pause``.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from sokratos_worker.store.connection import (
     Connection,
     Database,
     claim_refusal,
-    is_transient,
     refused_by_setup,
     time_limited,
 )
@@ -60,9 +57,6 @@ RELEASE_STATEMENT_TIMEOUT_MS = 5000
 # server down every time (or ends its own session) would otherwise run for ever.
 DATABASE_GIVE_BACKS_PER_ITEM = 3
 _GIVE_BACKS_REMEMBERED = 10_000
-# At most this many give-backs owed since an outage are kept (a slot abandons at most one
-# settle per 0.8 x lease): past it a settle cut off is left to its lease, as a retry is.
-_OWED_GIVE_BACKS_KEPT = 1_000
 
 # How an attempt ended when it did not end the item (besides the outcomes of Outcome):
 RETRY = "retry"  # failed, scheduled again after a backoff
@@ -70,14 +64,6 @@ RELEASED = "released"  # given back: not the item's fault (no backend, the datab
 _FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
-
-
-_OWED_HINT = (
-    "its attempt is given back once the database answers, before this worker claims again"
-    " (owed_give_back_written); if another worker claims it first, it runs under that claim,"
-    " its attempt counted"
-)
-_ABANDONED_HINT = "the lease expires and the item is claimed again (this attempt counts)"
 
 
 class Count(Protocol):
@@ -201,10 +187,7 @@ class Settler:
         self._claim_refused = claim_refused
         self._claim_accepted = claim_accepted
         self._database_give_backs: dict[tuple[Queue, int], int] = {}
-        self._give_backs_lock = threading.Lock()  # guards the owed give-backs too
-        # Settles abandoned in an outage whose give-back is owed (see give_back_owed).
-        self._owed: dict[tuple[Queue, int], Item] = {}
-        self._writing_owed = threading.Lock()
+        self._give_backs_lock = threading.Lock()
 
     # -- success ---------------------------------------------------------------------
 
@@ -250,11 +233,7 @@ class Settler:
                 self._claim_accepted(claim_from)
             return done
 
-        # Abandoned, its effects were never written (or, written, fence the give-back): not
-        # the item's fault, unless the outage recurs past DATABASE_GIVE_BACKS_PER_ITEM.
-        return self._with_database(
-            item, settle, bound, owe_give_back=lambda exc: self._database_away(item, exc)
-        )
+        return self._with_database(item, settle, bound)
 
     def report_success(
         self,
@@ -353,10 +332,7 @@ class Settler:
     def _give_back(self, item: Item, reason: str, bound: structlog.BoundLogger) -> str:
         """Not the item's fault: its attempt given back."""
         given = self._with_database(
-            item,
-            lambda c: store.give_back(c, item, owner=self.worker_id),
-            bound,
-            owe_give_back=lambda _exc: True,
+            item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
         )
         if given:
             self._count(item.queue, "given_back")
@@ -544,16 +520,8 @@ class Settler:
         item: Item,
         fn: Callable[[Connection], T],
         bound: structlog.BoundLogger,
-        *,
-        owe_give_back: Callable[[DatabaseUnavailable], bool] = lambda _exc: False,
     ) -> T | None:
-        """Run a settle, retrying through a database outage while the lease lasts.
-
-        Abandoned (None), the item's give-back is owed when ``owe_give_back(exc)`` says so:
-        a give-back or a success cut off by the outage is not the item's attempt, and its
-        lease expiring would make the next claim count it (on the last attempt, dead-letter
-        it as a worker that died). A retry or dead letter of the item's own failure is left
-        to its lease, its attempt counted."""
+        """Run a settle, retrying through a database outage while the lease lasts."""
         deadline = time.monotonic() + self.settings.lease * 0.8
         delay = _FIRST_SETTLE_DELAY
         while True:
@@ -563,12 +531,10 @@ class Settler:
             except DatabaseUnavailable as exc:
                 self._database_lost(exc)
                 if time.monotonic() + delay > deadline:
-                    owed = owe_give_back(exc) and self._owe([item])
                     bound.error(
                         "settle_abandoned",
                         error=str(exc),
-                        give_back_owed=owed,
-                        hint=_OWED_HINT if owed else _ABANDONED_HINT,
+                        hint="the lease expires and the item is claimed again",
                     )
                     self._untrack(item, leave_leased=True)
                     return None
@@ -586,19 +552,15 @@ class Settler:
 
     def release(self, items: list[Item], on: Connection | None = None) -> list[Item]:
         """Give back ``items`` (attempt uncounted), on ``on`` or a pooled connection; returns
-        those released (not those another worker holds now). The give-backs still owed since
-        an outage are written with them (the stop's release included), and reported here."""
-        owed = self._take_owed()
-        if not items and not owed:
+        those released (not those another worker holds now)."""
+        if not items:
             return []
         try:
             with ExitStack() as stack:
                 conn = on if on is not None else stack.enter_context(self.database.connection())
                 stack.enter_context(time_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS))
                 released = [i for i in items if store.give_back(conn, i, owner=self.worker_id)]
-                owed_given = [store.give_back(conn, i, owner=self.worker_id) for i in owed]
         except (DatabaseUnavailable, pg_errors.QueryCanceled) as exc:
-            self._owe(owed)  # (one transaction: none of them was written)
             log.warning(
                 "release_failed",
                 error=str(exc).strip(),
@@ -606,96 +568,7 @@ class Settler:
                 " migration or a long transaction, or the database away)",
             )
             return []
-        except BaseException:
-            self._owe(owed)
-            raise
         for item in released:
             # Its own attempt: a slot's context names the item it settled, not this one.
             log.info("item_released", queue=item.queue.value, item_id=item.id, attempt=item.attempt)
-        for item, given in zip(owed, owed_given, strict=True):
-            self._report_owed(item, given)
         return released
-
-    def give_back_owed(self) -> None:
-        """Write the give-backs owed since an outage (settles abandoned, see
-        :meth:`_with_database`), before this process claims anything: a claim finding such an
-        item's lease expired would count its attempt again, and on the last attempt
-        dead-letter it as a worker that died. Each is fenced by our lease and attempt (another
-        worker may hold the item now, or its success may have landed: then nothing changes,
-        quietly) and dropped from the owed list either way. Raises
-        :class:`DatabaseUnavailable` while the database is away: those not written stay owed."""
-        if not self._owed and not self._writing_owed.locked():
-            return  # the hot path (every claim): nothing owed, no lock taken
-        # One writer at a time, the others waiting for it: a thread finding the list empty
-        # while another writes it must not claim an item still owed.
-        with self._writing_owed:
-            owed = self._take_owed()
-            if not owed:
-                return
-            written = 0
-            try:
-                with self.database.connection() as conn:
-                    for item in owed:
-                        self._write_owed(conn, item)
-                        written += 1
-            except BaseException:
-                self._owe(owed[written:])
-                raise
-
-    def owed_given_back(self) -> bool:
-        """Whether no give-back is owed any more, once :meth:`give_back_owed` has written
-        those owed; False while the database is away (claim nothing meanwhile)."""
-        try:
-            self.give_back_owed()
-        except DatabaseUnavailable:
-            return False
-        return True
-
-    def _write_owed(self, conn: Connection, item: Item) -> None:
-        """One owed give-back; a refusal that is not an outage leaves the item to its lease
-        (as before the owed give-backs), rather than blocking every later claim."""
-        try:
-            given = store.give_back(conn, item, owner=self.worker_id)
-        except pg_errors.Error as exc:
-            if is_transient(exc):
-                raise
-            log.error(
-                "owed_give_back_failed",
-                queue=item.queue.value,
-                item_id=item.id,
-                attempt=item.attempt,
-                error=describe(exc),
-                hint="its lease expires and it is claimed again, this attempt counted; fix"
-                " the database error above",
-            )
-            return
-        self._report_owed(item, given)
-
-    def _report_owed(self, item: Item, given: bool) -> None:
-        """Count and log an owed give-back written; one the fence refused is dropped quietly
-        (another worker holds the item now, or the settle abandoned had landed)."""
-        fields = {"queue": item.queue.value, "item_id": item.id, "attempt": item.attempt}
-        if not given:
-            log.debug("owed_give_back_fenced", **fields)
-            return
-        self._count(item.queue, "given_back")
-        log.info(
-            "owed_give_back_written",
-            **fields,
-            hint="its settle was abandoned in a database outage (settle_abandoned); its"
-            " attempt is given back now that the database answers, and it runs again",
-        )
-
-    def _owe(self, items: list[Item]) -> bool:
-        """Remember the give-backs of ``items`` as owed; False when the list is full."""
-        with self._give_backs_lock:
-            if len(self._owed) + len(items) > _OWED_GIVE_BACKS_KEPT:
-                return False
-            self._owed.update(((i.queue, i.id), i) for i in items)
-        return True
-
-    def _take_owed(self) -> list[Item]:
-        """The give-backs owed, taken off the list (written by the caller, or owed again)."""
-        with self._give_backs_lock:
-            owed, self._owed = list(self._owed.values()), {}
-        return owed
