@@ -290,7 +290,8 @@ def _add_failed(commands: argparse._SubParsersAction[_Parser]) -> None:
         help="every failure not yet retried (instead of IDs), except payloads the worker"
         " found invalid, which a replay would fail the same way, and failures with no queue"
         " payload: spool files the import refused, mail that could not be read, rows Sokratos"
-        " wrote (retry one by ID to learn what to do)",
+        " wrote (retry one by ID to learn what to do); and failures whose own item is still"
+        " queued (it runs by itself)",
     )
     fretry.add_argument("--op-type", help="with --all only: just this op_type")
     fpurge = actions.add_parser(
@@ -438,8 +439,16 @@ def _reported_exit_code(exc: Exception, settings: Settings) -> int | None:
     if isinstance(exc, TableLocked):
         print(f"sokratos-worker: {exc}", file=sys.stderr)
         return EXIT_TEMPFAIL
+    from sokratos_worker.store.connection import READ_ONLY_SERVER  # noqa: PLC0415
+
     if isinstance(exc, DatabaseUnavailable):
-        print(f"sokratos-worker: {exc}. {_unreachable_hint(settings)}", file=sys.stderr)
+        # A read-only server answers: where PostgreSQL runs is not the question.
+        hint = "" if READ_ONLY_SERVER in str(exc) else f". {_unreachable_hint(settings)}"
+        print(f"sokratos-worker: {exc}{hint}", file=sys.stderr)
+        return EXIT_TEMPFAIL
+    if getattr(exc, "sqlstate", None) == "25006":  # read_only_sql_transaction
+        # A write a command did not translate, refused by a standby: the promised exit 75.
+        print(f"sokratos-worker: database unavailable: {READ_ONLY_SERVER}", file=sys.stderr)
         return EXIT_TEMPFAIL
     if isinstance(exc, WorkerError):
         print(f"sokratos-worker: {exc}", file=sys.stderr)

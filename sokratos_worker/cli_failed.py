@@ -2,8 +2,9 @@
 
 Each action opens the database once, without waiting for it (an operator at a terminal is
 told at once that it is away), and gives up on a table another session keeps locked, naming
-that session. This module also formats what they print: the one-line listing, a failure as
-indented JSON with every number as stored, and one line per retried failure.
+that session; a server that ends the session or takes no writes ends it with exit 75 too.
+This module also formats what they print: the one-line listing, a failure as indented JSON
+with every number as stored, and one line per retried failure, control characters escaped.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sokratos_worker import closed_stdout, jsontext
 from sokratos_worker.command_database import database_url
 from sokratos_worker.config import Settings
-from sokratos_worker.errors import TableLocked
+from sokratos_worker.errors import DatabaseUnavailable, TableLocked
 from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 
 if TYPE_CHECKING:
@@ -28,8 +29,7 @@ if TYPE_CHECKING:
 
 
 def failed(args: argparse.Namespace, settings: Settings) -> int:
-    from sokratos_worker.store import failures  # noqa: PLC0415
-    from sokratos_worker.store.connection import connect  # noqa: PLC0415
+    from sokratos_worker.store.connection import connect, translated  # noqa: PLC0415
     from sokratos_worker.store.locks import lock_waits_given_up  # noqa: PLC0415
 
     problem = _retry_usage_problem(args) if args.action == "retry" else None
@@ -37,52 +37,105 @@ def failed(args: argparse.Namespace, settings: Settings) -> int:
         print(f"sokratos-worker failed retry: error: {problem}", file=sys.stderr)
         return EXIT_FAILURE
     # An operator at a terminal: say at once that the database is away (exit 75), no waiting,
-    # and after a few seconds who holds a table the command waits for.
+    # and after a few seconds who holds a table the command waits for. A server that ends the
+    # session midway (a restart, pg_terminate_backend) is the same outage: one line, exit 75.
     with (
+        translated(),
         database_url(settings, wait=False) as url,
         connect(url) as conn,
         lock_waits_given_up(conn, f"failed {args.action}"),
     ):
-        if args.action == "list":
-            listed = 0
-            # One row past the limit tells whether the list is whole.
-            for row in failures.list_failures(conn, op_type=args.op_type, limit=args.limit + 1):
-                if listed == args.limit:
-                    print(
-                        f"sokratos-worker: more failures than the {args.limit} listed (the"
-                        " newest first): --limit lists more",
-                        file=sys.stderr,
-                    )
-                    break
-                listed += 1
-                if args.json:
-                    print(json.dumps(row, default=str))
-                else:
-                    retried = f" retried as {row['retried_as']}" if row["retried_at"] else ""
-                    # One line each: server errors carry "\nDETAIL: ..." and tabs.
-                    error = " ".join(row["error_message"].split())[:90]
-                    # The host's time and zone, as the journal shows it (the session's
-                    # TimeZone is the server's, and printed without a zone it misled).
-                    when = row["created_at"]
-                    if isinstance(when, datetime):  # (else the server's text: 'infinity')
-                        when = f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
-                    print(f"{row['id']:>6}  {when}  {row['op_type']:<20} {error}{retried}")
-            if not listed and not args.json:
-                print(_no_failures(conn, args.op_type))
-            return EXIT_OK
-        if args.action == "show":
-            found = failures.get_failure(conn, args.id)
-            if found is None:
-                print(f"sokratos-worker: no failure with id {args.id}", file=sys.stderr)
-                return EXIT_FAILURE
-            print(_failure_document(found))
-            return EXIT_OK
-        if args.action == "retry":
-            return _retry_failures(args, conn)
-        deleted = failures.purge_failures(conn, older_than_days=args.older_than)
-        days = "1 day" if args.older_than == 1 else f"{args.older_than} days"
-        print(f"deleted {deleted} failures older than {days}")
+        if args.action in ("retry", "purge"):
+            _writable(conn)
+        return _act(args, conn)
+
+
+def _writable(conn: Any) -> None:
+    """Raise DatabaseUnavailable on a server that takes no writes (a standby), before a retry
+    or purge has printed or done anything: list and show still work there."""
+    from sokratos_worker.store.connection import READ_ONLY_SERVER, is_read_only  # noqa: PLC0415
+
+    if is_read_only(conn):
+        raise DatabaseUnavailable(f"database unavailable: {READ_ONLY_SERVER}")
+
+
+def _act(args: argparse.Namespace, conn: Any) -> int:
+    """The action itself, on the command's one connection."""
+    from sokratos_worker.store import failures  # noqa: PLC0415
+
+    if args.action == "list":
+        return _list(args, conn)
+    if args.action == "show":
+        found = failures.get_failure(conn, args.id)
+        if found is None:
+            print(f"sokratos-worker: no failure with id {args.id}", file=sys.stderr)
+            return EXIT_FAILURE
+        # json escapes C0 controls, but prints DEL, C1 and bidi controls as they are.
+        print(terminal_safe(_failure_document(found), in_json=True))
         return EXIT_OK
+    if args.action == "retry":
+        return _retry_failures(args, conn)
+    deleted = failures.purge_failures(conn, older_than_days=args.older_than)
+    days = "1 day" if args.older_than == 1 else f"{args.older_than} days"
+    print(f"deleted {deleted} failures older than {days}")
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace, conn: Any) -> int:
+    from sokratos_worker.store import failures  # noqa: PLC0415
+
+    listed = 0
+    # One row past the limit tells whether the list is whole.
+    for row in failures.list_failures(conn, op_type=args.op_type, limit=args.limit + 1):
+        if listed == args.limit:
+            print(
+                f"sokratos-worker: more failures than the {args.limit} listed (the"
+                " newest first): --limit lists more",
+                file=sys.stderr,
+            )
+            break
+        listed += 1
+        print(json.dumps(row, default=str) if args.json else _listed_line(row))
+    if not listed and not args.json:
+        print(_no_failures(conn, args.op_type))
+    return EXIT_OK
+
+
+def _listed_line(row: dict[str, Any]) -> str:
+    """One failure on one line: id, time, op_type, the error's start and its replay."""
+    from sokratos_worker.store.failures import replayed_item  # noqa: PLC0415
+
+    retried = ""
+    if row["retried_at"]:
+        retried = f" retried as {replayed_item(row['source_queue'], row['retried_as'])}"
+    # One line each: server errors carry "\nDETAIL: ..." and tabs.
+    error = " ".join(row["error_message"].split())[:90]
+    # The host's time and zone, as the journal shows it (the session's TimeZone is the
+    # server's, and printed without a zone it misled).
+    when = row["created_at"]
+    if isinstance(when, datetime):  # (else the server's text: 'infinity')
+        when = f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+    op_type = terminal_safe(row["op_type"])
+    return f"{row['id']:>6}  {when}  {op_type:<20} {terminal_safe(error)}{retried}"
+
+
+# What reaches a terminal raw only to act on it: C0 and C1 controls (ESC starts a sequence
+# that can rewrite the screen or the window title; C1's CSI does on some) and the bidi
+# controls that reorder what follows them on the line (U+202E shows the rest backwards).
+_C1_AND_DEL = range(0x7F, 0xA0)
+_BIDI_CONTROLS = (0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F))
+_BIDI_ISOLATES = range(0x2066, 0x206A)
+_IN_JSON = {code: f"\\u{code:04x}" for code in (*_C1_AND_DEL, *_BIDI_CONTROLS, *_BIDI_ISOLATES)}
+_IN_TEXT = {**_IN_JSON, **{code: f"\\x{code:02x}" for code in (*range(0x20), *_C1_AND_DEL)}}
+
+
+def terminal_safe(text: str, *, in_json: bool = False) -> str:
+    """``text`` with every control character written out as its escape (``\\x1b``,
+    ``\\u202e``): a failure's op_type or error (written by a producer, a server, a mail) is
+    shown, never obeyed, by the terminal. ``in_json``: a JSON document, whose strings json
+    already escapes C0 in (its own newlines are left), and the rest as ``\\u``, which
+    keeps it valid: these occur only inside its strings."""
+    return text.translate(_IN_JSON if in_json else _IN_TEXT)
 
 
 def _no_failures(conn: Any, op_type: str | None) -> str:
@@ -92,7 +145,8 @@ def _no_failures(conn: Any, op_type: str | None) -> str:
     if op_type is None:
         return "no failures"
     known = op_types(conn)
-    held = f"op_types with failures: {', '.join(known)}" if known else "no failures at all"
+    listed = ", ".join(map(terminal_safe, known))
+    held = f"op_types with failures: {listed}" if known else "no failures at all"
     return f"no failures of op_type {op_type!r} ({held})"
 
 
@@ -159,6 +213,12 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
                 f"skipped {invalid} failures whose payload itself was invalid (a replay fails"
                 " the same way): fix the producer, or retry one by ID after an upgrade that"
                 " accepts it"
+            )
+        queued = failures.still_queued_count(conn, op_type=args.op_type)
+        if queued:
+            closed_stdout.print_on(
+                f"skipped {queued} failures whose own item is still queued: it runs by itself"
+                " (a replay would run it twice); if it fails again, retry it then"
             )
         other = failures.not_replayable_counts(conn, op_type=args.op_type)
         if other:

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from sokratos_worker.build import build_version
+from sokratos_worker.cli_failed import terminal_safe
 from sokratos_worker.command_database import EmbeddedUnavailable, database_url
 from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
@@ -249,7 +250,10 @@ def render_status(report: dict[str, Any]) -> str:
         _lock_line(tables, holder)
         for tables, holder in status_store.by_holder(report.get("locked_tables") or [])
     ]
-    failures = ", ".join(f"{k} {v}" for k, v in report["failures_24h"].items()) or "none"
+    # An op_type is whatever a producer or Sokratos wrote: shown, never obeyed, by the terminal.
+    failures = (
+        ", ".join(f"{terminal_safe(k)} {v}" for k, v in report["failures_24h"].items()) or "none"
+    )
     lines.append(
         f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"
     )

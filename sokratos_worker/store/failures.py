@@ -192,13 +192,15 @@ def _locked_for_replay(
     What the payload is, asked of PostgreSQL: Python need not (and at some depths cannot)
     parse the context."""
     rows = conn.execute(
-        """SELECT id, idempotency_key, retried_at, retried_as, source_queue, op_type, item_id,
+        sql.SQL(
+            """SELECT id, idempotency_key, retried_at, retried_as, source_queue, op_type, item_id,
                   coalesce(jsonb_typeof(context_data) = 'object' AND context_data ? 'payload',
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
                            AND NOT context_data -> 'payload' ? %(unparsable)s, false),
-                  context_data ->> 'kept_as', context_data ->> 'what_to_do'
-           FROM failed_operations WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE""",
+                  context_data ->> 'kept_as', context_data ->> 'what_to_do', {still_queued}
+           FROM failed_operations AS f WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"""
+        ).format(still_queued=_STILL_QUEUED),
         {"ids": failure_ids, "unparsable": store.UNPARSABLE_KEY},
     ).fetchall()
     return {int(row[0]): tuple(row[1:]) for row in rows}
@@ -209,11 +211,10 @@ def _sorted_out(failure_id: int, row: tuple[Any, ...] | None) -> RetryResult | _
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
     key, retried_at, retried_as, source_queue, op_type, original, stored, an_object = row[:8]
-    kept_as, todo = row[8:]
+    kept_as, todo, still_queued = row[8:]
     if retried_at is not None:
-        return RetryResult(
-            failure_id, retried_as, f"already retried as item {retried_as}; nothing done"
-        )
+        replayed = replayed_item(source_queue, retried_as)
+        return RetryResult(failure_id, retried_as, f"already retried as {replayed}; nothing done")
     if op_type == "spool_import":
         return RetryResult(failure_id, None, _spool_file_hint(failure_id, kept_as))
     if op_type == EMAIL_OP_TYPE and todo:
@@ -234,11 +235,26 @@ def _sorted_out(failure_id: int, row: tuple[Any, ...] | None) -> RetryResult | _
             f"refused: its source_queue {source_queue!r} is not a queue of this worker"
             f" ({', '.join(_REPLAY_QUEUES)}); set it right or enqueue the payload by hand",
         )
+    if still_queued:
+        return RetryResult(
+            failure_id,
+            None,
+            f"refused: its item, {source_queue} item {original}, is still queued and will run"
+            " by itself (a replay would run it twice, and could save it twice); if it fails"
+            " again, retry this failure then",
+        )
     if not an_object:
         return _refused(
             failure_id, InvalidPayload("payload", "is not a JSON object this worker can parse")
         )
     return _Replay(failure_id, Queue(source_queue), key, original)
+
+
+def replayed_item(source_queue: str | None, retried_as: int | None) -> str:
+    """The item a retry made, named with its queue: each queue numbers its items itself."""
+    if retried_as is None:
+        return "an item not recorded"
+    return f"{source_queue} item {retried_as}" if source_queue else f"item {retried_as}"
 
 
 def _replay_all(conn: psycopg.Connection, replays: list[_Replay]) -> dict[int, int]:
@@ -435,21 +451,56 @@ def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:
     )
 
 
+# Whether a failure's own item (source_queue, item_id) is still in its queue, for a failure
+# row ``f``: restored from a backup, or written by hand, while that item waits or runs. Its
+# replay would run the work twice. The queue row must be that item, not one that took its id
+# (a failure copied from another database): the same key, or with no key the same payload.
+# One primary-key lookup per failure.
+_STILL_QUEUED = sql.SQL("CASE f.source_queue {} ELSE false END").format(
+    sql.SQL(" ").join(
+        sql.SQL(
+            "WHEN {} THEN EXISTS (SELECT 1 FROM {} AS q WHERE q.id = f.item_id"
+            " AND (q.idempotency_key = f.idempotency_key OR (f.idempotency_key IS NULL"
+            " AND q.payload = f.context_data -> 'payload')))"
+        ).format(sql.Literal(q.value), sql.Identifier(q.value))
+        for q in Queue
+    )
+)
+
+
 # Replaying a payload the worker found invalid fails the same way: `--all` leaves them out.
 _INVALID_PAYLOAD = INVALID_PAYLOAD_PREFIX + "%"
 
 
-def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
-    """Failures with a stored, valid payload that were not retried yet."""
-    rows = conn.execute(
-        """SELECT id FROM failed_operations
+# The failures ``--all`` offers a replay, less those whose item is still queued.
+_OFFERED = """FROM failed_operations AS f
            WHERE retried_at IS NULL AND source_queue IS NOT NULL
              AND error_message NOT LIKE %(invalid)s
-             AND (%(op)s::text IS NULL OR op_type = %(op)s)
-           ORDER BY id""",
+             AND (%(op)s::text IS NULL OR op_type = %(op)s)"""
+
+
+def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
+    """Failures with a stored, valid payload that were not retried yet, and whose item is
+    not still queued (see still_queued_count)."""
+    rows = conn.execute(
+        sql.SQL("SELECT id " + _OFFERED + " AND NOT {still_queued} ORDER BY id").format(
+            still_queued=_STILL_QUEUED
+        ),
         {"op": op_type, "invalid": _INVALID_PAYLOAD},
     ).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def still_queued_count(conn: psycopg.Connection, *, op_type: str | None) -> int:
+    """Failures ``--all`` leaves out because their own item is still queued (it runs by
+    itself: a replay would run it twice)."""
+    row = conn.execute(
+        sql.SQL("SELECT count(*) " + _OFFERED + " AND {still_queued}").format(
+            still_queued=_STILL_QUEUED
+        ),
+        {"op": op_type, "invalid": _INVALID_PAYLOAD},
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def invalid_payload_count(conn: psycopg.Connection, *, op_type: str | None) -> int:
@@ -517,6 +568,7 @@ def recent_failures(
                       max(created_at) AS last_at
                FROM failed_operations
                WHERE created_at > now() - make_interval(hours => %s)
+                 AND created_at <= now()  -- 'infinity' (a row Sokratos wrote) is not recent
                GROUP BY op_type ORDER BY max(created_at) DESC LIMIT %s""",
             (hours, limit),
         )

@@ -331,7 +331,7 @@ def test_failed_retry_exits_1_when_one_of_the_ids_is_refused(
     item_id = count(db, "SELECT retried_as FROM failed_operations WHERE id = %s", good)
     listing = run_cli(["failed", "list"], env).stdout.splitlines()
     listed = {int(line.split()[0]): line for line in listing}
-    assert listed[good].endswith(f" retried as {item_id}"), listed[good]
+    assert listed[good].endswith(f" retried as pending_triage item {item_id}"), listed[good]
     assert "retried as" not in listed[refused]
     again = run_cli(["failed", "retry", str(good)], env)  # already retried: nothing more, exit 0
     assert again.returncode == 0, again.stdout + again.stderr
