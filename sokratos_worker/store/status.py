@@ -114,7 +114,8 @@ def failures_24h(conn: psycopg.Connection) -> dict[str, int]:
     """Failures in the last 24 hours by op_type."""
     rows = conn.execute(
         "SELECT op_type, count(*) FROM failed_operations"
-        " WHERE created_at > now() - interval '24 hours' GROUP BY op_type ORDER BY op_type"
+        " WHERE created_at > now() - interval '24 hours' AND created_at <= now()"
+        " GROUP BY op_type ORDER BY op_type"
     ).fetchall()
     return {str(op): int(n) for op, n in rows}
 
@@ -127,7 +128,8 @@ def outcomes_24h(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
     """
     rows = conn.execute(
         "SELECT queue, outcome, count(*) FROM work_outcomes"
-        " WHERE decided_at > now() - interval '24 hours' GROUP BY queue, outcome"
+        " WHERE decided_at > now() - interval '24 hours' AND decided_at <= now()"
+        " GROUP BY queue, outcome"
     ).fetchall()
     result: dict[str, dict[str, int]] = {}
     for queue, outcome, count in rows:
