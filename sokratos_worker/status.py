@@ -268,7 +268,7 @@ def render_status(report: dict[str, Any]) -> str:
             " no SOKRATOS_EMAIL_ACCOUNTS):"
         )
     for a in accounts:
-        err = f", last error: {a['last_error']}" if a.get("last_error") else ""
+        err = f", last error: {_one_line(a['last_error'])}" if a.get("last_error") else ""
         mailbox = f" {a['mailbox']}" if a.get("from_database") else ""
         lines.append(f"email {a['name']}{mailbox}: last check {a['last_check_at'] or 'never'}{err}")
     lines.append(_embeddings_line(report))
@@ -392,7 +392,8 @@ LAST_ERROR_SHOWN_CHARS = 300
 
 
 def _one_line(text: str) -> str:
-    flat = " ".join(str(text).split())
+    """An error shown on one line, its control characters escaped (it may quote a server)."""
+    flat = terminal_safe(" ".join(str(text).split()))
     if len(flat) <= LAST_ERROR_SHOWN_CHARS:
         return flat
     return flat[:LAST_ERROR_SHOWN_CHARS] + " …"
@@ -435,5 +436,5 @@ def _backend_text(backend: dict[str, Any]) -> str:
     if backend.get("retry_in_s"):
         why.append(f"next probe in {backend['retry_in_s']:.0f}s")
     if backend.get("last_error"):
-        why.append(f"last error: {backend['last_error']}")
+        why.append(f"last error: {_one_line(backend['last_error'])}")
     return f"{text} ({'; '.join(why)})"

@@ -198,12 +198,13 @@ def _locked_for_replay(
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
                            AND NOT context_data -> 'payload' ? %(unparsable)s, false),
-                  context_data ->> 'kept_as', context_data ->> 'what_to_do', {still_queued}
+                  context_data ->> 'kept_as', context_data ->> 'what_to_do'
            FROM failed_operations AS f WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"""
-        ).format(still_queued=_STILL_QUEUED),
+        ),
         {"ids": failure_ids, "unparsable": store.UNPARSABLE_KEY},
     ).fetchall()
-    return {int(row[0]): tuple(row[1:]) for row in rows}
+    queued = _still_queued_ids(conn, [(int(row[0]), row[4]) for row in rows])
+    return {int(row[0]): (*row[1:], int(row[0]) in queued) for row in rows}
 
 
 def _sorted_out(failure_id: int, row: tuple[Any, ...] | None) -> RetryResult | _Replay:
@@ -452,27 +453,45 @@ def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:
 
 
 # Whether a failure's own item (source_queue, item_id) is still in its queue, for a failure
-# row ``f``: restored from a backup, or written by hand, while that item waits or runs. Its
-# replay would run the work twice. The queue row must be that item, not one that took its id
-# (a failure copied from another database): the same key, or with no key the same payload.
-# One primary-key lookup per failure.
-_STILL_QUEUED = sql.SQL("CASE f.source_queue {} ELSE false END").format(
-    sql.SQL(" ").join(
-        sql.SQL(
-            "WHEN {} THEN EXISTS (SELECT 1 FROM {} AS q WHERE q.id = f.item_id"
-            " AND (q.idempotency_key = f.idempotency_key OR (f.idempotency_key IS NULL"
-            " AND q.payload = f.context_data -> 'payload')))"
-        ).format(sql.Literal(q.value), sql.Identifier(q.value))
-        for q in Queue
-    )
-)
+# row ``f`` of ``queue``: restored from a backup, or written by hand, while that item waits or
+# runs. Its replay would run the work twice. The queue row must be that item, not one that
+# took its id (a failure copied from another database): the same key, or with no key the same
+# payload. One primary-key lookup per failure, and one statement per queue: a statement that
+# names a queue table waits for that table's locks (a migration of the other queue's table
+# must not hold up the replay of this one's failures).
+def _still_queued(queue: Queue) -> sql.Composed:
+    return sql.SQL(
+        "f.source_queue = {name} AND EXISTS (SELECT 1 FROM {table} AS q WHERE q.id = f.item_id"
+        " AND (q.idempotency_key = f.idempotency_key OR (f.idempotency_key IS NULL"
+        " AND q.payload = f.context_data -> 'payload')))"
+    ).format(name=sql.Literal(queue.value), table=sql.Identifier(queue.value))
+
+
+def _still_queued_ids(conn: psycopg.Connection, rows: list[tuple[int, Any]]) -> set[int]:
+    """Of the failures ``rows`` (id, source_queue), those whose own item is still queued,
+    asking only the queues they name."""
+    found: set[int] = set()
+    for queue in Queue:
+        ids = [failure_id for failure_id, source in rows if source == queue.value]
+        if ids:
+            found.update(
+                int(r[0])
+                for r in conn.execute(
+                    sql.SQL(
+                        "SELECT f.id FROM failed_operations AS f WHERE f.id = ANY(%(ids)s)"
+                        " AND {still_queued}"
+                    ).format(still_queued=_still_queued(queue)),
+                    {"ids": ids},
+                ).fetchall()
+            )
+    return found
 
 
 # Replaying a payload the worker found invalid fails the same way: `--all` leaves them out.
 _INVALID_PAYLOAD = INVALID_PAYLOAD_PREFIX + "%"
 
 
-# The failures ``--all`` offers a replay, less those whose item is still queued.
+# The failures ``--all`` offers a replay (those whose item is still queued among them).
 _OFFERED = """FROM failed_operations AS f
            WHERE retried_at IS NULL AND source_queue IS NOT NULL
              AND error_message NOT LIKE %(invalid)s
@@ -482,25 +501,24 @@ _OFFERED = """FROM failed_operations AS f
 def retryable_ids(conn: psycopg.Connection, *, op_type: str | None) -> list[int]:
     """Failures with a stored, valid payload that were not retried yet, and whose item is
     not still queued (see still_queued_count)."""
-    rows = conn.execute(
-        sql.SQL("SELECT id " + _OFFERED + " AND NOT {still_queued} ORDER BY id").format(
-            still_queued=_STILL_QUEUED
-        ),
-        {"op": op_type, "invalid": _INVALID_PAYLOAD},
-    ).fetchall()
-    return [int(r[0]) for r in rows]
+    offered = _offered(conn, op_type)
+    queued = _still_queued_ids(conn, offered)
+    return [failure_id for failure_id, _ in offered if failure_id not in queued]
 
 
 def still_queued_count(conn: psycopg.Connection, *, op_type: str | None) -> int:
     """Failures ``--all`` leaves out because their own item is still queued (it runs by
     itself: a replay would run it twice)."""
-    row = conn.execute(
-        sql.SQL("SELECT count(*) " + _OFFERED + " AND {still_queued}").format(
-            still_queued=_STILL_QUEUED
-        ),
+    return len(_still_queued_ids(conn, _offered(conn, op_type)))
+
+
+def _offered(conn: psycopg.Connection, op_type: str | None) -> list[tuple[int, Any]]:
+    """The failures ``--all`` offers a replay (id, source_queue), in id order."""
+    rows = conn.execute(
+        "SELECT id, source_queue " + _OFFERED + " ORDER BY id",
         {"op": op_type, "invalid": _INVALID_PAYLOAD},
-    ).fetchone()
-    return int(row[0]) if row else 0
+    ).fetchall()
+    return [(int(r[0]), r[1]) for r in rows]
 
 
 def invalid_payload_count(conn: psycopg.Connection, *, op_type: str | None) -> int:

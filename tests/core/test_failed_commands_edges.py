@@ -277,3 +277,23 @@ def test_a_failure_dated_in_the_future_is_not_recent_for_ever(db: psycopg.Connec
     )
     recent = failures.recent_failures(db, hours=6)
     assert [(r["op_type"], r["count"]) for r in recent] == [("memory_save", 1)]
+
+
+def test_a_replay_waits_for_no_lock_on_the_other_queues_table(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The still-queued check named every queue table, so a migration holding
+    pending_distillation held up the replay of triage failures for 5 s, then exit 75 (found
+    by a review): each queue's check names only its own table."""
+    one = _dead_letter(db, 987654)
+    two = _dead_letter(db, 987655)
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url)
+    with psycopg.connect(database_url) as holder:
+        holder.execute("LOCK TABLE pending_distillation IN ACCESS EXCLUSIVE MODE")
+        by_id = run_cli(["failed", "retry", str(one)], env)
+        every = run_cli(["failed", "retry", "--all"], env)
+        holder.rollback()
+    assert by_id.returncode == 0, by_id.stdout + by_id.stderr
+    assert every.returncode == 0, every.stdout + every.stderr
+    assert f"{two}: re-enqueued as pending_triage item" in every.stdout
+    assert _state(db)[1] == 2

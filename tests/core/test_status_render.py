@@ -411,3 +411,19 @@ def test_the_no_backend_warning_does_not_claim_workers_it_could_not_read() -> No
     _warn(report, caller_has_backend=False)
     assert "workers not read" in report["warning"], report["warning"]
     assert "no live worker reports its own" not in report["warning"]
+
+
+def test_last_errors_reach_the_terminal_escaped() -> None:
+    """A backend's or a mail account's last error may quote a server: its control
+    characters were printed raw (found by a review)."""
+    hostile = "bad \x1b[31mred\u202e\x07"
+    report = _report(
+        [{"name": "brain", "circuit": "open", "consecutive_failures": 1, "last_error": hostile}]
+    )
+    report["email_accounts"] = [
+        {"name": "home", "last_check_at": None, "last_error": hostile, "from_database": False}
+    ]
+    text = render_status(report)
+    for raw in ("\x1b", "\u202e", "\x07"):
+        assert raw not in text, (raw, text)
+    assert "last error: bad \\x1b[31mred\\u202e\\x07" in text
