@@ -24,7 +24,12 @@ from sokratos_worker import jsontext
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
-from sokratos_worker.store.connection import Database, lock_wait_limited, refused_for_its_content
+from sokratos_worker.store.connection import (
+    Database,
+    lock_wait_limited,
+    refused_by_setup,
+    refused_for_its_content,
+)
 from sokratos_worker.store.failures import record_failure
 from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.sanitize import clean_text, sanitize_payload
@@ -106,6 +111,12 @@ def spool_enqueue(
 
 # Spool files meant for another database, already reported by this process.
 _SAID_ELSEWHERE: set[str] = set()
+# Spool files whose rejection could not be recorded: left in place, said once, and passed
+# over by this process (a restart tries them again), so they hold up no file after them.
+_REJECTION_FAILED: set[str] = set()
+# The suffix of a file the database refused and whose payload was too large to keep in its
+# failed_operations row: set aside whole, so nothing is lost.
+REFUSED_SUFFIX = ".refused"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -141,43 +152,60 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         if handled >= SPOOL_FILES_PER_IMPORT or time.monotonic() > deadline:
             _say_left_for_next_tick(len(files) - position, imported)
             break
-        loaded = _load(path, database)
+        if path.name in _REJECTION_FAILED:
+            continue  # (said when it failed; retried after a restart)
+        try:
+            loaded = _load(path, database)
+        except DatabaseUnavailable:
+            log.warning("spool_import_paused", reason="database unavailable", left=str(path))
+            break
         # (A file left for another database's worker is no work here: it counts for nothing.)
         if loaded is not None and _meant_elsewhere(path, loaded[0], identity):
             continue
         handled += 1
         if loaded is None:
             continue
-        record, (queue, payload, key, source) = loaded
-        try:
-            with database.connection() as conn, lock_wait_limited(conn, ENQUEUE_TIMEOUT_MS):
-                item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
-        except DatabaseUnavailable:
-            log.warning("spool_import_paused", reason="database unavailable", left=str(path))
+        outcome = _import_one(path, database, *loaded)
+        if outcome is None:
             break
-        except pg_errors.LockNotAvailable:
-            log.warning(
-                "spool_import_paused",
-                reason=f"{queue.value} stayed locked by another session for"
-                f" {ENQUEUE_TIMEOUT_MS // 1000} s (a migration, a transaction left open?)",
-                left=str(path),
-                hint="the files stay in the spool and are imported at the next tick",
-            )
-            break
-        except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
-            # A file refused for what it holds must not hold up the files after it; any other
-            # database error (no migrations, no privilege) blames no file and is raised.
-            if isinstance(exc, psycopg.Error) and not refused_for_its_content(exc):
-                raise
-            _reject(path, database, _refusal(exc), record)
-            continue
-        if not _delete_imported(path):
-            continue
-        imported += 1
-        log.info("spool_imported", queue=queue.value, item_id=item_id, path=path.name)
+        imported += outcome
     if imported:
         _fsync_dir(spool_dir)
     return imported
+
+
+def _import_one(
+    path: Path, database: Database, record: Any, fields: tuple[Queue, Any, str, str | None]
+) -> bool | None:
+    """Enqueue one file and delete it: True when imported here, False when rejected or taken
+    by another importer, None when the import must pause (the database away or locked)."""
+    queue, payload, key, source = fields
+    try:
+        with database.connection() as conn, lock_wait_limited(conn, ENQUEUE_TIMEOUT_MS):
+            item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
+    except DatabaseUnavailable:
+        log.warning("spool_import_paused", reason="database unavailable", left=str(path))
+        return None
+    except pg_errors.LockNotAvailable:
+        log.warning(
+            "spool_import_paused",
+            reason=f"{queue.value} stayed locked by another session for"
+            f" {ENQUEUE_TIMEOUT_MS // 1000} s (a migration, a transaction left open?)",
+            left=str(path),
+            hint="the files stay in the spool and are imported at the next tick",
+        )
+        return None
+    except (InvalidPayload, ValueError, TypeError, psycopg.Error) as exc:
+        # A file refused for what it holds must not hold up the files after it; any other
+        # database error (no migrations, no privilege) blames no file and is raised.
+        if isinstance(exc, psycopg.Error) and not refused_for_its_content(exc):
+            raise
+        _reject_or_leave(path, database, _refusal(exc), record)
+        return False
+    if not _delete_imported(path):
+        return False
+    log.info("spool_imported", queue=queue.value, item_id=item_id, path=path.name)
+    return True
 
 
 def _say_left_for_next_tick(left: int, imported: int) -> None:
@@ -200,7 +228,7 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
     except FileNotFoundError:
         _taken(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        _reject(path, database, f"unreadable spool file: {exc}", None)
+        _reject_or_leave(path, database, f"unreadable spool file: {exc}", None)
     return None
 
 
@@ -259,51 +287,115 @@ def _refusal(exc: Exception) -> str:
     return f"cannot be stored as jsonb: {exc}"
 
 
+def _reject_or_leave(path: Path, database: Database, error: str, record: Any) -> None:
+    """:func:`_reject`, except that a failure to record the rejection leaves the file in place
+    (said once, passed over until a restart) instead of stopping every file after it."""
+    try:
+        _reject(path, database, error, record)
+    except DatabaseUnavailable:
+        raise
+    except psycopg.Error as exc:
+        if refused_by_setup(exc):
+            raise  # (no migrations, no privilege: no file's fault, every file would meet it)
+        _REJECTION_FAILED.add(path.name)
+        log.error(
+            "spool_file_rejection_failed",
+            path=str(path),
+            error=error,
+            failure=_refusal(exc),
+            hint="the file stays in the spool, passed over until the worker restarts; the"
+            " files after it are imported. Move it out of the spool and enqueue what it holds"
+            " again once fixed",
+        )
+
+
 def _reject(path: Path, database: Database, error: str, record: Any) -> None:
     """A spool file that can never be enqueued becomes a failed_operations row.
 
     What it held is kept in a form PostgreSQL accepts: the record sanitized, else the raw text.
-    A file this user cannot even read is renamed aside instead of deleted.
+    A file this user cannot even read is renamed aside instead of deleted; so is one whose
+    content the database refuses to store even in the failure (too large for jsonb, 54000):
+    its row then says where the file is and how large it was.
     """
-    context: dict[str, Any] | None = None
+    try:
+        context, unreadable = _rejection_context(path, record)
+    except FileNotFoundError:
+        _taken(path)
+        return
+    readable = unreadable is None
+    if unreadable is not None:
+        error = f"{error} ({unreadable})"
+    aside: str | None = None if readable else f"{path}.unreadable"
+    try:
+        already = _record_rejection(database, path.name, error, context)
+    except psycopg.Error as exc:
+        if not refused_for_its_content(exc) or not readable:
+            raise
+        # The database refuses what the file holds even as a failure's context (a payload
+        # over its 256 MB jsonb limit): record a note of it and keep the file itself aside.
+        aside = f"{path}{REFUSED_SUFFIX}"
+        already = _record_rejection(database, path.name, error, _note_of(path, record, aside))
+    try:
+        if aside is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.rename(aside)
+    except FileNotFoundError:
+        _taken(path)  # (the failure is recorded all the same: the file could not be read)
+    if already:
+        log.info("spool_file_rejected_already_recorded", path=path.name)
+    else:
+        log.error("spool_file_rejected", path=path.name, error=error, set_aside_as=aside)
+
+
+def _rejection_context(path: Path, record: Any) -> tuple[dict[str, Any], str | None]:
+    """What a rejected file held, in a form PostgreSQL accepts, and why it could not be read
+    (None when it could); FileNotFoundError when another importer took it."""
     if isinstance(record, dict):
         try:
             context, notes = sanitize_payload(record)
         except InvalidPayload:
             pass
         else:
-            context = {**context, "_sanitized": notes} if notes else context
-    readable = True
-    if context is None:
-        try:
-            context = {"raw": clean_text(path.read_text("utf-8", "replace"))}
-        except FileNotFoundError:
-            _taken(path)
-            return
-        except OSError as exc:
-            readable, context = False, {"raw": None, "kept_as": f"{path}.unreadable"}
-            error = f"{error} ({exc.strerror})"
-    with database.connection() as conn, conn.transaction():
-        already = _rejection_recorded(conn, path.name, context)
-        if not already:
-            record_failure(
-                conn,
-                op_type="spool_import",
-                label=path.name,
-                error=clean_text(error),
-                context=context,
-            )
+            return ({**context, "_sanitized": notes} if notes else context), None
     try:
-        if readable:
-            path.unlink(missing_ok=True)
-        else:
-            path.rename(f"{path}.unreadable")
+        return {"raw": clean_text(path.read_text("utf-8", "replace"))}, None
     except FileNotFoundError:
-        _taken(path)  # (the failure is recorded all the same: the file could not be read)
-    if already:
-        log.info("spool_file_rejected_already_recorded", path=path.name)
-    else:
-        log.error("spool_file_rejected", path=path.name, error=error)
+        raise
+    except OSError as exc:
+        return {"raw": None, "kept_as": f"{path}.unreadable"}, str(exc.strerror)
+
+
+def _record_rejection(database: Database, name: str, error: str, context: Any) -> bool:
+    """Record a rejected file's failure once; True when it was already recorded."""
+    with database.connection() as conn, conn.transaction():
+        if _rejection_recorded(conn, name, context):
+            return True
+        record_failure(
+            conn, op_type="spool_import", label=name, error=clean_text(error), context=context
+        )
+    return False
+
+
+def _note_of(path: Path, record: Any, aside: str) -> dict[str, Any]:
+    """A failure's context for a file too large to store: its fields but the payload, the
+    payload's size, and where the whole file is kept."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = -1
+    fields = record if isinstance(record, dict) else {}
+    kept = {
+        name: clean_text(value)
+        for name in ("queue", "idempotency_key", "source", "spooled_at", "database")
+        if isinstance(value := fields.get(name), str)
+    }
+    return {
+        **kept,
+        "payload_omitted": f"the spool file is {size:,} bytes, more than the database stores"
+        f" in one value; it is kept whole as {aside}: split what it holds into smaller items",
+        "set_aside_as": aside,
+    }
 
 
 def _rejection_recorded(conn: psycopg.Connection, name: str, context: Any) -> bool:
@@ -348,19 +440,31 @@ def spool_problems(spool_dir: Path) -> list[str]:
         if not spool_dir.is_dir():
             return []
         with os.scandir(spool_dir) as entries:
-            aside = sorted(e.name for e in entries if e.name.endswith(".json.unreadable"))
+            names = [e.name for e in entries]
     except OSError as exc:
         return [
             f"cannot read {spool_dir} ({exc.strerror or exc}): what is spooled there is never"
             " imported; chown it to the worker's user"
         ]
-    if not aside:
-        return []
-    return [
-        f"{len(aside)} spool files set aside as unreadable ({aside[0]}"
-        + (", …" if len(aside) > 1 else "")
-        + "): make them readable by the worker's user and rename them to end in .json"
-    ]
+    aside = sorted(n for n in names if n.endswith(".json.unreadable"))
+    refused = sorted(n for n in names if n.endswith(f".json{REFUSED_SUFFIX}"))
+    problems = []
+    if aside:
+        problems.append(
+            f"{len(aside)} spool files set aside as unreadable ({_first_of(aside)}): make them"
+            " readable by the worker's user and rename them to end in .json"
+        )
+    if refused:
+        problems.append(
+            f"{len(refused)} spool files set aside as too large for the database"
+            f" ({_first_of(refused)}; 'failed list --op-type spool_import' names each): split"
+            " what each holds into smaller items and enqueue them, then delete the file"
+        )
+    return problems
+
+
+def _first_of(names: list[str]) -> str:
+    return names[0] + (", …" if len(names) > 1 else "")
 
 
 def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
