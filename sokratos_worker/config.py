@@ -458,11 +458,8 @@ class Settings(BaseSettings):
     def database_identity(self) -> str:
         """Which database this is, without credentials: a spool file is imported only there."""
         if self.database_url is None:
-            return f"embedded:{self.data_dir}"
-        info = conninfo_to_dict(self.database_url.get_secret_value())
-        host = info.get("host") or info.get("hostaddr") or "localhost"
-        dbname = info.get("dbname") or info.get("user") or ""
-        return f"postgresql://{host}:{info.get('port') or 5432}/{dbname}"
+            return embedded_identity(self.data_dir)
+        return database_identity_of(self.database_url.get_secret_value())
 
     @property
     def spool_dir(self) -> Path:
@@ -474,6 +471,64 @@ class Settings(BaseSettings):
         if self.log_format is not None:
             return self.log_format
         return "console" if sys.stderr.isatty() else "json"
+
+
+_EMBEDDED = "embedded:"
+_URL = "postgresql://"
+
+
+def embedded_identity(data_dir: Path | str) -> str:
+    """The embedded PostgreSQL's identity: its data directory, resolved (a relative path, a
+    symlink or ``..`` named another database, and its spool files were never imported)."""
+    return f"{_EMBEDDED}{os.path.realpath(data_dir)}"
+
+
+def database_identity_of(conninfo: str) -> str:
+    """The identity of the database a URL or conninfo names (host, port, name; no
+    credentials), spelled the same whatever the spelling of its host: the worker's own, and
+    the one a producer's spool file names."""
+    info = conninfo_to_dict(conninfo)
+    host = str(info.get("host") or info.get("hostaddr") or "localhost")
+    dbname = info.get("dbname") or info.get("user") or ""
+    return f"{_URL}{_normal_hosts(host)}:{info.get('port') or 5432}/{dbname}"
+
+
+def normalised_identity(identity: str) -> str:
+    """An identity as :func:`database_identity_of` spells it now, also one an earlier version
+    wrote literally (``/tmp/../tmp/x``, ``DB.example.org``, a socket directory's trailing
+    slash); what it cannot read is returned as it is."""
+    if identity.startswith(_EMBEDDED):
+        return embedded_identity(identity.removeprefix(_EMBEDDED))
+    rest = identity.removeprefix(_URL)
+    where, slash, dbname = rest.rpartition("/")
+    host, colon, port = where.rpartition(":")
+    if rest == identity or not slash or not colon or not host:
+        return identity
+    return f"{_URL}{_normal_hosts(host)}:{port}/{dbname}"
+
+
+def identities_match(meant_for: str, identity: str) -> bool:
+    """True when a spool file meant for ``meant_for`` belongs to the database ``identity``:
+    the same once both are normalised, or, for the embedded server, its own socket's URL (what
+    a Python producer given that URL names)."""
+    if meant_for == identity:
+        return True
+    ours, theirs = normalised_identity(identity), normalised_identity(meant_for)
+    if theirs == ours:
+        return True
+    if ours.startswith(_EMBEDDED):
+        socket_dir = os.path.join(ours.removeprefix(_EMBEDDED), "postgres")
+        return theirs == database_identity_of(f"host={socket_dir} port=5432 dbname=postgres")
+    return False
+
+
+def _normal_hosts(hosts: str) -> str:
+    """Each host of a (comma-separated) list as one spelling: a socket directory resolved, a
+    name in lower case (DNS is not asked: two names of one server stay two)."""
+    return ",".join(
+        os.path.realpath(host) if host.startswith("/") else host.strip().lower()
+        for host in hosts.split(",")
+    )
 
 
 def _variable_for(loc: tuple[int | str, ...]) -> str:
@@ -628,7 +683,11 @@ __all__ = [
     "Duration",
     "EmailAccountConfig",
     "Settings",
+    "database_identity_of",
+    "embedded_identity",
+    "identities_match",
     "load_settings",
+    "normalised_identity",
     "parse_duration",
     "read_secret_file",
     "unknown_variables",

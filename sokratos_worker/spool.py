@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from psycopg import errors as pg_errors
 from psycopg.types.json import Jsonb
 
 from sokratos_worker import jsontext
+from sokratos_worker.config import identities_match, normalised_identity
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload
 from sokratos_worker.model import Queue
 from sokratos_worker.store import queue as store
@@ -83,12 +85,13 @@ def spool_enqueue(
     spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = idempotency_key or f"spool:{uuid.uuid4()}"
     record = {
+        # First, so an importer on another database reads a few bytes, not the payload.
+        "database": normalised_identity(database) if database is not None else None,
         "queue": queue.value,
         "payload": clean,
         "idempotency_key": key,
         "source": source,
         "spooled_at": datetime.now(UTC).isoformat(),
-        "database": database,
     }
     name = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}.json"
     final = spool_dir / name
@@ -105,12 +108,18 @@ def spool_enqueue(
         temp.unlink(missing_ok=True)  # (a full disk left an empty temporary file behind)
         raise
     _fsync_dir(spool_dir)
-    log.warning("enqueue_spooled", queue=queue.value, path=str(final), meant_for=database)
+    log.warning("enqueue_spooled", queue=queue.value, path=str(final), meant_for=record["database"])
     return final
 
 
 # Spool files meant for another database, already reported by this process.
 _SAID_ELSEWHERE: set[str] = set()
+# Files of an earlier version (their "database" last) found meant for another database, by
+# path and identity, with the (mtime, size) they had: passed over unread until edited.
+_FOREIGN: dict[tuple[str, str], tuple[int, int]] = {}
+# A spool file's first bytes when it names its database first (what this version writes).
+_DATABASE_FIRST = re.compile(r'\{\s*"database"\s*:\s*("(?:[^"\\]|\\.)*"|null)\s*[,}]')
+_HEAD_BYTES = 4096
 # Spool files whose rejection could not be recorded: left in place, said once, and passed
 # over by this process (a restart tries them again), so they hold up no file after them.
 _REJECTION_FAILED: set[str] = set()
@@ -154,13 +163,17 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
             break
         if path.name in _REJECTION_FAILED:
             continue  # (said when it failed; retried after a restart)
+        # (A file left for another database's worker is no work here: it counts for nothing,
+        # and is told by its first bytes, or remembered, not parsed whole at every tick.)
+        if identity and _known_elsewhere(path, identity):
+            continue
         try:
             loaded = _load(path, database)
         except DatabaseUnavailable:
             log.warning("spool_import_paused", reason="database unavailable", left=str(path))
             break
-        # (A file left for another database's worker is no work here: it counts for nothing.)
         if loaded is not None and _meant_elsewhere(path, loaded[0], identity):
+            _remember_elsewhere(path, identity)
             continue
         handled += 1
         if loaded is None:
@@ -232,10 +245,61 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
     return None
 
 
+def _known_elsewhere(path: Path, identity: str) -> bool:
+    """True for a file meant for another database, told without parsing it: by the database
+    its first bytes name, or as a file of an earlier version found so before and unchanged."""
+    meant_for = declared_database(path)
+    if meant_for is not _UNDECLARED:
+        return _meant_elsewhere(path, {"database": meant_for}, identity)
+    seen = _FOREIGN.get((str(path), identity))
+    return seen is not None and seen == _signature(path)
+
+
+def _remember_elsewhere(path: Path, identity: str | None) -> None:
+    if identity and (signature := _signature(path)) is not None:
+        _FOREIGN[(str(path), identity)] = signature
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    """A file's (mtime, size): an edit (its "database" corrected) makes it another file."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+_UNDECLARED = object()
+
+
+def declared_database(path: Path) -> object:
+    """The database a file names in its first bytes (a string or None), read without the
+    payload; ``_UNDECLARED`` when it does not start with it (an earlier version's file) or
+    cannot be read (the import reports that)."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(_HEAD_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return _UNDECLARED
+    found = _DATABASE_FIRST.match(head)
+    if found is None:
+        return _UNDECLARED
+    try:
+        meant_for = json.loads(found.group(1))
+    except ValueError:
+        return _UNDECLARED
+    return meant_for if isinstance(meant_for, str | None) else _UNDECLARED
+
+
 def _meant_elsewhere(path: Path, record: Any, identity: str | None) -> bool:
-    """True for a file meant for another database than ``identity`` (said once)."""
+    """True for a file meant for another database than ``identity`` (said once).
+
+    Both are compared as :func:`~sokratos_worker.config.normalised_identity` spells them, so a
+    file an earlier version named ``embedded:/srv/../srv/x`` is still this database's."""
     meant_for = record.get("database")
-    if not (identity and isinstance(meant_for, str) and meant_for != identity):
+    if not (identity and isinstance(meant_for, str)):
+        return False
+    if identities_match(meant_for, identity):
         return False
     if path.name not in _SAID_ELSEWHERE:
         _SAID_ELSEWHERE.add(path.name)
@@ -478,10 +542,12 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
     except OSError:
         files = []  # said by spool_problems
     for path in files:
-        try:
-            meant_for = jsontext.loads(path.read_text(encoding="utf-8")).get("database")
-        except (OSError, ValueError, AttributeError):
-            continue  # unreadable: the next import reports it as a failure
-        if isinstance(meant_for, str) and meant_for != identity:
+        meant_for = declared_database(path)  # (this version's files: a few bytes read)
+        if meant_for is _UNDECLARED:
+            try:
+                meant_for = jsontext.loads(path.read_text(encoding="utf-8")).get("database")
+            except (OSError, ValueError, AttributeError):
+                continue  # unreadable: the next import reports it as a failure
+        if isinstance(meant_for, str) and not identities_match(meant_for, identity):
             counts[meant_for] = counts.get(meant_for, 0) + 1
     return counts

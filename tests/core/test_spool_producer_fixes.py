@@ -8,13 +8,16 @@ PostgreSQL's own 54000, so the test holds kilobytes, not 256 MB.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import psycopg
+import pytest
 from structlog.testing import capture_logs
 
+from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
-from sokratos_worker.spool import import_spool, pending_files, spool_enqueue
+from sokratos_worker.spool import import_spool, pending_elsewhere, pending_files, spool_enqueue
 from sokratos_worker.store.connection import Database
 from tests.support.db import count
 
@@ -106,3 +109,172 @@ def test_status_names_a_file_set_aside_as_too_large(tmp_path: Path) -> None:
     (spool / "1.json.refused").write_text("{}")
     [problem] = spool_problems(spool)
     assert "1 spool files set aside as too large for the database (1.json.refused" in problem
+
+
+def _old_format(spool: Path, name: str, meant_for: str | None, key: str) -> Path:
+    """A file as versions before this one wrote it: its "database" after the payload."""
+    spool.mkdir(parents=True, exist_ok=True)
+    record = {
+        "queue": "pending_triage",
+        "payload": {"exchange": "user: my sister moved to Porto\nassistant: noted"},
+        "idempotency_key": key,
+        "source": None,
+        "spooled_at": "2026-01-01T00:00:00+00:00",
+        "database": meant_for,
+    }
+    path = spool / name
+    path.write_text(json.dumps(record), encoding="utf-8")
+    return path
+
+
+def _slow_parse(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each parse of a whole file takes 0.3 s (a large conversation); returns the count."""
+    from sokratos_worker import jsontext
+    from sokratos_worker import spool as spool_module
+
+    parsed: list[int] = []
+    real = jsontext.loads
+
+    def slow(text: str) -> object:
+        parsed.append(1)
+        time.sleep(0.3)
+        return real(text)
+
+    monkeypatch.setattr(spool_module.jsontext, "loads", slow)
+    monkeypatch.setattr(spool_module, "SPOOL_IMPORT_BUDGET_S", 1.0)
+    return parsed
+
+
+def test_files_for_another_database_are_not_parsed_and_hold_up_nothing(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F2: every foreign file was parsed whole at every tick, spending the import's 5 s, so
+    the files for this database behind them were never reached."""
+    ours = Settings(database_url=database_url).database_identity  # type: ignore[arg-type]
+    other = "postgresql://db.example.org:5432/sokratos"
+    spool = tmp_path / "spool"
+    for n in range(10):
+        _spool(spool, "user: elsewhere\nassistant: ok", f"elsewhere-{n}", database=other)
+    _spool(spool, "user: my sister Ana moved to Porto\nassistant: noted!", "here", database=ours)
+    parsed = _slow_parse(monkeypatch)
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database, ours) == 1
+    finally:
+        database.close()
+    assert parsed == [1]  # this database's file only
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    assert pending_files(spool) == 10
+    assert pending_elsewhere(spool, ours) == {other: 10}
+
+
+def test_an_earlier_versions_foreign_files_are_parsed_once_per_process(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F2, files written before the database came first: parsed at most once by a process,
+    so the files behind them are reached within a few ticks; one edited to name this
+    database (the documented fix) is parsed again and imported."""
+    ours = Settings(database_url=database_url).database_identity  # type: ignore[arg-type]
+    other = "postgresql://db.example.org:5432/sokratos"
+    spool = tmp_path / "spool"
+    foreign = [_old_format(spool, f"0-{n:02d}.json", other, f"elsewhere-{n}") for n in range(10)]
+    _old_format(spool, "1-here.json", ours, "here")
+    parsed = _slow_parse(monkeypatch)
+    database = Database(database_url, size=2)
+    try:
+        ticks = 0
+        while count(db, "SELECT count(*) FROM pending_triage") == 0 and ticks < 6:
+            import_spool(spool, database, ours)
+            ticks += 1
+        assert count(db, "SELECT count(*) FROM pending_triage") == 1, ticks
+        assert len(parsed) == 11  # each file once
+        assert import_spool(spool, database, ours) == 0
+        assert len(parsed) == 11
+        record = json.loads(foreign[0].read_text())
+        foreign[0].write_text(json.dumps({**record, "database": ours, "edited": True}))
+        assert import_spool(spool, database, ours) == 1
+    finally:
+        database.close()
+    keys = {r[0] for r in db.execute("SELECT idempotency_key FROM pending_triage")}
+    assert keys == {"here", "elsewhere-0"}
+
+
+def test_the_python_client_spools_for_the_database_its_conninfo_names(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """F3: enqueue_triage/enqueue_distillation never passed spool_for: the file said
+    "database": null, and a worker on any database reading the directory imported it."""
+    from sokratos_worker.client import enqueue_distillation, enqueue_triage
+    from tests.support.ports import unused_port
+
+    down = f"postgresql://nobody@127.0.0.1:{unused_port()}/elsewhere?connect_timeout=2"
+    spool = tmp_path / "spool"
+    triage = enqueue_triage(down, "user: I moved to Lisbon\nassistant: noted", spool_dir=spool)
+    archive = enqueue_distillation(down, {"archive_text": "user: hi"}, spool_dir=spool)
+    theirs = Settings(database_url=down).database_identity  # type: ignore[arg-type]
+    for spooled in (triage.spooled, archive.spooled):
+        assert spooled is not None
+        assert json.loads(spooled.read_text())["database"] == theirs
+    ours = Settings(database_url=database_url).database_identity  # type: ignore[arg-type]
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database, ours) == 0  # not this database's
+        assert import_spool(spool, database, theirs) == 2  # (as a worker on that one would)
+    finally:
+        database.close()
+    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 1
+
+
+def test_one_database_spelled_differently_is_one_identity(tmp_path: Path) -> None:
+    """F4: the identity was the URL's or data directory's literal text."""
+    real = tmp_path / "data"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+
+    def embedded(data_dir: Path | str) -> str:
+        return Settings(database_url=None, data_dir=data_dir).database_identity  # type: ignore[arg-type]
+
+    def external(url: str) -> str:
+        return Settings(database_url=url).database_identity  # type: ignore[arg-type]
+
+    assert embedded(tmp_path / "link") == embedded(real) == f"embedded:{real.resolve()}"
+    assert embedded(f"{tmp_path}/../{tmp_path.name}/data") == embedded(real)
+    assert external(f"postgresql:///db?host={real}/") == external(f"postgresql:///db?host={real}")
+    assert external(f"host={tmp_path}/link dbname=db") == external(f"host={real} dbname=db")
+    assert external("postgresql://u@DB.Example.org/x") == external("postgresql://db.example.org/x")
+    assert external("postgresql://db.example.org/x") != external("postgresql://db.example.org/y")
+
+
+def test_files_named_with_an_earlier_spelling_are_still_imported_here(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """F4: files written with the old literal spelling (a trailing slash, a symlinked data
+    directory, capitals) match the normalised identity, as they matched before."""
+    real = tmp_path / "data"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    worker = Settings(database_url=None, data_dir=tmp_path / "link").database_identity  # type: ignore[arg-type]
+    spool = tmp_path / "spool"
+    _old_format(spool, "0.json", f"embedded:{tmp_path}/link", "as-before")
+    _old_format(spool, "1.json", f"embedded:{tmp_path}/../{tmp_path.name}/data", "dotted")
+    _old_format(spool, "2.json", "embedded:/somewhere/else", "elsewhere")
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database, worker) == 2
+    finally:
+        database.close()
+    keys = {r[0] for r in db.execute("SELECT idempotency_key FROM pending_triage")}
+    assert keys == {"as-before", "dotted"}
+    assert pending_elsewhere(spool, worker) == {"embedded:/somewhere/else": 1}
+
+
+def test_a_python_producer_on_the_embedded_servers_socket_spools_for_it(tmp_path: Path) -> None:
+    """F3 with the embedded PostgreSQL: the identity the client derives from its socket URL is
+    the embedded worker's, so the file is imported there as its null file was before."""
+    from sokratos_worker.config import database_identity_of, identities_match
+
+    worker = Settings(database_url=None, data_dir=tmp_path).database_identity  # type: ignore[arg-type]
+    socket_url = f"postgresql://postgres:@/postgres?host={tmp_path}/postgres"
+    assert identities_match(database_identity_of(socket_url), worker)
+    assert not identities_match(database_identity_of(socket_url), f"embedded:{tmp_path}/x")
