@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import structlog
 
+from sokratos_worker.config import database_identity_of
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
 from sokratos_worker.spool import spool_enqueue, storable_payload
@@ -73,8 +74,9 @@ def enqueue(
     spool_for: str | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
-    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead
-    (``spool_for``: ``Settings.database_identity``, so only a worker on it imports the file).
+    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead, the
+    file naming the database ``conninfo`` names (spelled as the worker spells its own, so only a
+    worker on it imports the file); ``spool_for`` names another (``Settings.database_identity``).
 
     With ``lock_timeout_ms``, a queue table another session holds locked longer than that
     (a migration, a transaction left open) counts as unreachable too: spooled, or
@@ -120,7 +122,8 @@ def enqueue(
             raise
         if isinstance(exc, TableLocked):
             log.warning("enqueue_table_locked", reason=str(exc), hint=_SPOOLED_UNTIL_RELEASED)
-        return spool(spool_dir, queue, clean, key=key, source=source, spool_for=spool_for)
+        meant_for = spool_for if spool_for is not None else database_identity_of(conninfo)
+        return spool(spool_dir, queue, clean, key=key, source=source, spool_for=meant_for)
 
 
 def spool(
@@ -132,7 +135,10 @@ def spool(
     source: str | None = None,
     spool_for: str | None = None,
 ) -> Enqueued:
-    """Write the enqueue to the spool, sanitized and checked as the database would check it."""
+    """Write the enqueue to the spool, sanitized and checked as the database would check it.
+
+    Without ``spool_for`` the file names no database and any worker reading ``spool_dir``
+    imports it, as it imports the files earlier clients wrote without one."""
     _refuse_bad_key(key)
     clean = storable_payload(payload)
     _validate_offline(queue, clean, source)
@@ -227,6 +233,7 @@ def enqueue_triage(
     occurred_at: datetime | None = None,
     key: str | None = None,
     spool_dir: Path | None = None,
+    spool_for: str | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
     """Enqueue a conversation exchange for triage (the arguments as for :func:`enqueue`),
@@ -241,6 +248,7 @@ def enqueue_triage(
         payload,
         key=key,
         spool_dir=spool_dir,
+        spool_for=spool_for,
         lock_timeout_ms=lock_timeout_ms,
     )
 
@@ -299,6 +307,7 @@ def enqueue_distillation(
     *,
     key: str | None = None,
     spool_dir: Path | None = None,
+    spool_for: str | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
     """Enqueue an archived conversation (``messages`` or ``archive_text``) for distillation,
@@ -310,5 +319,6 @@ def enqueue_distillation(
         payload,
         key=key,
         spool_dir=spool_dir,
+        spool_for=spool_for,
         lock_timeout_ms=lock_timeout_ms,
     )
