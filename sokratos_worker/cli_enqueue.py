@@ -120,4 +120,10 @@ def _refused_enqueue(exc: psycopg.Error) -> str:
         return f"{what}: run 'sokratos-worker migrate' first"
     if isinstance(exc, errors.InsufficientPrivilege):
         return f"{what}: the role needs sokratos_producer (sql/roles.sql)"
+    if isinstance(exc, errors.ProgramLimitExceeded) and what.startswith("index row"):
+        from sokratos_worker.client import LONG_KEY_ADVICE  # noqa: PLC0415
+
+        return (
+            f"the database refused the enqueue's --key ({exc.sqlstate}): {what}: {LONG_KEY_ADVICE}"
+        )
     return f"the database refused the enqueue ({exc.sqlstate}): {what}"

@@ -140,6 +140,7 @@ def spool(
     Without ``spool_for`` the file names no database and any worker reading ``spool_dir``
     imports it, as it imports the files earlier clients wrote without one."""
     _refuse_bad_key(key)
+    _refuse_long_key(key)
     clean = storable_payload(payload)
     _validate_offline(queue, clean, source)
     return Enqueued(
@@ -166,6 +167,24 @@ def _refuse_bad_key(key: str | None) -> None:
             f"contains a lone surrogate ({key[exc.start]!r} at {exc.start}), which is not"
             " valid UTF-8: decode the key's bytes strictly",
         ) from exc
+
+
+# The longest key spooled, in UTF-8 bytes: the key's unique index takes a row of at most
+# 2,704 bytes (a third of a page), so a longer one is refused at the import, long after the
+# producer could shorten it; a little less leaves room for the row's own bytes.
+MAX_SPOOLED_KEY_BYTES = 2000
+LONG_KEY_ADVICE = "use a shorter key (a hash of it, e.g. its SHA-256 in hex)"
+
+
+def _refuse_long_key(key: str | None) -> None:
+    """A key the database's index would refuse is refused before it is spooled (directly, the
+    database says so itself: a key that compresses well may still fit there)."""
+    if key is not None and (size := len(key.encode("utf-8"))) > MAX_SPOOLED_KEY_BYTES:
+        raise InvalidPayload(
+            "key",
+            f"is {size:,} bytes; the database's index on it takes about 2,700 at most, and a"
+            f" spooled item's at most {MAX_SPOOLED_KEY_BYTES:,}: {LONG_KEY_ADVICE}",
+        )
 
 
 def _refuse_bad_source(queue: Queue, source: str | None) -> None:

@@ -278,3 +278,32 @@ def test_a_python_producer_on_the_embedded_servers_socket_spools_for_it(tmp_path
     socket_url = f"postgresql://postgres:@/postgres?host={tmp_path}/postgres"
     assert identities_match(database_identity_of(socket_url), worker)
     assert not identities_match(database_identity_of(socket_url), f"embedded:{tmp_path}/x")
+
+
+def test_a_key_too_long_for_the_database_is_refused_before_it_is_spooled(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """F5: a key over ~2.7 KB is refused directly (54000, the index row) but was spooled, and
+    the import turned it into a spool_import failure `failed retry` does not replay."""
+    import secrets
+
+    from sokratos_worker.cli_enqueue import _refused_enqueue
+    from sokratos_worker.client import enqueue, enqueue_triage
+    from sokratos_worker.errors import InvalidPayload
+    from tests.support.ports import unused_port
+
+    key = secrets.token_hex(1600)  # 3,200 bytes that do not compress
+    down = f"postgresql://nobody@127.0.0.1:{unused_port()}/x?connect_timeout=2"
+    spool = tmp_path / "spool"
+    with pytest.raises(InvalidPayload, match="use a shorter key") as refused:
+        enqueue_triage(down, "user: hi there\nassistant: hello", key=key, spool_dir=spool)
+    assert "3,200 bytes" in str(refused.value)
+    assert pending_files(spool) == 0
+    # Directly, the database refuses it; the command's message says the same.
+    with pytest.raises(psycopg.errors.ProgramLimitExceeded) as direct:
+        enqueue(database_url, Queue.TRIAGE, {"exchange": "user: hi\nassistant: ok"}, key=key)
+    message = _refused_enqueue(direct.value)
+    assert "--key" in message and "use a shorter key" in message and "54000" in message
+    assert count(db, "SELECT count(*) FROM pending_triage") == 0
+    ok = enqueue_triage(down, "user: hi there\nassistant: hello", key="k" * 2000, spool_dir=spool)
+    assert ok.spooled is not None  # (2,000 bytes are spooled)
