@@ -123,6 +123,8 @@ _HEAD_BYTES = 4096
 # Spool files whose rejection could not be recorded: left in place, said once, and passed
 # over by this process (a restart tries them again), so they hold up no file after them.
 _REJECTION_FAILED: set[str] = set()
+# Spool files this user cannot delete or rename, already reported by this process.
+_SAID_UNDELETABLE: set[str] = set()
 # The suffix of a file the database refused and whose payload was too large to keep in its
 # failed_operations row: set aside whole, so nothing is lost.
 REFUSED_SUFFIX = ".refused"
@@ -321,7 +323,29 @@ def _delete_imported(path: Path) -> bool:
     except FileNotFoundError:
         _taken(path)
         return False
+    except OSError as exc:
+        _say_undeletable(path, exc, "imported")
+        return False
     return True
+
+
+def _say_undeletable(path: Path, exc: OSError, done: str) -> None:
+    """A file this user can read but not delete or rename (the spool made by another user):
+    said once per process; the next imports repeat it harmlessly (its key makes the enqueue a
+    no-op, its failure is recorded once) and go on with the files after it."""
+    if path.name in _SAID_UNDELETABLE:
+        log.debug("spool_file_still_undeletable", path=path.name)
+        return
+    _SAID_UNDELETABLE.add(path.name)
+    log.error(
+        "spool_file_undeletable",
+        path=str(path),
+        done=done,
+        error=exc.strerror or str(exc),
+        hint="the spool belongs to the worker's user: chown the spool directory and its files"
+        " to that user (and make the directory writable by it); until then the file is"
+        " imported again at every tick, without doubling anything (its idempotency key)",
+    )
 
 
 def _taken(path: Path) -> None:
@@ -406,6 +430,8 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
             path.rename(aside)
     except FileNotFoundError:
         _taken(path)  # (the failure is recorded all the same: the file could not be read)
+    except OSError as exc:
+        _say_undeletable(path, exc, "rejected: its failure is recorded")
     if already:
         log.info("spool_file_rejected_already_recorded", path=path.name)
     else:

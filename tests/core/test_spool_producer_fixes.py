@@ -307,3 +307,39 @@ def test_a_key_too_long_for_the_database_is_refused_before_it_is_spooled(
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
     ok = enqueue_triage(down, "user: hi there\nassistant: hello", key="k" * 2000, spool_dir=spool)
     assert ok.spooled is not None  # (2,000 bytes are spooled)
+
+
+def test_a_file_the_worker_cannot_delete_does_not_stop_the_import(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F6: a PermissionError deleting an imported file (or renaming a rejected one) escaped
+    import_spool, and every tick stopped at that file."""
+    spool = tmp_path / "spool"
+    stuck = _spool(spool, "user: my sister Ana moved to Porto\nassistant: noted!", "stuck")
+    refused = _old_format(spool, "0-refused.json", None, "bad")  # (first: no exchange)
+    refused.write_text(refused.read_text().replace('"exchange"', '"nothing"'))
+    after = _spool(spool, "user: I adopted a cat\nassistant: lovely", "after")
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name in (stuck.name, refused.name):
+            raise PermissionError(13, "Permission denied", str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    database = Database(database_url, size=2)
+    try:
+        with capture_logs() as logs:
+            assert import_spool(spool, database) == 1  # "after"
+            assert import_spool(spool, database) == 0  # the stuck ones again: no-ops
+        monkeypatch.setattr(Path, "unlink", real_unlink)
+        import_spool(spool, database)  # the owner fixed: both go
+    finally:
+        database.close()
+    said = [e for e in logs if e["event"] == "spool_file_undeletable"]
+    assert sorted(e["path"] for e in said) == sorted([str(stuck), str(refused)])  # once each
+    assert "chown" in said[0]["hint"]
+    assert not stuck.exists() and not refused.exists() and not after.exists()
+    keys = [r[0] for r in db.execute("SELECT idempotency_key FROM pending_triage")]
+    assert sorted(keys) == ["after", "stuck"]  # nothing doubled
+    assert count(db, "SELECT count(*) FROM failed_operations") == 1  # recorded once
