@@ -48,14 +48,27 @@ def enqueue(args: argparse.Namespace, settings: Settings) -> int:
     except OSError as exc:
         # Only the spool is written here: the database was out of reach and so is the spool.
         # Exit 75, not 1: nothing is wrong with the input, and a later try may succeed.
-        where = exc.filename or settings.spool_dir
-        raise DatabaseUnavailable(
-            f"the database could not take it (unreachable, or its queue table locked) and the"
-            f" spool cannot be written ({where}:"
-            f" {exc.strerror or exc}): nothing was enqueued, try again later"
-        ) from exc
+        raise DatabaseUnavailable(_unspooled(exc, settings.spool_dir)) from exc
     print(result.item_id if result.item_id is not None else f"spooled {result.spooled}")
     return EXIT_OK
+
+
+def _unspooled(exc: OSError, spool_dir: Path) -> str:
+    """Why neither the database nor the spool took the item, and what to do."""
+    where = exc.filename or spool_dir
+    said = (
+        "the database could not take it (unreachable, or its queue table locked) and the"
+        f" spool cannot be written ({where}: {exc.strerror or exc}): nothing was enqueued"
+    )
+    if isinstance(exc, PermissionError):
+        # Trying again as this user never works: the spool is the worker's (contract §4).
+        return (
+            f"{said}; the spool belongs to the worker's user: run 'sokratos-worker enqueue' as"
+            " that user (docs/production.md), or, from another user or machine, enqueue with"
+            " the SQL functions (sokratos_enqueue_triage, sokratos_enqueue_distillation)"
+            " once the database answers"
+        )
+    return f"{said}, try again later"
 
 
 def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:

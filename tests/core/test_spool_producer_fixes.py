@@ -343,3 +343,40 @@ def test_a_file_the_worker_cannot_delete_does_not_stop_the_import(
     keys = [r[0] for r in db.execute("SELECT idempotency_key FROM pending_triage")]
     assert sorted(keys) == ["after", "stuck"]  # nothing doubled
     assert count(db, "SELECT count(*) FROM failed_operations") == 1  # recorded once
+
+
+def test_enqueue_that_may_not_write_the_workers_spool_says_whose_it_is(tmp_path: Path) -> None:
+    """F9: another user's `enqueue` while the database is down was told "try again later",
+    which never works: the spool belongs to the worker's user (contract §4)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.support.daemon import ROOT
+    from tests.support.ports import unused_port
+
+    base = Path(tempfile.mkdtemp(prefix="sokratos-spool-"))  # (pytest's tmp_path is 0700)
+    try:
+        base.chmod(0o755)
+        (base / "spool").mkdir(mode=0o700)  # the worker's (root's here)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": "/tmp",
+            "PYTHONPATH": str(ROOT),
+            "SOKRATOS_DATA_DIR": str(base),
+            "SOKRATOS_DATABASE_URL": f"postgresql://x@127.0.0.1:{unused_port()}/none",
+            "SOKRATOS_LOG_FORMAT": "json",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "sokratos_worker", "enqueue", "triage", "--exchange",
+             "user: hi\nassistant: hello"],
+            env=env, user=65534, group=65534, cwd="/tmp", capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(base)
+    assert done.returncode == 75, done.stderr
+    assert "Permission denied" in done.stderr and "try again later" not in done.stderr
+    assert "belongs to the worker's user" in done.stderr and "SQL functions" in done.stderr
