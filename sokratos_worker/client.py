@@ -198,6 +198,7 @@ def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None)
     """The same checks as sokratos_check_payload (sql/0049), in its order and words, so the
     spool never holds what the import would turn into a failure."""
     _refuse_bad_source(queue, source)
+    _refuse_too_large(payload)
     if queue is Queue.TRIAGE:
         field = "text" if source == "email" else "exchange"
         if not isinstance(payload.get(field), str):
@@ -217,6 +218,38 @@ def _validate_offline(queue: Queue, payload: dict[str, Any], source: str | None)
         _fields_as_the_worker_reads_them(queue, payload, source)
     except InvalidPayload as exc:
         raise InvalidPayload(f"payload.{exc.field}", exc.problem) from exc
+
+
+# PostgreSQL's jsonb holds at most 2^28 - 1 bytes of data in one value (a string, or an
+# object with all it holds): a payload with more text than that is refused (54000).
+JSONB_MAX_BYTES = 0x0FFFFFFF
+
+
+def _refuse_too_large(payload: dict[str, Any]) -> None:
+    """A payload the database is certain to refuse for its size is refused before it is
+    spooled: the import could only set the file aside as refused."""
+    size = _text_bytes(payload)
+    if size > JSONB_MAX_BYTES:
+        raise InvalidPayload(
+            "payload",
+            f"holds {size:,} bytes of text; PostgreSQL stores at most {JSONB_MAX_BYTES:,} in"
+            " one jsonb value and would refuse it (54000): split it into several items",
+        )
+
+
+def _text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of every string (keys too) in a JSON value: less than its jsonb size."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
 
 
 def _fields_as_the_worker_reads_them(

@@ -380,3 +380,19 @@ def test_enqueue_that_may_not_write_the_workers_spool_says_whose_it_is(tmp_path:
     assert done.returncode == 75, done.stderr
     assert "Permission denied" in done.stderr and "try again later" not in done.stderr
     assert "belongs to the worker's user" in done.stderr and "SQL functions" in done.stderr
+
+
+def test_a_payload_the_database_must_refuse_for_its_size_is_not_spooled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F1, the producer's side: a payload over jsonb's 256 MB (here a limit made small) would
+    only be set aside by the import; the spool refuses it, saying why."""
+    from sokratos_worker import client
+    from sokratos_worker.errors import InvalidPayload
+
+    monkeypatch.setattr(client, "JSONB_MAX_BYTES", 1000, raising=False)
+    spool = tmp_path / "spool"
+    with pytest.raises(InvalidPayload, match=r"would refuse it \(54000\): split it"):
+        client.spool(spool, Queue.TRIAGE, {"exchange": "user: " + "é" * 600})
+    assert pending_files(spool) == 0
+    assert client.spool(spool, Queue.TRIAGE, {"exchange": "user: " + "é" * 400}).spooled
