@@ -163,7 +163,7 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         if handled >= SPOOL_FILES_PER_IMPORT or time.monotonic() > deadline:
             _say_left_for_next_tick(len(files) - position, imported)
             break
-        if path.name in _REJECTION_FAILED:
+        if str(path) in _REJECTION_FAILED:
             continue  # (said when it failed; retried after a restart)
         # (A file left for another database's worker is no work here: it counts for nothing,
         # and is told by its first bytes, or remembered, not parsed whole at every tick.)
@@ -250,7 +250,7 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
 def _known_elsewhere(path: Path, identity: str) -> bool:
     """True for a file meant for another database, told without parsing it: by the database
     its first bytes name, or as a file of an earlier version found so before and unchanged."""
-    meant_for = declared_database(path)
+    meant_for = _declared_database(path)
     if meant_for is not _UNDECLARED:
         return _meant_elsewhere(path, {"database": meant_for}, identity)
     seen = _FOREIGN.get((str(path), identity))
@@ -274,7 +274,7 @@ def _signature(path: Path) -> tuple[int, int] | None:
 _UNDECLARED = object()
 
 
-def declared_database(path: Path) -> object:
+def _declared_database(path: Path) -> object:
     """The database a file names in its first bytes (a string or None), read without the
     payload; ``_UNDECLARED`` when it does not start with it (an earlier version's file) or
     cannot be read (the import reports that)."""
@@ -385,7 +385,7 @@ def _reject_or_leave(path: Path, database: Database, error: str, record: Any) ->
     except psycopg.Error as exc:
         if refused_by_setup(exc):
             raise  # (no migrations, no privilege: no file's fault, every file would meet it)
-        _REJECTION_FAILED.add(path.name)
+        _REJECTION_FAILED.add(str(path))
         log.error(
             "spool_file_rejection_failed",
             path=str(path),
@@ -568,7 +568,7 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
     except OSError:
         files = []  # said by spool_problems
     for path in files:
-        meant_for = declared_database(path)  # (this version's files: a few bytes read)
+        meant_for = _declared_database(path)  # (this version's files: a few bytes read)
         if meant_for is _UNDECLARED:
             try:
                 meant_for = jsontext.loads(path.read_text(encoding="utf-8")).get("database")
