@@ -198,7 +198,8 @@ def _locked_for_replay(
                            false),
                   coalesce(jsonb_typeof(context_data -> 'payload') = 'object'
                            AND NOT context_data -> 'payload' ? %(unparsable)s, false),
-                  context_data ->> 'kept_as', context_data ->> 'what_to_do'
+                  coalesce(context_data ->> 'kept_as', context_data ->> 'set_aside_as'),
+                  context_data ->> 'what_to_do', context_data ? 'payload_omitted'
            FROM failed_operations AS f WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"""
         ),
         {"ids": failure_ids, "unparsable": store.UNPARSABLE_KEY},
@@ -212,12 +213,12 @@ def _sorted_out(failure_id: int, row: tuple[Any, ...] | None) -> RetryResult | _
     if row is None:
         return RetryResult(failure_id, None, f"no failure with id {failure_id}")
     key, retried_at, retried_as, source_queue, op_type, original, stored, an_object = row[:8]
-    kept_as, todo, still_queued = row[8:]
+    kept_as, todo, too_large, still_queued = row[8:]
     if retried_at is not None:
         replayed = replayed_item(source_queue, retried_as)
         return RetryResult(failure_id, retried_as, f"already retried as {replayed}; nothing done")
     if op_type == "spool_import":
-        return RetryResult(failure_id, None, _spool_file_hint(failure_id, kept_as))
+        return RetryResult(failure_id, None, _spool_file_hint(failure_id, kept_as, too_large))
     if op_type == EMAIL_OP_TYPE and todo:
         # A mail the worker could not read or record: not a queue item, it is fetched again.
         return RetryResult(failure_id, None, f"refused: this is a mail, not a queue item: {todo}")
@@ -437,8 +438,14 @@ _REPLAY_QUEUES = tuple(q.value for q in Queue)
 EMAIL_OP_TYPE = "email_message"  # email/failed.py's records (it imports this module)
 
 
-def _spool_file_hint(failure_id: int, kept_as: str | None) -> str:
+def _spool_file_hint(failure_id: int, kept_as: str | None, too_large: bool = False) -> str:
     """What to do with a spool file the import refused: it is not replayed as it stands."""
+    if kept_as and too_large:
+        return (
+            f"refused: the spool file is too large for the database to store in one value and"
+            f" is kept whole as {kept_as}: split what it holds into smaller items and enqueue"
+            " them with 'sokratos-worker enqueue'"
+        )
     if kept_as:
         return (
             f"refused: the spool file could not be read and is kept as {kept_as}; make it"

@@ -77,6 +77,14 @@ def test_a_file_too_large_for_the_database_does_not_block_the_files_behind_it(
     assert context["idempotency_key"] == "large" and context["set_aside_as"] == str(kept)
     assert "bytes" in context["payload_omitted"]
     assert [e for e in logs if e["event"] == "spool_file_rejected"]
+    # `failed retry` says where the file is and what to do (it said its content was in
+    # `failed show`, which holds only the note).
+    from sokratos_worker.store.failures import retry_failure
+
+    (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone() or (0,)
+    with psycopg.connect(database_url) as conn:
+        said = retry_failure(conn, failure_id).message
+    assert "too large" in said and str(kept) in said and "split" in said, said
 
 
 def test_a_rejection_that_fails_does_not_stop_the_files_after_it(
