@@ -20,7 +20,6 @@ from typing import Any
 import psycopg
 import structlog
 
-from sokratos_worker.config import database_identity_of
 from sokratos_worker.errors import DatabaseUnavailable, InvalidPayload, TableLocked
 from sokratos_worker.model import Queue
 from sokratos_worker.spool import spool_enqueue, storable_payload
@@ -74,9 +73,11 @@ def enqueue(
     spool_for: str | None = None,
     lock_timeout_ms: int | None = None,
 ) -> Enqueued:
-    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead, the
-    file naming the database ``conninfo`` names (spelled as the worker spells its own, so only a
-    worker on it imports the file); ``spool_for`` names another (``Settings.database_identity``).
+    """Enqueue one item; with ``spool_dir``, an unreachable database spools it instead. The
+    file names the database ``spool_for`` names (``Settings.database_identity``: then only a
+    worker on it imports the file); without it, any worker reading ``spool_dir`` imports it
+    (a conninfo spelled otherwise than the worker's own, ``localhost`` for ``127.0.0.1`` or a
+    pooler's port, would leave the file to no worker).
 
     With ``lock_timeout_ms``, a queue table another session holds locked longer than that
     (a migration, a transaction left open) counts as unreachable too: spooled, or
@@ -92,6 +93,7 @@ def enqueue(
     errors for what the database refuses otherwise (missing migrations or privileges).
     """
     _refuse_bad_key(key)
+    _refuse_long_key(key)
     _refuse_bad_source(queue, source)
     clean = storable_payload(payload)
     if isinstance(conninfo, psycopg.Connection):
@@ -122,8 +124,7 @@ def enqueue(
             raise
         if isinstance(exc, TableLocked):
             log.warning("enqueue_table_locked", reason=str(exc), hint=_SPOOLED_UNTIL_RELEASED)
-        meant_for = spool_for if spool_for is not None else database_identity_of(conninfo)
-        return spool(spool_dir, queue, clean, key=key, source=source, spool_for=meant_for)
+        return spool(spool_dir, queue, clean, key=key, source=source, spool_for=spool_for)
 
 
 def spool(
@@ -169,21 +170,22 @@ def _refuse_bad_key(key: str | None) -> None:
         ) from exc
 
 
-# The longest key spooled, in UTF-8 bytes: the key's unique index takes a row of at most
-# 2,704 bytes (a third of a page), so a longer one is refused at the import, long after the
-# producer could shorten it; a little less leaves room for the row's own bytes.
-MAX_SPOOLED_KEY_BYTES = 2000
+# The longest key the client takes, in UTF-8 bytes: the key's unique index takes a row of at
+# most 2,704 bytes (a third of a page); a longer key would be refused at a spool's import, long
+# after the producer could shorten it, so it is refused on every path alike.
+MAX_KEY_BYTES = 2000
 LONG_KEY_ADVICE = "use a shorter key (a hash of it, e.g. its SHA-256 in hex)"
 
 
 def _refuse_long_key(key: str | None) -> None:
-    """A key the database's index would refuse is refused before it is spooled (directly, the
-    database says so itself: a key that compresses well may still fit there)."""
-    if key is not None and (size := len(key.encode("utf-8"))) > MAX_SPOOLED_KEY_BYTES:
+    """A key the database's index may refuse is refused before any attempt, whether the
+    database is up or not: refused only while it was down, an enqueue it would have taken was
+    dropped as bad input."""
+    if key is not None and (size := len(key.encode("utf-8"))) > MAX_KEY_BYTES:
         raise InvalidPayload(
             "key",
-            f"is {size:,} bytes; the database's index on it takes about 2,700 at most, and a"
-            f" spooled item's at most {MAX_SPOOLED_KEY_BYTES:,}: {LONG_KEY_ADVICE}",
+            f"is {size:,} bytes; the database's index on it takes about 2,700 at most, and this"
+            f" client at most {MAX_KEY_BYTES:,}: {LONG_KEY_ADVICE}",
         )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -518,7 +518,8 @@ def identities_match(meant_for: str, identity: str) -> bool:
         return True
     if ours.startswith(_EMBEDDED):
         socket_dir = os.path.join(ours.removeprefix(_EMBEDDED), "postgres")
-        return theirs == database_identity_of(f"host={socket_dir} port=5432 dbname=postgres")
+        socket_url = make_conninfo(host=socket_dir, port=5432, dbname="postgres")
+        return theirs == database_identity_of(socket_url)
     return False
 
 

@@ -120,9 +120,11 @@ _FOREIGN: dict[tuple[str, str], tuple[int, int]] = {}
 # A spool file's first bytes when it names its database first (what this version writes).
 _DATABASE_FIRST = re.compile(r'\{\s*"database"\s*:\s*("(?:[^"\\]|\\.)*"|null)\s*[,}]')
 _HEAD_BYTES = 4096
-# Spool files whose rejection could not be recorded: left in place, said once, and passed
-# over by this process (a restart tries them again), so they hold up no file after them.
-_REJECTION_FAILED: set[str] = set()
+# Spool files whose rejection could not be recorded, and when: left in place, said once, and
+# passed over by this process for REJECTION_RETRY_S (the error may pass: a statement an
+# administrator cancelled, an I/O error), so they hold up no file after them.
+_REJECTION_FAILED: dict[str, float] = {}
+REJECTION_RETRY_S = 600.0
 # Spool files this user cannot delete or rename, already reported by this process.
 _SAID_UNDELETABLE: set[str] = set()
 # The suffix of a file the database refused and whose payload was too large to keep in its
@@ -163,8 +165,8 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
         if handled >= SPOOL_FILES_PER_IMPORT or time.monotonic() > deadline:
             _say_left_for_next_tick(len(files) - position, imported)
             break
-        if str(path) in _REJECTION_FAILED:
-            continue  # (said when it failed; retried after a restart)
+        if time.monotonic() < _REJECTION_FAILED.get(str(path), 0.0) + REJECTION_RETRY_S:
+            continue  # (said when it failed; tried again once its wait is over)
         # (A file left for another database's worker is no work here: it counts for nothing,
         # and is told by its first bytes, or remembered, not parsed whole at every tick.)
         if identity and _known_elsewhere(path, identity):
@@ -385,15 +387,17 @@ def _reject_or_leave(path: Path, database: Database, error: str, record: Any) ->
     except psycopg.Error as exc:
         if refused_by_setup(exc):
             raise  # (no migrations, no privilege: no file's fault, every file would meet it)
-        _REJECTION_FAILED.add(str(path))
-        log.error(
+        said_before = str(path) in _REJECTION_FAILED
+        _REJECTION_FAILED[str(path)] = time.monotonic()
+        (log.debug if said_before else log.error)(
             "spool_file_rejection_failed",
             path=str(path),
             error=error,
             failure=_refusal(exc),
-            hint="the file stays in the spool, passed over until the worker restarts; the"
-            " files after it are imported. Move it out of the spool and enqueue what it holds"
-            " again once fixed",
+            retry_in_s=REJECTION_RETRY_S,
+            hint="the file stays in the spool, passed over for a while and then tried again;"
+            " the files after it are imported. If it keeps failing, move it out of the spool"
+            " and enqueue what it holds again once fixed",
         )
 
 
@@ -432,6 +436,7 @@ def _reject(path: Path, database: Database, error: str, record: Any) -> None:
         _taken(path)  # (the failure is recorded all the same: the file could not be read)
     except OSError as exc:
         _say_undeletable(path, exc, "rejected: its failure is recorded")
+        aside = None  # (not set aside: still where it was)
     if already:
         log.info("spool_file_rejected_already_recorded", path=path.name)
     else:
@@ -547,8 +552,9 @@ def spool_problems(spool_dir: Path) -> list[str]:
     if refused:
         problems.append(
             f"{len(refused)} spool files set aside as too large for the database"
-            f" ({_first_of(refused)}; 'failed list --op-type spool_import' names each): split"
-            " what each holds into smaller items and enqueue them, then delete the file"
+            f" ({_first_of(refused)}; 'failed list --op-type spool_import' lists their"
+            " failures, 'failed show ID' names each file): split what each holds into smaller"
+            " items and enqueue them, then delete the file"
         )
     return problems
 

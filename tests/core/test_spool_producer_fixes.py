@@ -207,30 +207,39 @@ def test_an_earlier_versions_foreign_files_are_parsed_once_per_process(
     assert keys == {"here", "elsewhere-0"}
 
 
-def test_the_python_client_spools_for_the_database_its_conninfo_names(
+def test_the_python_client_spools_for_the_database_spool_for_names(
     db: psycopg.Connection, database_url: str, tmp_path: Path
 ) -> None:
-    """F3: enqueue_triage/enqueue_distillation never passed spool_for: the file said
-    "database": null, and a worker on any database reading the directory imported it."""
+    """F3: enqueue_triage/enqueue_distillation had no spool_for, so a producer could not keep
+    its files to one database. It is not derived from the conninfo (a review: a producer
+    spelling the server `localhost`, or reaching it through a pooler, while the worker spells
+    it `127.0.0.1`, left its files to no worker): without it, any worker imports them."""
     from sokratos_worker.client import enqueue_distillation, enqueue_triage
     from tests.support.ports import unused_port
 
     down = f"postgresql://nobody@127.0.0.1:{unused_port()}/elsewhere?connect_timeout=2"
     spool = tmp_path / "spool"
-    triage = enqueue_triage(down, "user: I moved to Lisbon\nassistant: noted", spool_dir=spool)
-    archive = enqueue_distillation(down, {"archive_text": "user: hi"}, spool_dir=spool)
     theirs = Settings(database_url=down).database_identity  # type: ignore[arg-type]
+    triage = enqueue_triage(
+        down, "user: I moved to Lisbon\nassistant: noted", spool_dir=spool, spool_for=theirs
+    )
+    archive = enqueue_distillation(
+        down, {"archive_text": "user: hi"}, spool_dir=spool, spool_for=theirs
+    )
+    anywhere = enqueue_triage(down, "user: my cat is Tom\nassistant: noted", spool_dir=spool)
     for spooled in (triage.spooled, archive.spooled):
         assert spooled is not None
         assert json.loads(spooled.read_text())["database"] == theirs
+    assert anywhere.spooled is not None
+    assert json.loads(anywhere.spooled.read_text())["database"] is None
     ours = Settings(database_url=database_url).database_identity  # type: ignore[arg-type]
     database = Database(database_url, size=2)
     try:
-        assert import_spool(spool, database, ours) == 0  # not this database's
+        assert import_spool(spool, database, ours) == 1  # only the file naming none
         assert import_spool(spool, database, theirs) == 2  # (as a worker on that one would)
     finally:
         database.close()
-    assert count(db, "SELECT count(*) FROM pending_triage") == 1
+    assert count(db, "SELECT count(*) FROM pending_triage") == 2
     assert count(db, "SELECT count(*) FROM pending_distillation") == 1
 
 
@@ -307,9 +316,17 @@ def test_a_key_too_long_for_the_database_is_refused_before_it_is_spooled(
         enqueue_triage(down, "user: hi there\nassistant: hello", key=key, spool_dir=spool)
     assert "3,200 bytes" in str(refused.value)
     assert pending_files(spool) == 0
-    # Directly, the database refuses it; the command's message says the same.
-    with pytest.raises(psycopg.errors.ProgramLimitExceeded) as direct:
+    # With the database up, the client refuses it alike (refused only while the database
+    # was down, an enqueue it takes was dropped as bad input: a review).
+    with pytest.raises(InvalidPayload, match="use a shorter key"):
         enqueue(database_url, Queue.TRIAGE, {"exchange": "user: hi\nassistant: ok"}, key=key)
+    # The database's own refusal (a producer calling the SQL function): the command's
+    # message for it says the same.
+    with pytest.raises(psycopg.errors.ProgramLimitExceeded) as direct:
+        db.execute(
+            "SELECT sokratos_enqueue_triage(%s::jsonb, %s)",
+            ('{"exchange": "user: hi\\nassistant: ok"}', key),
+        )
     message = _refused_enqueue(direct.value)
     assert "--key" in message and "use a shorter key" in message and "54000" in message
     assert count(db, "SELECT count(*) FROM pending_triage") == 0
@@ -404,3 +421,39 @@ def test_a_payload_the_database_must_refuse_for_its_size_is_not_spooled(
         client.spool(spool, Queue.TRIAGE, {"exchange": "user: " + "é" * 600})
     assert pending_files(spool) == 0
     assert client.spool(spool, Queue.TRIAGE, {"exchange": "user: " + "é" * 400}).spooled
+
+
+def test_a_file_whose_rejection_failed_is_tried_again_after_a_while(
+    db: psycopg.Connection, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passed over until a restart, a file whose failure row met a passing error (a statement
+    an administrator cancelled) had no failed_operations row for the life of the process (a
+    review): it is tried again once REJECTION_RETRY_S is over."""
+    from sokratos_worker import spool as spool_module
+
+    db.execute(_TOO_LARGE.replace("%%", "%").replace("TOO-LARGE", "spool_import"))
+    spool = tmp_path / "spool"
+    bad = spool_enqueue(spool, Queue.TRIAGE, {"nope": 1}, idempotency_key="bad", source=None)
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database) == 0
+        assert bad.exists()
+        db.execute("DROP TRIGGER test_refuse_too_large ON failed_operations")  # (it passed)
+        assert import_spool(spool, database) == 0
+        assert bad.exists()  # (still within its wait)
+        monkeypatch.setattr(spool_module, "REJECTION_RETRY_S", 0.0)
+        assert import_spool(spool, database) == 0
+    finally:
+        database.close()
+    assert not bad.exists()
+    assert count(db, "SELECT count(*) FROM failed_operations WHERE op_type = 'spool_import'") == 1
+
+
+def test_an_embedded_worker_in_a_directory_with_a_space_compares_identities(
+    tmp_path: Path,
+) -> None:
+    """The socket URL was built unquoted: a data directory with a space raised at every file
+    meant for another database, stopping the import there and `status` (a review)."""
+    from sokratos_worker.config import identities_match
+
+    assert not identities_match("postgresql://db:5432/x", f"embedded:{tmp_path}/my data")
