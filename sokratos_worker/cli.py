@@ -143,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _utf8_text(value: str) -> str:
+    """An argument that must be text: bytes that are not UTF-8 (a shell's $'\\xff') cannot
+    be sent to PostgreSQL, and failed with a traceback."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"is not UTF-8 text: {value.encode('utf-8', 'surrogateescape')!r}"
+        ) from None
+    return value
+
+
 def _add_run(commands: argparse._SubParsersAction[_Parser]) -> None:
     """``run [--once] [--no-migrate]``: the daemon."""
     run = commands.add_parser(
@@ -261,7 +273,9 @@ def _add_failed(commands: argparse._SubParsersAction[_Parser]) -> None:
         " error's start and the item a retry created ('no failures' when there are none;"
         " with --op-type, the op_types that have some).",
     )
-    flist.add_argument("--op-type", help="only this op_type (e.g. conversation_triage)")
+    flist.add_argument(
+        "--op-type", type=_utf8_text, help="only this op_type (e.g. conversation_triage)"
+    )
     flist.add_argument(
         "--limit",
         type=_from_one_to(LIST_LIMIT_MAX),
@@ -293,7 +307,7 @@ def _add_failed(commands: argparse._SubParsersAction[_Parser]) -> None:
         " wrote (retry one by ID to learn what to do); and failures whose own item is still"
         " queued (it runs by itself)",
     )
-    fretry.add_argument("--op-type", help="with --all only: just this op_type")
+    fretry.add_argument("--op-type", type=_utf8_text, help="with --all only: just this op_type")
     fpurge = actions.add_parser(
         "purge",
         help="delete failures older than DAYS",

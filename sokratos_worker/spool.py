@@ -244,7 +244,9 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
         return record, _parse(record)
     except FileNotFoundError:
         _taken(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except KeyError as exc:  # (str(KeyError) is the bare name: say what it is)
+        _reject_or_leave(path, database, f"unreadable spool file: no {exc} field", None)
+    except (OSError, ValueError, TypeError) as exc:
         _reject_or_leave(path, database, f"unreadable spool file: {exc}", None)
     return None
 

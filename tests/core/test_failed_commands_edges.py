@@ -297,3 +297,15 @@ def test_a_replay_waits_for_no_lock_on_the_other_queues_table(
     assert every.returncode == 0, every.stdout + every.stderr
     assert f"{two}: re-enqueued as pending_triage item" in every.stdout
     assert _state(db)[1] == 2
+
+
+@pytest.mark.parametrize("command", [["failed", "list"], ["failed", "retry", "--all"]])
+def test_an_op_type_that_is_not_utf8_is_a_usage_error(
+    database_url: str, tmp_path: Path, command: list[str]
+) -> None:
+    """Bytes that are not UTF-8 (a shell's $'\\xff') failed with a UnicodeEncodeError
+    traceback (found by a hunt)."""
+    proc = run_cli([*command, "--op-type", "\udcff"], cli_env(tmp_path, SOKRATOS_DATABASE_URL=database_url))
+    assert proc.returncode == 1, proc.stderr
+    assert "--op-type: is not UTF-8 text: b'\\xff'" in proc.stderr
+    assert "Traceback" not in proc.stderr

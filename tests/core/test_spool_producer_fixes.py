@@ -457,3 +457,23 @@ def test_an_embedded_worker_in_a_directory_with_a_space_compares_identities(
     from sokratos_worker.config import identities_match
 
     assert not identities_match("postgresql://db:5432/x", f"embedded:{tmp_path}/my data")
+
+
+def test_a_spool_file_missing_a_field_is_rejected_naming_the_field(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """The rejection said "unreadable spool file: 'idempotency_key'" (a bare KeyError)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "1-no-key.json").write_text(
+        json.dumps({"queue": "pending_triage", "payload": {"exchange": "user: hi"}})
+    )
+    database = Database(database_url, size=2)
+    try:
+        assert import_spool(spool, database) == 0
+    finally:
+        database.close()
+    (error,) = db.execute(
+        "SELECT error_message FROM failed_operations WHERE op_type = 'spool_import'"
+    ).fetchone() or ("",)
+    assert error == "unreadable spool file: no 'idempotency_key' field", error
