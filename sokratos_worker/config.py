@@ -480,7 +480,14 @@ _URL = "postgresql://"
 def embedded_identity(data_dir: Path | str) -> str:
     """The embedded PostgreSQL's identity: its data directory, resolved (a relative path, a
     symlink or ``..`` named another database, and its spool files were never imported)."""
-    return f"{_EMBEDDED}{os.path.realpath(data_dir)}"
+    return _as_text(f"{_EMBEDDED}{os.path.realpath(data_dir)}")
+
+
+def _as_text(identity: str) -> str:
+    """``identity`` with any byte that is not UTF-8 (a path's, kept by Python as a lone
+    surrogate) written as ``\\xff``: a spool file must be able to hold it, and a producer and
+    a worker spell it alike."""
+    return identity.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def database_identity_of(conninfo: str) -> str:

@@ -104,8 +104,9 @@ def spool_enqueue(
             handle.flush()
             os.fsync(handle.fileno())
         temp.rename(final)
-    except OSError:
-        temp.unlink(missing_ok=True)  # (a full disk left an empty temporary file behind)
+    except BaseException:
+        # (A full disk, or a record that cannot be written, left a partial file behind.)
+        temp.unlink(missing_ok=True)
         raise
     _fsync_dir(spool_dir)
     log.warning("enqueue_spooled", queue=queue.value, path=str(final), meant_for=record["database"])

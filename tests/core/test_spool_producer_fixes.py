@@ -8,6 +8,7 @@ PostgreSQL's own 54000, so the test holds kilobytes, not 256 MB.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -477,3 +478,18 @@ def test_a_spool_file_missing_a_field_is_rejected_naming_the_field(
         "SELECT error_message FROM failed_operations WHERE op_type = 'spool_import'"
     ).fetchone() or ("",)
     assert error == "unreadable spool file: no 'idempotency_key' field", error
+
+
+def test_a_data_directory_that_is_not_utf8_can_be_spooled_for(tmp_path: Path) -> None:
+    """Its identity (`embedded:` + the path, a lone surrogate for the byte) could not be
+    written: UnicodeEncodeError and a partial temporary file left in the spool (a hunt)."""
+    from sokratos_worker.config import embedded_identity, identities_match
+
+    data = os.fsdecode(os.fsencode(str(tmp_path)) + b"/data-\xff")
+    identity = embedded_identity(data)
+    assert identity.endswith("/data-\\xff"), identity
+    spool = tmp_path / "spool"
+    path = _spool(spool, "user: hi\nassistant: ok", "k", database=identity)
+    assert json.loads(path.read_text())["database"] == identity
+    assert identities_match(identity, embedded_identity(data))
+    assert sorted(p.name for p in spool.iterdir()) == [path.name]  # no temporary file left
