@@ -160,6 +160,7 @@ def import_spool(spool_dir: Path, database: Database, identity: str | None = Non
             " read the directory (chown it to that user)",
         )
         return 0
+    _remove_abandoned_writes(spool_dir)
     imported = handled = 0
     deadline = time.monotonic() + SPOOL_IMPORT_BUDGET_S
     for position, path in enumerate(files):
@@ -521,6 +522,34 @@ def _spooled(spool_dir: Path) -> list[Path]:
     with os.scandir(spool_dir) as entries:
         names = [e.name for e in entries if e.name.endswith(".json") and e.name[0] != "."]
     return [spool_dir / name for name in sorted(names)]
+
+
+# A spool write's temporary file this old was abandoned (its producer killed before the
+# rename, so it was never told "spooled"): removed, as it holds part of a conversation.
+ABANDONED_WRITE_AGE_S = 3600.0
+
+
+def _remove_abandoned_writes(spool_dir: Path) -> None:
+    """Delete the temporary files of spool writes that never finished (see above)."""
+    try:
+        with os.scandir(spool_dir) as entries:
+            stale = [
+                e.path
+                for e in entries
+                if e.name.startswith(".")
+                and e.name.endswith(".json.tmp")
+                and time.time() - e.stat(follow_symlinks=False).st_mtime > ABANDONED_WRITE_AGE_S
+            ]
+        for path in stale:
+            os.unlink(path)
+            log.info(
+                "spool_abandoned_write_removed",
+                path=path,
+                hint="a producer was stopped while it wrote this file, before it was told"
+                " the enqueue was spooled; it held part of one enqueue, never a whole one",
+            )
+    except OSError as exc:  # (the import itself says what keeps it from the directory)
+        log.debug("spool_abandoned_writes_not_removed", error=str(exc))
 
 
 def pending_files(spool_dir: Path) -> int:

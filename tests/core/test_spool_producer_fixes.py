@@ -493,3 +493,30 @@ def test_a_data_directory_that_is_not_utf8_can_be_spooled_for(tmp_path: Path) ->
     assert json.loads(path.read_text())["database"] == identity
     assert identities_match(identity, embedded_identity(data))
     assert sorted(p.name for p in spool.iterdir()) == [path.name]  # no temporary file left
+
+
+def test_an_abandoned_spool_write_is_removed_after_an_hour(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A producer killed mid-write left `.NAME.json.tmp` (part of a conversation, mode 0600)
+    for ever, unseen by status (a hunt); it was never told "spooled", so nothing is lost."""
+    from sokratos_worker import spool as spool_module
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    old = spool / ".20260101T000000000000-deadbeef.json.tmp"
+    old.write_text('{"database": null, "queue": "pending_triage", "payload": {"exch')
+    hour_ago = time.time() - spool_module.ABANDONED_WRITE_AGE_S - 60
+    os.utime(old, (hour_ago, hour_ago))
+    fresh = spool / ".20261206T000000000000-cafecafe.json.tmp"  # (a write in progress)
+    fresh.write_text("{")
+    database = Database(database_url, size=2)
+    try:
+        with capture_logs() as logs:
+            assert import_spool(spool, database) == 0
+    finally:
+        database.close()
+    assert not old.exists() and fresh.exists()
+    assert [e["path"] for e in logs if e["event"] == "spool_abandoned_write_removed"] == [
+        str(old)
+    ]
