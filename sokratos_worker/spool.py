@@ -293,7 +293,7 @@ def _declared_database(path: Path) -> object:
     if found is None:
         return _UNDECLARED
     try:
-        meant_for = json.loads(found.group(1))
+        meant_for = jsontext.loads(found.group(1))
     except ValueError:
         return _UNDECLARED
     return meant_for if isinstance(meant_for, str | None) else _UNDECLARED
