@@ -588,8 +588,10 @@ class Worker:
 
         def write() -> dict[str, Any] | None:
             try:
-                with connect(conninfo, timeout=LAST_WORDS_BUDGET_S) as conn:
-                    conn.execute(f"SET statement_timeout = {int(LAST_WORDS_BUDGET_S * 1000)}")
+                with (
+                    connect(conninfo, timeout=LAST_WORDS_BUDGET_S) as conn,
+                    time_limited(conn, int(LAST_WORDS_BUDGET_S * 1000)),
+                ):
                     status_store.record_heartbeat(
                         conn,
                         worker_id=worker_id,

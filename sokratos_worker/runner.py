@@ -408,7 +408,7 @@ class Runner:
     def _may_claim_from(self, queue: Queue) -> bool:
         """False for a queue whose claims the server refuses, until its next retry is due;
         the one thread told True is the retry (the next is due a while later)."""
-        if queue not in self._worker_state.refused_queues():
+        if not self._worker_state.refuses(queue):
             return True
         with self._refused_lock:
             now = time.monotonic()

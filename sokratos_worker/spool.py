@@ -383,7 +383,7 @@ def _refusal(exc: Exception) -> str:
 
 def _reject_or_leave(path: Path, database: Database, error: str, record: Any) -> None:
     """:func:`_reject`, except that a failure to record the rejection leaves the file in place
-    (said once, passed over until a restart) instead of stopping every file after it."""
+    (said once, passed over for REJECTION_RETRY_S) instead of stopping every file after it."""
     try:
         _reject(path, database, error, record)
     except DatabaseUnavailable:

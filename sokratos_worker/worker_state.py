@@ -251,6 +251,10 @@ class WorkerState:
         )
         self._report()
 
+    def refuses(self, queue: Queue) -> bool:
+        """Whether the server refuses claims from ``queue`` now (the hot path: no copy)."""
+        return queue in self._refused
+
     def refused_queues(self) -> frozenset[Queue]:
         """The queues whose claims the server refuses now."""
         return frozenset(self._refused)

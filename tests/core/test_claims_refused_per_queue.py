@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 import structlog
@@ -47,6 +48,24 @@ def _refusals(db: psycopg.Connection) -> int:
     return int(row[0])
 
 
+def _two_queue_runner(
+    database_url: str,
+    *,
+    concurrency: int = 2,
+    on_state: Callable[[str, str], None] | None = None,
+) -> tuple[Runner, Database]:
+    """A runner of both queues over its own pool (closed by the test)."""
+    database = Database(database_url, size=5)
+    runner = Runner(
+        settings=fast_settings(concurrency=concurrency),
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
+        worker_id="w",
+        on_state=on_state,
+    )
+    return runner, database
+
+
 def test_one_queue_refused_keeps_the_worker_waiting_while_the_other_flows(
     db: psycopg.Connection, database_url: str
 ) -> None:
@@ -59,14 +78,7 @@ def test_one_queue_refused_keeps_the_worker_waiting_while_the_other_flows(
         with lock:
             states.append(state)
 
-    database = Database(database_url, size=5)
-    runner = Runner(
-        settings=fast_settings(concurrency=3),
-        database=database,
-        handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
-        worker_id="refused-one",
-        on_state=on_state,
-    )
+    runner, database = _two_queue_runner(database_url, concurrency=3, on_state=on_state)
     with capture_logs() as logs:
         runner.start()
         try:
@@ -108,15 +120,6 @@ def test_one_queue_refused_keeps_the_worker_waiting_while_the_other_flows(
     assert count(db, "SELECT max(attempts) FROM work_outcomes") == 1
 
 
-def _two_queue_runner(database_url: str) -> tuple[Runner, Database]:
-    database = Database(database_url, size=5)
-    runner = Runner(
-        settings=fast_settings(concurrency=2),
-        database=database,
-        handlers={Queue.TRIAGE: ScriptedHandler(), Queue.DISTILLATION: ScriptedHandler()},
-        worker_id="w",
-    )
-    return runner, database
 
 
 def test_a_fenced_settle_does_not_end_a_refusal_its_claim_never_tested(

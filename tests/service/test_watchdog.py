@@ -23,21 +23,25 @@ from tests.support.daemon import wait_until
 from tests.support.handlers import ScriptedHandler
 
 
+def _worker(database: Database, notifier: Notifier) -> Worker:
+    settings = Settings()
+    return Worker(
+        settings=settings,
+        database=database,
+        handlers={Queue.TRIAGE: ScriptedHandler()},
+        context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
+        notifier=notifier,
+    )
+
+
 @pytest.fixture
 def worker_and_socket(tmp_path: Path, database_url: str) -> Iterator[tuple[Worker, socket.socket]]:
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
     sock.settimeout(0.5)
-    settings = Settings()
     database = Database(database_url, size=2)
-    worker = Worker(
-        settings=settings,
-        database=database,
-        handlers={Queue.TRIAGE: ScriptedHandler()},
-        context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
-        notifier=Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}),
-    )
+    worker = _worker(database, Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}))
     yield worker, sock
     sock.close()
     database.close()
@@ -201,14 +205,8 @@ def test_closing_the_database_first_waits_for_the_heartbeat_writer(
 ) -> None:
     """A state change's heartbeat write still running when the pool closed failed against it
     and logged into whatever ran next (a later test's capture); the close waits for it."""
-    settings = Settings()
     database = Database(database_url, size=2)
-    worker = Worker(
-        settings=settings,
-        database=database,
-        handlers={Queue.TRIAGE: ScriptedHandler()},
-        context=HandlerContext(settings=settings, database=database, chat=None, embedder=None),
-    )
+    worker = _worker(database, Notifier({}))
     entered, release = threading.Event(), threading.Event()
     written: list[str] = []
     record = worker._record_heartbeat
