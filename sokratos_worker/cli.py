@@ -215,7 +215,7 @@ def _add_enqueue(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--exchange",
         required=True,
         help="the exchange text ('[tool] result' lines, 'user: …',"
-        " 'assistant: …'); '-' reads stdin",
+        " 'assistant: …'), UTF-8; '-' reads stdin",
     )
     triage.add_argument(
         "--tools-used",
@@ -231,7 +231,8 @@ def _add_enqueue(commands: argparse._SubParsersAction[_Parser]) -> None:
     distill.add_argument(
         "--file",
         required=True,
-        help='JSON payload: {"messages": [...]} or {"archive_text": ...}; \'-\' reads stdin',
+        help='JSON payload (UTF-8): {"messages": [...]} or {"archive_text": ...}; \'-\''
+        " reads stdin",
     )
     distill.add_argument("--key", help="idempotency key: the same key is enqueued once")
 

@@ -10,6 +10,7 @@ spooled then; a spool that cannot be written either ends the command with exit 7
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,28 @@ if TYPE_CHECKING:
     from sokratos_worker.client import Enqueued
 
 
-def _read_arg(value: str) -> str:
-    return sys.stdin.read() if value == "-" else value
+def _utf8_input(option: str, value: str) -> str:
+    """The text ``option`` gives: ``value`` itself, stdin for ``-``, or (``--file``) the file
+    it names; InvalidPayload when the bytes are not UTF-8, wherever they come from. (Python
+    decodes stdin by the locale, often escaping bad bytes as lone surrogates, and argv always
+    so: an exchange in Latin-1 was stored as escapes, or raised, while a --file was refused.)"""
+    if value == "-":
+        raw = sys.stdin.buffer.read()
+    elif option == "--file":
+        try:
+            raw = Path(value).read_bytes()
+        except OSError as exc:
+            raise WorkerError(f"cannot read {value}: {exc.strerror or exc}") from exc
+    else:
+        raw = os.fsencode(value)  # argv's own bytes, undecodable ones restored
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidPayload(
+            option,
+            f"is not UTF-8 text: {exc.reason} at byte {exc.start + 1}"
+            " (convert it first, e.g. iconv -f latin1 -t utf-8)",
+        ) from exc
 
 
 def enqueue(args: argparse.Namespace, settings: Settings) -> int:
@@ -76,16 +97,11 @@ def _enqueue_input(args: argparse.Namespace) -> tuple[Queue, dict[str, Any]]:
     from sokratos_worker import client  # noqa: PLC0415
 
     if args.kind == "triage":
-        exchange = _read_arg(args.exchange)
+        exchange = _utf8_input("--exchange", args.exchange)
         if not exchange.strip():
             raise InvalidPayload("--exchange", "is empty")
         return Queue.TRIAGE, client.triage_payload(exchange, tools_used=args.tools_used)
-    try:
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
-    except OSError as exc:
-        raise WorkerError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise InvalidPayload("--file", f"is not UTF-8 text: {exc.reason}") from exc
+    text = _utf8_input("--file", args.file)
     try:
         payload = jsontext.loads(text)
     except jsontext.NestedTooDeeply as exc:
