@@ -457,9 +457,7 @@ def _reported_exit_code(exc: Exception, settings: Settings) -> int | None:
     from sokratos_worker.store.connection import READ_ONLY_SERVER  # noqa: PLC0415
 
     if isinstance(exc, DatabaseUnavailable):
-        # A read-only server answers: where PostgreSQL runs is not the question.
-        hint = "" if READ_ONLY_SERVER in str(exc) else f". {_unreachable_hint(settings)}"
-        print(f"sokratos-worker: {exc}{hint}", file=sys.stderr)
+        print(f"sokratos-worker: {_unavailable_message(exc, settings)}", file=sys.stderr)
         return EXIT_TEMPFAIL
     if getattr(exc, "sqlstate", None) == "25006":  # read_only_sql_transaction
         # A write a command did not translate, refused by a standby: the promised exit 75.
@@ -499,6 +497,38 @@ def _reported_exit_code(exc: Exception, settings: Settings) -> int | None:
         file=sys.stderr,
     )
     return EXIT_FAILURE
+
+
+# Transient errors the server answered with (SQLSTATE class): a try later may succeed (exit
+# 75), but asking whether PostgreSQL runs would send the operator the wrong way.
+_ANSWERED_TRANSIENTS = {
+    "40": (
+        "the database ended the command's transaction",
+        "it conflicted with another session's; nothing it had not committed was changed:"
+        " run it again",
+    ),
+    "53": (
+        "the database is short of a resource",
+        "free some (disk space, memory, connections: the server's log says which), then run"
+        " it again",
+    ),
+}
+
+
+def _unavailable_message(exc: DatabaseUnavailable, settings: Settings) -> str:
+    """What a command that met a transient database error prints: the error, and where to
+    look (the server when it answered, else the URL or the embedded server)."""
+    from sokratos_worker.store.connection import READ_ONLY_SERVER  # noqa: PLC0415
+
+    if READ_ONLY_SERVER in str(exc):
+        return str(exc)  # a read-only server answers: where PostgreSQL runs is not the question
+    sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
+    answered = _ANSWERED_TRANSIENTS.get(sqlstate[:2])
+    if answered is None:
+        return f"{exc}. {_unreachable_hint(settings)}"
+    what, hint = answered
+    reason = str(exc).removeprefix("database unavailable: ")
+    return f"{what}: {reason} (SQLSTATE {sqlstate}); {hint}"
 
 
 def _unreachable_hint(settings: Settings) -> str:
