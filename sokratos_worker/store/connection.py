@@ -47,12 +47,22 @@ _TRANSIENT_PREFIXES = (
 # And a commit must be durable before the worker acts on it (a spool file is deleted after
 # its item's commit): synchronous_commit = off is raised to on; 'local' and the replica
 # levels are as durable on the primary, and kept.
+# And the server's own TCP keepalives, unless its configuration sets them: a worker whose
+# host vanished (power lost, a network cut) kept its session, and the locks it held (an
+# email account's), for the kernel's two hours; now about a minute, as KEEPALIVES on the
+# worker's side (the server ignores them on a Unix socket).
 _SESSION_SETTINGS = """SELECT set_config(name, '0', false) FROM pg_settings
     WHERE name IN ('idle_session_timeout', 'statement_timeout', 'lock_timeout',
                    'transaction_timeout')
     UNION ALL
     SELECT set_config('synchronous_commit', 'on', false)
-    WHERE current_setting('synchronous_commit') = 'off'"""
+    WHERE current_setting('synchronous_commit') = 'off'
+    UNION ALL
+    SELECT set_config(s.name, wanted.value, false)
+    FROM (VALUES ('tcp_keepalives_idle', '30'), ('tcp_keepalives_interval', '10'),
+                 ('tcp_keepalives_count', '3'), ('tcp_user_timeout', '60000'))
+        AS wanted(name, value)
+    JOIN pg_settings s ON s.name = wanted.name AND s.source = 'default'"""
 
 READ_ONLY_SERVER = (
     "the server is read-only (a standby, or default_transaction_read_only is on); the worker"
