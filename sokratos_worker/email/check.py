@@ -271,7 +271,7 @@ def _record(
         internal_date=listed.internal_date,
     )
     try:
-        new, item_id = store.record_message(conn, record)
+        new, item_id, closed = store.record_message(conn, record)
     except DatabaseUnavailable:
         raise
     except Exception as exc:
@@ -292,6 +292,15 @@ def _record(
         counts.seen_without_triage += 1
     else:
         counts.enqueued += 1
+    for failure_id, triaged_as in closed:
+        log.info(
+            "email_failure_closed",
+            account=account.name,
+            mailbox=account.mailbox,
+            uid=message.uid,
+            failure_id=failure_id,
+            item_id=triaged_as,
+        )
     log.debug(
         "email_message_recorded",
         account=account.name,
