@@ -31,6 +31,7 @@ from sokratos_worker.email.failed import (
     record_refused_message,
 )
 from sokratos_worker.email.imap import (
+    HEADER_BYTES_LIMIT,
     SERVED_TRIES,
     ConnectionFailed,
     ImapAborted,
@@ -174,7 +175,10 @@ def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
 
 
 def _needs_body(account: str, headers: bytes) -> bool:
-    """When the key hashes the body (no Message-ID, or a key too long), fetch it all."""
+    """When the key hashes the body (no Message-ID, or a key too long), or the header fetch
+    was cut (HEADER_BYTES_LIMIT: a Message-ID may follow), fetch it all."""
+    if len(headers) >= HEADER_BYTES_LIMIT:
+        return True
     try:
         return keyed_by_hash(account, parse_email(headers))
     except Exception:  # the full fetch reports what is wrong with this message
