@@ -31,6 +31,7 @@ from sokratos_worker.email.failed import (
     record_refused_message,
 )
 from sokratos_worker.email.imap import (
+    HEADER_BYTES_LIMIT,
     SERVED_TRIES,
     ConnectionFailed,
     ImapAborted,
@@ -174,7 +175,10 @@ def _is_old(internal_date: datetime | None, cutoff: datetime | None) -> bool:
 
 
 def _needs_body(account: str, headers: bytes) -> bool:
-    """When the key hashes the body (no Message-ID, or a key too long), fetch it all."""
+    """When the key hashes the body (no Message-ID, or a key too long), or the header fetch
+    was cut (HEADER_BYTES_LIMIT: a Message-ID may follow), fetch it all."""
+    if len(headers) >= HEADER_BYTES_LIMIT:
+        return True
     try:
         return keyed_by_hash(account, parse_email(headers))
     except Exception:  # the full fetch reports what is wrong with this message
@@ -271,7 +275,7 @@ def _record(
         internal_date=listed.internal_date,
     )
     try:
-        new, item_id = store.record_message(conn, record)
+        new, item_id, closed = store.record_message(conn, record)
     except DatabaseUnavailable:
         raise
     except Exception as exc:
@@ -292,6 +296,15 @@ def _record(
         counts.seen_without_triage += 1
     else:
         counts.enqueued += 1
+    for failure_id, triaged_as in closed:
+        log.info(
+            "email_failure_closed",
+            account=account.name,
+            mailbox=account.mailbox,
+            uid=message.uid,
+            failure_id=failure_id,
+            item_id=triaged_as,
+        )
     log.debug(
         "email_message_recorded",
         account=account.name,

@@ -13,9 +13,42 @@ from email.message import Message
 _ENCODED_WORD = re.compile(r"(=\?[^?]*\?[qQbB]\?.*?\?=)")
 
 
-def decode_bytes(data: bytes, charset: str | None, notes: list[str]) -> str:
-    """Decode with the declared charset; an unusable one falls back to UTF-8 with replacement."""
+# Charset labels mailers send (IANA and WHATWG names) that Python's codecs do not know, and
+# the codec that reads them: Hebrew from Thunderbird and Outlook, Thai from Outlook, Japanese.
+_CODECS_BY_LABEL = {
+    "iso-8859-8-i": "iso-8859-8",  # logical order: the same bytes as ISO-8859-8
+    "iso-8859-8-e": "iso-8859-8",
+    "csiso88598i": "iso-8859-8",
+    "csiso88598e": "iso-8859-8",
+    "iso-8859-6-i": "iso-8859-6",
+    "iso-8859-6-e": "iso-8859-6",
+    "csiso88596i": "iso-8859-6",
+    "csiso88596e": "iso-8859-6",
+    "windows-874": "cp874",
+    "windows-31j": "cp932",
+    "cswindows31j": "cp932",
+    "x-sjis": "shift_jis",
+    "x-euc-jp": "euc_jp",
+    "x-gbk": "gbk",
+    "x-x-big5": "big5",
+    "x-mac-roman": "mac_roman",
+    "x-mac-cyrillic": "mac_cyrillic",
+    "x-mac-greek": "mac_greek",
+    "x-mac-ce": "mac_latin2",
+    "x-cp1250": "cp1250",
+    "x-cp1251": "cp1251",
+    "x-cp1252": "cp1252",
+}
+
+
+def decode_bytes(data: bytes, charset: str | None, notes: list[str], *, labels: bool = True) -> str:
+    """Decode with the declared charset; an unusable one falls back to UTF-8 with replacement.
+
+    ``labels=False`` leaves out the labels of _CODECS_BY_LABEL, as the worker did before it
+    knew them: for processed_emails keys only (:func:`legacy_decode_header`)."""
     name = (charset or "utf-8").strip().strip('"').lower() or "utf-8"
+    if labels:
+        name = _CODECS_BY_LABEL.get(name, name)
     try:
         return data.decode(name, errors="replace")
     except LookupError:
@@ -119,7 +152,7 @@ def _decode_word(word: str, notes: list[str]) -> str:
     except Exception:  # bad base64 and the like: keep the word as it came
         return word
     return "".join(
-        decode_bytes(data, charset, notes) if isinstance(data, bytes) else data
+        decode_bytes(data, charset, notes, labels=False) if isinstance(data, bytes) else data
         for data, charset in pieces
     )
 

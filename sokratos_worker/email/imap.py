@@ -113,8 +113,9 @@ DEFAULT_TIMEOUT_S = 30.0
 LOOKUP_POLL_S = 0.1
 # Without a deadline of its own, a session may last this many read timeouts in all.
 DEFAULT_DEADLINE_READ_TIMEOUTS = 4
-# A header block read only to compute a message's key (the restore check's fallback for mail
-# recorded without its size and arrival date) is read up to this many bytes.
+# A header block read only to compute a message's key (old mail on a first check, the restore
+# check's fallback for mail recorded without its size and arrival date) is read up to this
+# many bytes.
 HEADER_BYTES_LIMIT = 64 * 1024
 # Without ESEARCH, the highest UID at or below a checkpoint is searched for in this many UIDs
 # below it first, then in windows WINDOW_GROWTH times as wide: an answer lists at most the UIDs
@@ -613,15 +614,18 @@ class ImapSession:
     def fetch(self, uids: list[int], *, headers_only: bool = False) -> list[FetchedMessage]:
         """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.
 
-        ``headers_only`` fetches just the header block (for mail that is only recorded as seen).
-        A message expunged since the listing is left out (logged); one that exists but was
-        not returned raises :class:`ImapError`, and a refused FETCH :class:`ImapRefused`.
+        ``headers_only`` fetches just the header block (for mail that is only recorded as seen),
+        up to HEADER_BYTES_LIMIT bytes: a header block of that size was cut (the caller fetches
+        the message whole instead). A message expunged since the listing is left out (logged);
+        one that exists but was not returned raises :class:`ImapError`, and a refused FETCH
+        :class:`ImapRefused`.
         """
         if not uids:
             return []
-        # A partial FETCH returns a smaller message whole (RFC 3501 6.4.5).
+        # A partial FETCH returns a smaller message whole (RFC 3501 6.4.5). A header block has
+        # no bound of its own: a malformed message without a blank line is all header block.
         section = (
-            "BODY.PEEK[HEADER]"
+            f"BODY.PEEK[HEADER]<0.{HEADER_BYTES_LIMIT}>"
             if headers_only
             else f"RFC822.SIZE BODY.PEEK[]<0.{MESSAGE_BYTES_LIMIT}>"
         )

@@ -31,6 +31,7 @@ __all__ = [
     "advisory_lock",
     "begin_first_check",
     "clear_refusal",
+    "close_failures",
     "connect",
     "finish_check",
     "first_recorded_at",
@@ -345,12 +346,48 @@ def advance_checkpoint(conn: Connection, record: MessageRecord) -> None:
     )
 
 
-def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int | None]:
-    """Processed mark, triage item and checkpoint in one transaction.
+def close_failures(
+    conn: Connection, record: MessageRecord, item_id: int | None
+) -> list[tuple[int, int | None]]:
+    """Mark the open email_message failures of ``record``'s UID retried (as ``item_id``, else
+    the item its key was triaged as), inside the caller's transaction; ``(failure id, item
+    id)`` of each.
 
-    Returns ``(new, item_id)``: ``new`` is False when the key was already processed (a
-    duplicate Message-ID or a re-fetch after a crash or UIDVALIDITY change), or when its
-    triage item already existed (``item_id`` is then that item's).
+    The message was passed unrecorded and is now recorded (the operator ran the failure's
+    ``what_to_do``): its failure is done with, so ``failed list`` and ``failed retry --all``
+    stop offering it, the way a replayed dead letter is marked.
+    """
+    rows = conn.execute(
+        "UPDATE failed_operations SET retried_at = now(), retried_as = coalesce(%(item)s::bigint,"
+        " (SELECT item_id FROM processed_emails WHERE message_id = %(key)s))"
+        " WHERE op_type = %(op)s AND retried_at IS NULL"
+        " AND context_data->>'account' = %(account)s AND context_data->>'mailbox' = %(mailbox)s"
+        " AND context_data->>'uidvalidity' = %(uidvalidity)s AND context_data->>'uid' = %(uid)s"
+        " RETURNING id, retried_as",
+        {
+            "item": item_id,
+            "key": record.key,
+            "op": EMAIL_OP_TYPE,
+            "account": record.account,
+            "mailbox": record.mailbox,
+            "uidvalidity": str(record.uidvalidity),
+            "uid": str(record.uid),
+        },
+    ).fetchall()
+    return sorted((int(row[0]), row[1]) for row in rows)
+
+
+def record_message(
+    conn: Connection, record: MessageRecord
+) -> tuple[bool, int | None, list[tuple[int, int | None]]]:
+    """Processed mark, triage item, checkpoint and the close of the UID's open failures in
+    one transaction.
+
+    Returns ``(new, item_id, closed)``: ``new`` is False when the key was already processed
+    (a duplicate Message-ID or a re-fetch after a crash or UIDVALIDITY change), or when its
+    triage item already existed (``item_id`` is then that item's); ``closed`` lists the
+    failed_operations rows of this UID it marked retried, with the item each names (see
+    :func:`close_failures`).
     """
     item_id: int | None = None
     with translated(), conn.transaction():
@@ -358,7 +395,8 @@ def record_message(conn: Connection, record: MessageRecord) -> tuple[bool, int |
         if new and record.payload is not None:
             item_id, new = _enqueue(conn, record)
         advance_checkpoint(conn, record)
-    return new, item_id
+        closed = close_failures(conn, record, item_id)
+    return new, item_id, closed
 
 
 def finish_check(
