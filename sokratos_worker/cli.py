@@ -72,9 +72,10 @@ exit codes: 0 ok, 1 error (usage errors too), 75 database unreachable or read-on
 (run, migrate: past SOKRATOS_STARTUP_TIMEOUT; failed: at once, or a table locked by another
 session for 5 s; enqueue: only when the spool cannot be written either; run --once: no
 backend or database reachable, or a queue table locked by another session, items left;
-run: SOKRATOS_METRICS_ADDR in use or not yet on this host), 78 bad config. status exits
-0 with the database away (78 when the server refuses the login); check exits 1 naming what
-failed.
+run: SOKRATOS_METRICS_ADDR in use or not yet on this host, or the local model server kept
+dying; a command whose transaction the server ended for a deadlock or refused for want of
+a resource such as disk: run it again), 78 bad config. status exits 0 with the database
+away (78 when the server refuses the login); check exits 1 naming what failed.
 """
 
 
@@ -331,7 +332,8 @@ def _add_check(commands: argparse._SubParsersAction[_Parser]) -> None:
         help="validate configuration and probe the database, backends and mail",
         description="One line per check, in the order to fix them: configuration, database"
         " (reachable, writable), pgvector, connections (max_connections and CONNECTION LIMITs"
-        " against what one worker opens), schema (migrations, role grants, embedding"
+        " against what one worker opens), sessions (one server session per connection: no"
+        " transaction pooler in between), schema (migrations, role grants, embedding"
         " dimension), every LLM backend, the embedding model, every mailbox. Exit 1 naming"
         " what failed (78 when the server refuses the database login: every line is still"
         " printed).",
