@@ -540,7 +540,11 @@ def _unreachable_hint(settings: Settings) -> str:
             f"Check the embedded PostgreSQL under {settings.data_dir / 'postgres'} (no"
             " database URL is set) and that SOKRATOS_DATA_DIR is writable."
         )
-    return "Check SOKRATOS_DATABASE_URL and that PostgreSQL is running."
+    from sokratos_worker.config_sources import given_as  # noqa: PLC0415
+
+    # The variable the operator wrote (DATABASE_URL, a credential file), not its canonical name.
+    variable = given_as("database_url") or "SOKRATOS_DATABASE_URL"
+    return f"Check {variable} and that PostgreSQL is running."
 
 
 def _log_level(command: str, settings: Settings) -> str:
