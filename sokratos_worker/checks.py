@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sokratos_worker.command_database import database_url
+from sokratos_worker.command_database import database_url, unreachable_hint
 from sokratos_worker.config import ConfigError, Settings, unknown_variables
 from sokratos_worker.errors import DatabaseUnavailable, WorkerError
 from sokratos_worker.model import CheckLine
@@ -52,7 +52,7 @@ def run_checks(settings: Settings) -> CheckReport:
         refused = exc
         lines.append(CheckLine("database", False, f"{exc.message} ({exc.variable})"))
     except DatabaseUnavailable as exc:
-        lines.append(CheckLine("database", False, f"{exc}; check SOKRATOS_DATABASE_URL"))
+        lines.append(CheckLine("database", False, f"{exc}. {unreachable_hint(settings)}"))
     except WorkerError as exc:  # the embedded PostgreSQL could not start
         lines.append(CheckLine("database", False, str(exc)))
     lines.extend(_service_lines(settings))

@@ -25,6 +25,7 @@ from sokratos_worker.command_database import (
     database_url,
     stop_signals_end_the_command,
     stops_while_starting,
+    unreachable_hint,
 )
 from sokratos_worker.config import (
     ConfigError,
@@ -527,24 +528,10 @@ def _unavailable_message(exc: DatabaseUnavailable, settings: Settings) -> str:
     sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
     answered = _ANSWERED_TRANSIENTS.get(sqlstate[:2])
     if answered is None:
-        return f"{exc}. {_unreachable_hint(settings)}"
+        return f"{exc}. {unreachable_hint(settings)}"
     what, hint = answered
     reason = str(exc).removeprefix("database unavailable: ")
     return f"{what}: {reason} (SQLSTATE {sqlstate}); {hint}"
-
-
-def _unreachable_hint(settings: Settings) -> str:
-    """What to look at when the database is away: the URL, or the embedded server when unset."""
-    if settings.uses_embedded_postgres:
-        return (
-            f"Check the embedded PostgreSQL under {settings.data_dir / 'postgres'} (no"
-            " database URL is set) and that SOKRATOS_DATA_DIR is writable."
-        )
-    from sokratos_worker.config_sources import given_as  # noqa: PLC0415
-
-    # The variable the operator wrote (DATABASE_URL, a credential file), not its canonical name.
-    variable = given_as("database_url") or "SOKRATOS_DATABASE_URL"
-    return f"Check {variable} and that PostgreSQL is running."
 
 
 def _log_level(command: str, settings: Settings) -> str:

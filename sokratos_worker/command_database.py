@@ -29,6 +29,20 @@ class EmbeddedUnavailable(WorkerError):
     """No SOKRATOS_DATABASE_URL and the embedded PostgreSQL could not be started."""
 
 
+def unreachable_hint(settings: Settings) -> str:
+    """What to look at when the database is away: the URL, or the embedded server when unset."""
+    if settings.uses_embedded_postgres:
+        return (
+            f"Check the embedded PostgreSQL under {settings.data_dir / 'postgres'} (no"
+            " database URL is set) and that SOKRATOS_DATA_DIR is writable."
+        )
+    from sokratos_worker.config_sources import given_as  # noqa: PLC0415
+
+    # The variable the operator wrote (DATABASE_URL, a credential file), not its canonical name.
+    variable = given_as("database_url") or "SOKRATOS_DATABASE_URL"
+    return f"Check {variable} and that PostgreSQL is running."
+
+
 @contextmanager
 def database_url(settings: Settings, *, wait: bool = True) -> Iterator[str]:
     """The configured URL, or the embedded PostgreSQL (attached or started for the command).

@@ -27,3 +27,11 @@ def test_the_hint_names_where_the_url_came_from(tmp_path: Path, given: str) -> N
     proc = cli("failed", "list", env=env)
     assert proc.returncode == 75, proc.stderr
     assert f"Check {given} and that PostgreSQL is running." in proc.stderr, proc.stderr
+
+
+def test_check_names_it_too(tmp_path: Path) -> None:
+    env = env_for(None, tmp_path, DATABASE_URL=f"postgresql://x@127.0.0.1:{unused_port()}/none")
+    proc = cli("check", env=env)
+    assert proc.returncode == 1, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FAIL  database"))
+    assert line.endswith("Check DATABASE_URL and that PostgreSQL is running."), line
