@@ -35,7 +35,12 @@ from sokratos_worker.config import (
     load_settings,
     unknown_variables,
 )
-from sokratos_worker.errors import DatabaseUnavailable, TableLocked, WorkerError
+from sokratos_worker.errors import (
+    ConnectionLimitReached,
+    DatabaseUnavailable,
+    TableLocked,
+    WorkerError,
+)
 from sokratos_worker.exit_codes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_TEMPFAIL
 from sokratos_worker.handlers import HandlerFactory
 from sokratos_worker.logs import configure_logging
@@ -525,6 +530,13 @@ def _unavailable_message(exc: DatabaseUnavailable, settings: Settings) -> str:
 
     if READ_ONLY_SERVER in str(exc):
         return str(exc)  # a read-only server answers: where PostgreSQL runs is not the question
+    if isinstance(exc, ConnectionLimitReached):  # (libpq gives these without a SQLSTATE)
+        reason = str(exc).removeprefix("database unavailable: ")
+        return (
+            f"the database refuses new connections for a limit: {reason}; close some of the"
+            " other connections, or raise the limit (the role's or database's CONNECTION"
+            " LIMIT, max_connections), then run it again"
+        )
     sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
     answered = _ANSWERED_TRANSIENTS.get(sqlstate[:2])
     if answered is None:

@@ -9,6 +9,7 @@ the test's PostgreSQL, through the commands' own translation (store.connection.t
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -19,6 +20,7 @@ from sokratos_worker.config import Settings
 from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.exit_codes import EXIT_TEMPFAIL
 from sokratos_worker.store.connection import translated
+from tests.core.test_cli import cli, env_for
 
 
 def _real_deadlock(database_url: str) -> DatabaseUnavailable:
@@ -81,3 +83,24 @@ def test_an_unreachable_server_still_says_where_to_look(capsys: pytest.CaptureFi
     settings = Settings(database_url="postgresql://u@127.0.0.1:1/db")
     assert _reported_exit_code(exc, settings) == EXIT_TEMPFAIL
     assert "Check SOKRATOS_DATABASE_URL and that PostgreSQL is running" in capsys.readouterr().err
+
+
+def test_a_connection_limit_says_so_not_is_postgresql_running(
+    db: psycopg.Connection, database_url: str, tmp_path: Path
+) -> None:
+    """libpq gives a refusal for a limit without a SQLSTATE: ConnectionLimitReached."""
+    role = "cli_limited_to_none"
+    db.execute(f"DROP ROLE IF EXISTS {role}")
+    db.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'test-only-password' CONNECTION LIMIT 0")
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(database_url)
+        info.update(user=role, password="test-only-password")
+        url = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+        proc = cli("failed", "list", env=env_for(url, tmp_path))
+    finally:
+        db.execute(f"DROP ROLE IF EXISTS {role}")
+    assert proc.returncode == 75, proc.stderr
+    said = proc.stderr.strip()
+    assert said.startswith("sokratos-worker: the database refuses new connections for a limit:")
+    assert "too many connections for role" in said and "CONNECTION LIMIT" in said, said
+    assert "PostgreSQL is running" not in said, said
