@@ -73,7 +73,7 @@ def lenient_datetime(value: object) -> datetime | None:
     except ValueError:
         try:
             parsed = parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):  # (a 20-digit year or zone)
             return None
     return _unless_zero(parsed)
 
