@@ -185,14 +185,15 @@ class TriageHandler:
             backend=backend,
         )
         detail = f"salience {verdict.salience_score:g} (threshold {threshold:g})"
-        if verdict.paradigm_shift:
-            # Transitions are the main application's (contract §5): leave it the model's flag.
-            detail += "; paradigm shift flagged"
         note = contradiction_note([plan])
         if note:
             detail += f"; {note}"
         if plan.escaped:
             detail += f"; the model's reply: {ESCAPED_NOTE}"  # contract: escaping is noted
+        if verdict.paradigm_shift:
+            # Transitions are the main application's (contract §5): leave it the model's flag,
+            # last, where docs/production.md tells it to look.
+            detail += "; paradigm shift flagged"
         return Effects(
             Outcome.SAVED,
             detail=detail,
