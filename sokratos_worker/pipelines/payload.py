@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -73,9 +74,23 @@ def lenient_datetime(value: object) -> datetime | None:
     except ValueError:
         try:
             parsed = parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):  # (a 20-digit year or zone)
+            return None
+        if not _year_as_written(text, parsed):
             return None
     return _unless_zero(parsed)
+
+
+# A number of three or more digits in an RFC 2822 date that is not a zone (after its sign) or
+# part of a time (next to a colon): the year, or a zone written without its sign.
+_WRITTEN_YEAR = re.compile(r"(?<![\d:+-])\d{3,}(?![\d:])")
+
+
+def _year_as_written(text: str, parsed: datetime) -> bool:
+    """False when email.utils read a year written with leading zeros as a two-digit one:
+    Go's zero time in RFC 1123 form ("Mon, 01 Jan 0001 ...") became 2001-01-01."""
+    written = [int(number) for number in _WRITTEN_YEAR.findall(text)]
+    return parsed.year in written or all(number >= 100 for number in written)
 
 
 def _unless_zero(parsed: datetime) -> datetime | None:

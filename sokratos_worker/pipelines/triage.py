@@ -172,7 +172,7 @@ class TriageHandler:
             log.info("triage_skipped", item_id=item.id, reason="near_duplicate", backend=backend)
             return Effects(
                 Outcome.SKIPPED,
-                detail=f"near-duplicate of memory {plan.duplicate_of}",
+                detail=f"near-duplicate of memory {plan.duplicate_of}" + _flagged(verdict),
                 existing_memory_ids=(plan.duplicate_of,),
                 backend=backend,
             )
@@ -185,9 +185,6 @@ class TriageHandler:
             backend=backend,
         )
         detail = f"salience {verdict.salience_score:g} (threshold {threshold:g})"
-        if verdict.paradigm_shift:
-            # Transitions are the main application's (contract §5): leave it the model's flag.
-            detail += "; paradigm shift flagged"
         note = contradiction_note([plan])
         if note:
             detail += f"; {note}"
@@ -195,7 +192,7 @@ class TriageHandler:
             detail += f"; the model's reply: {ESCAPED_NOTE}"  # contract: escaping is noted
         return Effects(
             Outcome.SAVED,
-            detail=detail,
+            detail=detail + _flagged(verdict),
             memories=plan.memories,
             supersessions=plan.supersessions,
             backend=backend,
@@ -258,6 +255,13 @@ def _bounded(request: TriageRequest, note: str, limit: int) -> str:
         return bound_triage_input(request.text, note, limit)
     suffix = f"\n{note}" if note else ""
     return truncate_within(request.text, max(0, limit - byte_len(suffix))) + suffix
+
+
+def _flagged(verdict: TriageVerdict) -> str:
+    """The paradigm-shift flag, last in the detail, where docs/production.md tells the main
+    application to look: its transitions (contract §5), which Sokratos runs for a
+    near-duplicate too."""
+    return "; paradigm shift flagged" if verdict.paradigm_shift else ""
 
 
 def _tags(domain: str, tags: list[str]) -> tuple[str, ...]:
