@@ -47,6 +47,10 @@ _TRANSIENT_PREFIXES = (
 # And a commit must be durable before the worker acts on it (a spool file is deleted after
 # its item's commit): synchronous_commit = off is raised to on; 'local' and the replica
 # levels are as durable on the primary, and kept.
+# And transactions are READ COMMITTED, whatever the default: a settle's near-duplicate check
+# under its lock must see what another settle committed while it waited (under REPEATABLE
+# READ two slots each saved the same fact), and a claim must not fail for a row another
+# worker changed (serialization failures, taken for an outage).
 # And the server's own TCP keepalives, unless its configuration sets them: a worker whose
 # host vanished (power lost, a network cut) kept its session, and the locks it held (an
 # email account's), for the kernel's two hours; now about a minute, as KEEPALIVES on the
@@ -57,6 +61,9 @@ _SESSION_SETTINGS = """SELECT set_config(name, '0', false) FROM pg_settings
     UNION ALL
     SELECT set_config('synchronous_commit', 'on', false)
     WHERE current_setting('synchronous_commit') = 'off'
+    UNION ALL
+    SELECT set_config('default_transaction_isolation', 'read committed', false)
+    WHERE current_setting('default_transaction_isolation') <> 'read committed'
     UNION ALL
     SELECT set_config(s.name, wanted.value, false)
     FROM (VALUES ('tcp_keepalives_idle', '30'), ('tcp_keepalives_interval', '10'),
