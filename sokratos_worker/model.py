@@ -21,6 +21,9 @@ from typing import Any
 
 # `failed retry` enqueues a replay under the original key plus ``#retry-N`` (N counts up).
 RETRY_KEY_SUFFIX = re.compile(r"#retry-(\d+)$")
+# How a triage detail ends when the model flagged a life-altering event: the main application
+# looks for it there (docs/production.md), so whatever is added to a detail goes before it.
+PARADIGM_SHIFT_FLAG = "; paradigm shift flagged"
 
 
 class Queue(StrEnum):

@@ -15,7 +15,7 @@ from sokratos_worker.llm.types import (
     EmbeddingFailed,
     passed_over,
 )
-from sokratos_worker.model import Effects, Item, NewMemory, Outcome
+from sokratos_worker.model import PARADIGM_SHIFT_FLAG, Effects, Item, NewMemory, Outcome
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import TriageVerdict
@@ -261,7 +261,7 @@ def _flagged(verdict: TriageVerdict) -> str:
     """The paradigm-shift flag, last in the detail, where docs/production.md tells the main
     application to look: its transitions (contract §5), which Sokratos runs for a
     near-duplicate too."""
-    return "; paradigm shift flagged" if verdict.paradigm_shift else ""
+    return PARADIGM_SHIFT_FLAG if verdict.paradigm_shift else ""
 
 
 def _tags(domain: str, tags: list[str]) -> tuple[str, ...]:

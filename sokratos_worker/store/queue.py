@@ -19,7 +19,15 @@ from psycopg.types.json import Jsonb, JsonbBinaryLoader, JsonbLoader
 
 from sokratos_worker import jsontext
 from sokratos_worker.errors import InvalidPayload
-from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Queue, SettleResult
+from sokratos_worker.model import (
+    PARADIGM_SHIFT_FLAG,
+    Effects,
+    Item,
+    NewMemory,
+    Outcome,
+    Queue,
+    SettleResult,
+)
 from sokratos_worker.store.memories import Written, archive_already_saved, write_effects
 from sokratos_worker.store.queue_sql import (
     DIED_ENTRY,
@@ -298,12 +306,16 @@ def _after_duplicates(effects: Effects, written: Written) -> tuple[Outcome, str]
     if not written.duplicate_of:
         return effects.outcome, effects.detail
     ids = ", ".join(str(i) for i in written.duplicate_of)
+    # The paradigm-shift flag stays last (the main application looks for it there).
+    flag = PARADIGM_SHIFT_FLAG if effects.detail.endswith(PARADIGM_SHIFT_FLAG) else ""
     if written.new == 0 and effects.outcome is Outcome.SAVED:
-        return Outcome.SKIPPED, f"near-duplicate of memory {ids} (saved by another item meanwhile)"
+        return Outcome.SKIPPED, (
+            f"near-duplicate of memory {ids} (saved by another item meanwhile){flag}"
+        )
     dropped = len(written.duplicate_of)
     return effects.outcome, (
-        f"{effects.detail}; {dropped} near-duplicate(s) of memory {ids} saved by another item"
-        " meanwhile: not written"
+        f"{effects.detail.removesuffix(flag)}; {dropped} near-duplicate(s) of memory {ids} saved"
+        f" by another item meanwhile: not written{flag}"
     )
 
 

@@ -59,15 +59,17 @@ def test_the_same_fact_from_many_slots_is_saved_once_whatever_the_default_isolat
     assert [r[1] for r in rows].count("saved") == 1, rows
 
 
-def _release_once_settles_wait(database_url: str, lock: psycopg.Connection) -> None:
-    """Unlock once three sessions wait for the settles' advisory lock (30 s at most)."""
+def _release_once_settles_wait(
+    database_url: str, lock: psycopg.Connection, waiting: int = 3
+) -> None:
+    """Unlock once ``waiting`` sessions wait for the settles' advisory lock (30 s at most)."""
     with psycopg.connect(database_url, autocommit=True) as watch:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            waiting = watch.execute(
+            row = watch.execute(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
             ).fetchone()
-            if waiting is not None and waiting[0] >= 3:
+            if row is not None and row[0] >= waiting:
                 break
             time.sleep(0.02)
     lock.execute("SELECT pg_advisory_unlock(%s)", (_DUPLICATE_WRITE_LOCK,))
