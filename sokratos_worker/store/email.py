@@ -355,8 +355,20 @@ def close_failures(
 
     The message was passed unrecorded and is now recorded (the operator ran the failure's
     ``what_to_do``): its failure is done with, so ``failed list`` and ``failed retry --all``
-    stop offering it, the way a replayed dead letter is marked.
+    stop offering it, the way a replayed dead letter is marked. Only when the UID's 'passed'
+    row shows this message (its size and arrival date, where both are known): after a
+    restore reused the UID for other mail, the failure stays open; and without a 'passed'
+    row (the usual case) failed_operations is not searched at all.
     """
+    passed = [
+        row
+        for row in recorded_at_uid(
+            conn, record.account, record.mailbox, record.uidvalidity, record.uid
+        )
+        if row.passed
+    ]
+    if not any(_same_message(row, record) for row in passed):
+        return []
     rows = conn.execute(
         "UPDATE failed_operations SET retried_at = now(), retried_as = coalesce(%(item)s::bigint,"
         " (SELECT item_id FROM processed_emails WHERE message_id = %(key)s))"
@@ -375,6 +387,14 @@ def close_failures(
         },
     ).fetchall()
     return sorted((int(row[0]), row[1]) for row in rows)
+
+
+def _same_message(passed: Recorded, record: MessageRecord) -> bool:
+    """Whether the message passed at a UID is ``record``'s: the same size and arrival date,
+    or one of them unknown (a row passed before sql/0045), when only the UID can tell."""
+    if passed.server_size is None or record.server_size is None:
+        return True
+    return passed.matches(record.server_size, record.internal_date)
 
 
 def record_message(
