@@ -47,6 +47,7 @@ from sokratos_worker.llm.http import (
     classify,
     describe_connection_error,
     excerpt,
+    request_timeout,
     retry_after_seconds,
 )
 from sokratos_worker.llm.one_token_probe import (
@@ -462,7 +463,7 @@ class FallbackChatClient:
         started = time.perf_counter()
         try:
             response = backend.clients.get().post(
-                backend.chat_url, json=body, timeout=backend.config.timeout
+                backend.chat_url, json=body, timeout=request_timeout(backend.config.timeout)
             )
         except httpx.TimeoutException as exc:
             reason = "timeout"
