@@ -397,10 +397,12 @@ class FallbackChatClient:
             second = self._ask_again(backend, body, purpose, cut_off=answer.truncated)
             try:
                 value, _ = self._parse(backend, response_model, second, purpose)
-            except ReplyInvalid:
+            except ReplyInvalid as again:
                 log.warning(
                     "llm_reply_invalid", backend=backend.name, purpose=purpose, repair=False
                 )
+                if second.truncated:  # the item's error must say the reply did not fit
+                    raise _cut_off(again, max_tokens, shorter=answer.truncated) from None
                 raise
             return value, Answer(
                 second.content,
@@ -715,6 +717,15 @@ class FallbackChatClient:
             reason=reason,
             status=status,
         )
+
+
+def _cut_off(invalid: ReplyInvalid, max_tokens: int, *, shorter: bool) -> ReplyInvalid:
+    """``invalid`` said as what it is: a reply that did not fit, not broken JSON."""
+    asked = ", also when asked for a shorter reply" if shorter else ""
+    return ReplyInvalid(
+        f"cut off at the {max_tokens}-token limit (or where the model's context was full)"
+        f"{asked}: {invalid.feedback}"
+    )
 
 
 def _echoed(content: str, limit: int) -> str:
