@@ -27,7 +27,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.llm.backend import Backend, RetryPolicy
-from sokratos_worker.llm.breaker import Admission, CircuitBreaker
+from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
 from sokratos_worker.llm.completion import Answer, answer_from, completion
 from sokratos_worker.llm.failures import (
     PROXY_REFUSED,
@@ -443,7 +443,7 @@ class FallbackChatClient:
     def _post(self, backend: Backend, body: dict[str, Any], purpose: str) -> Answer:
         """POST with the bounded retry loop, each attempt with the backend's timeout."""
         retrying = Retrying(
-            stop=self._stop(self.policy.attempts),
+            stop=self._stop(self.policy.attempts, backend.breaker),
             wait=self._wait,
             retry=retry_if_exception_type(_Transient),
             sleep=self._sleep,
@@ -524,11 +524,15 @@ class FallbackChatClient:
 
     # -- retry policy ----------------------------------------------------------------------
 
-    def _stop(self, attempts: int) -> Callable[[RetryCallState], bool]:
+    def _stop(self, attempts: int, breaker: CircuitBreaker) -> Callable[[RetryCallState], bool]:
         limit = self.policy.retry_after_max
 
         def stop(state: RetryCallState) -> bool:
             if state.attempt_number >= attempts:
+                return True
+            # Other calls' failures opened it meanwhile: skipped by every new call, so this one
+            # moves on too rather than spend its attempts (each up to the timeout) on it.
+            if breaker.state is not Circuit.CLOSED:
                 return True
             exc = state.outcome.exception() if state.outcome else None
             # Waiting out a long Retry-After would delay the fallback (litellm #3274).
