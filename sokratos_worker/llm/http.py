@@ -56,7 +56,7 @@ def classify(status: int, body: str) -> Verdict:
         return Verdict.REFUSED  # OpenAI: retrying an empty account never helps
     if status in (408, 429) or status >= 500:
         return Verdict.TRANSIENT
-    if status in (401, 403, 404):
+    if status in (401, 402, 403, 404):  # 402: an account out of credits (OpenRouter)
         return Verdict.REFUSED
     return Verdict.REJECTED
 
