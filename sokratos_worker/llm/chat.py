@@ -27,7 +27,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.llm.backend import Backend, RetryPolicy
-from sokratos_worker.llm.breaker import Admission, CircuitBreaker
+from sokratos_worker.llm.breaker import Admission, Circuit, CircuitBreaker
 from sokratos_worker.llm.completion import Answer, answer_from, completion
 from sokratos_worker.llm.failures import (
     PROXY_REFUSED,
@@ -47,6 +47,7 @@ from sokratos_worker.llm.http import (
     classify,
     describe_connection_error,
     excerpt,
+    request_timeout,
     retry_after_seconds,
 )
 from sokratos_worker.llm.one_token_probe import (
@@ -396,10 +397,12 @@ class FallbackChatClient:
             second = self._ask_again(backend, body, purpose, cut_off=answer.truncated)
             try:
                 value, _ = self._parse(backend, response_model, second, purpose)
-            except ReplyInvalid:
+            except ReplyInvalid as again:
                 log.warning(
                     "llm_reply_invalid", backend=backend.name, purpose=purpose, repair=False
                 )
+                if second.truncated:  # the item's error must say the reply did not fit
+                    raise _cut_off(again, max_tokens, shorter=answer.truncated) from None
                 raise
             return value, Answer(
                 second.content,
@@ -440,7 +443,7 @@ class FallbackChatClient:
     def _post(self, backend: Backend, body: dict[str, Any], purpose: str) -> Answer:
         """POST with the bounded retry loop, each attempt with the backend's timeout."""
         retrying = Retrying(
-            stop=self._stop(self.policy.attempts),
+            stop=self._stop(self.policy.attempts, backend.breaker),
             wait=self._wait,
             retry=retry_if_exception_type(_Transient),
             sleep=self._sleep,
@@ -462,7 +465,7 @@ class FallbackChatClient:
         started = time.perf_counter()
         try:
             response = backend.clients.get().post(
-                backend.chat_url, json=body, timeout=backend.config.timeout
+                backend.chat_url, json=body, timeout=request_timeout(backend.config.timeout)
             )
         except httpx.TimeoutException as exc:
             reason = "timeout"
@@ -521,11 +524,15 @@ class FallbackChatClient:
 
     # -- retry policy ----------------------------------------------------------------------
 
-    def _stop(self, attempts: int) -> Callable[[RetryCallState], bool]:
+    def _stop(self, attempts: int, breaker: CircuitBreaker) -> Callable[[RetryCallState], bool]:
         limit = self.policy.retry_after_max
 
         def stop(state: RetryCallState) -> bool:
             if state.attempt_number >= attempts:
+                return True
+            # Other calls' failures opened it meanwhile: skipped by every new call, so this one
+            # moves on too rather than spend its attempts (each up to the timeout) on it.
+            if breaker.state is not Circuit.CLOSED:
                 return True
             exc = state.outcome.exception() if state.outcome else None
             # Waiting out a long Retry-After would delay the fallback (litellm #3274).
@@ -714,6 +721,15 @@ class FallbackChatClient:
             reason=reason,
             status=status,
         )
+
+
+def _cut_off(invalid: ReplyInvalid, max_tokens: int, *, shorter: bool) -> ReplyInvalid:
+    """``invalid`` said as what it is: a reply that did not fit, not broken JSON."""
+    asked = ", also when asked for a shorter reply" if shorter else ""
+    return ReplyInvalid(
+        f"cut off at the {max_tokens}-token limit (or where the model's context was full)"
+        f"{asked}: {invalid.feedback}"
+    )
 
 
 def _echoed(content: str, limit: int) -> str:

@@ -1,11 +1,11 @@
 """Reading a backend's 2xx reply as an OpenAI chat completion.
 
 :func:`completion` parses the body and says why it is not a chat completion (not JSON, no
-``choices``: a login page or a wrong path), and :func:`answer_from` takes the
-:class:`Answer` out of one: the message content (or ``reasoning_content`` when the content is
-empty, Mistral's content-parts list joined), the token counts and whether the reply hit
-``max_tokens``. Validating the content against the response model is
-:mod:`sokratos_worker.llm.reply`'s job.
+``choices`` or an empty list: a login page, a wrong path, an upstream that answered nothing),
+and :func:`answer_from` takes the :class:`Answer` out of one: the message content (or
+``reasoning_content`` when the content is empty, Mistral's content-parts list joined), the
+token counts and whether the reply hit ``max_tokens``. Validating the content against the
+response model is :mod:`sokratos_worker.llm.reply`'s job.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ def completion(response: httpx.Response) -> tuple[Any, str | None]:
         return None, f"not JSON ({kind}: {' '.join(excerpt(response).split())[:80]!r})"
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
         return payload, f"JSON without 'choices' ({' '.join(excerpt(response).split())[:80]!r})"
+    if not payload["choices"]:
+        # No reply at all (a proxy whose upstream answered nothing): not an invalid reply to
+        # repair, and no proof that the server serves anything.
+        return (
+            payload,
+            f"JSON whose 'choices' is empty ({' '.join(excerpt(response).split())[:80]!r})",
+        )
     return payload, None
 
 

@@ -30,6 +30,8 @@ _CONTEXT_PATTERNS = re.compile(
     re.IGNORECASE,
 )
 _BODY_EXCERPT = 512
+# A host that has not accepted the connection by then is not going to: the fallback is asked.
+CONNECT_TIMEOUT_MAX = 10.0
 
 
 class Verdict(StrEnum):
@@ -54,7 +56,7 @@ def classify(status: int, body: str) -> Verdict:
         return Verdict.REFUSED  # OpenAI: retrying an empty account never helps
     if status in (408, 429) or status >= 500:
         return Verdict.TRANSIENT
-    if status in (401, 403, 404):
+    if status in (401, 402, 403, 404):  # 402: an account out of credits (OpenRouter)
         return Verdict.REFUSED
     return Verdict.REJECTED
 
@@ -81,6 +83,12 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
         return None
     current = time.time() if now is None else now
     return max(0.0, when.timestamp() - current)
+
+
+def request_timeout(seconds: float) -> httpx.Timeout:
+    """``seconds`` for the request, its connection capped at ``CONNECT_TIMEOUT_MAX``: also what a
+    call passes per request, as a plain number there would replace the client's cap."""
+    return httpx.Timeout(seconds, connect=min(seconds, CONNECT_TIMEOUT_MAX))
 
 
 def describe_connection_error(exc: httpx.HTTPError) -> str:
@@ -138,7 +146,7 @@ def make_client(
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return CookielessClient(
-        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+        timeout=request_timeout(timeout),
         verify=verify,
         headers=headers,
         transport=_transport(verify),
@@ -297,6 +305,7 @@ __all__ = [
     "excerpt",
     "make_client",
     "proxy_variable",
+    "request_timeout",
     "retry_after_seconds",
     "tls_verification",
     "without_credentials",

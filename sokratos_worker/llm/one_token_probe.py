@@ -20,7 +20,13 @@ from pydantic import BaseModel
 
 from sokratos_worker.llm.backend import Backend
 from sokratos_worker.llm.completion import completion
-from sokratos_worker.llm.http import ProxyAuthenticationRequired, Verdict, classify, excerpt
+from sokratos_worker.llm.http import (
+    ProxyAuthenticationRequired,
+    Verdict,
+    classify,
+    excerpt,
+    request_timeout,
+)
 from sokratos_worker.llm.request_body import request_body
 
 # The health probe's whole conversation: a server that cannot answer this is down for us, even
@@ -143,7 +149,7 @@ def probe_answer(
         return Probed.BUSY  # every slot stayed taken for the whole wait, as a call's would
     try:
         response = backend.clients.get().post(
-            backend.chat_url, json=body, timeout=backend.probe_timeout
+            backend.chat_url, json=body, timeout=request_timeout(backend.probe_timeout)
         )
     except ProxyAuthenticationRequired:
         return Probed.REFUSED

@@ -122,7 +122,9 @@ def _check_models(config: BackendConfig) -> str | None:
     if response.status_code != 200:
         return None  # not every server offers the list; the structured call decides
     try:
-        ids = [str(m.get("id")) for m in jsontext.loads(response.content).get("data", [])]
+        listed = jsontext.loads(response.content).get("data")
+        # Ollama lists no model as null (before any is pulled): nothing listed, nothing decided.
+        ids = [str(m.get("id")) for m in listed] if isinstance(listed, list) else []
     except (ValueError, AttributeError):
         return None
     if ids and not any(_same_model(config.model, i) for i in ids):

@@ -158,7 +158,8 @@ class LLMBackendsBusy(NoBackendReachable):
 
 
 class LLMBackendsMisconfigured(BackendsMisconfigured):
-    """Every chat backend refused with 401/403/404 (or no quota): fix the configuration."""
+    """Every chat backend refused with 401/403/404 (or no quota or credits: 429
+    ``insufficient_quota``, 402): fix the configuration."""
 
     def __init__(self, message: str, *, tried: tuple[BackendAttempt, ...] = ()) -> None:
         super().__init__(message)
