@@ -94,3 +94,28 @@ def test_the_hash_key_of_such_mail_is_the_one_recorded_before() -> None:
     assert message_key("home", parsed) == (
         "home:sha256:b99091764ece01a8e6050d68094a7492f86c1bfa39448cfce347861a735ac924"
     )
+
+
+@pytest.mark.parametrize(
+    ("label", "codec", "text"),
+    [
+        ("shift_jis", "cp932", "会議①"),  # NEC's circled digits, in every Japanese mailer
+        ("x-sjis", "cp932", "会議①"),
+        ("ks_c_5601-1987", "cp949", "똠방각하"),  # Outlook's label for Korean
+        ("euc-kr", "cp949", "똠방각하"),
+        ("gb2312", "gb18030", "镕基"),  # GBK's characters in mail labelled GB2312
+        ("iso-8859-1", "cp1252", "“quoted” €5"),  # Windows' curly quotes in "Latin-1"
+        ("us-ascii", "cp1252", "“quoted”"),
+    ],
+)
+def test_labels_are_read_as_the_vendor_superset_mail_clients_read(
+    label: str, codec: str, text: str
+) -> None:
+    """Python's strict codecs for these labels lack the vendor extensions mail is written in:
+    "会議①" read as shift_jis came out "会議�@", curly quotes in "Latin-1" as C1 controls."""
+    raw = _mail(_word(text, label, codec), label, text.encode(codec), "<vendor@example.org>")
+    parsed = parse_email(raw)
+    assert parsed.subject == text
+    assert parsed.body.strip() == text, parsed.body
+    assert not [n for n in parsed.notes if "charset" in n], parsed.notes
+    assert message_key("home", parsed) == "home:<vendor@example.org>"
