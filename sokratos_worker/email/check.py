@@ -8,7 +8,8 @@ message that was not fetched (hazard 2). Messages are handled one by one, in UID
 record the database refuses for its content) goes to failed_operations
 (:mod:`sokratos_worker.email.failed`) and the check carries on past it; so does a message
 the server refuses on REFUSALS_BEFORE_PASSING consecutive checks (before that, it stops the
-check, after the mail before it was recorded).
+check, after the mail before it was recorded), and so does one its answers keep leaving out
+while the mailbox still lists it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from sokratos_worker.email.imap import (
     ImapServerState,
     ImapSession,
     MailboxNotOpened,
-    MessagesNotReturned,
     UidvalidityChangedWhileReading,
 )
 from sokratos_worker.email.imap_answers import (
@@ -80,6 +80,11 @@ REFUSALS_BEFORE_PASSING = 3
 
 class MessageRefused(ImapError):
     """The server refused one message; the check stops before it (names the UID)."""
+
+
+class MessageNotReturned(ImapError):
+    """The server's answer left out one message its mailbox still lists; the check stops
+    before it (names the UID)."""
 
 
 class MessageNotRecorded(WorkerError):
@@ -218,13 +223,16 @@ def _refused(
     account: EmailAccountConfig,
     state: MailboxState,
     ref: MessageRef,
-    answer: str,
+    refused: Refused,
 ) -> None:
-    """Count the refusal; stop the check before it, or past the limit record it and go on."""
+    """Count the refusal (or the answer leaving it out); stop the check before it, or past the
+    limit record it and go on."""
     record = no_record(account, state.uidvalidity, ref.uid)
     checks = store.note_refusal(conn, record)
     if checks >= REFUSALS_BEFORE_PASSING:
-        record_refused_message(conn, account, state.uidvalidity, ref, answer=answer, checks=checks)
+        record_refused_message(
+            conn, account, state.uidvalidity, ref, refused=refused, checks=checks
+        )
         return
     hint = (
         f"{REPAIR_HINT}; it is tried again at the next check, and after"
@@ -237,13 +245,14 @@ def _refused(
         mailbox=account.mailbox,
         uid=ref.uid,
         refused_checks=checks,
-        answer=answer,
+        answer=refused.answer,
         what_to_do=hint,
     )
-    raise MessageRefused(
-        f"UID {ref.uid} (UIDVALIDITY {state.uidvalidity}) was refused by the server ({answer})"
-        f" on {checks} consecutive check(s); the check stops before it, and after"
-        f" {REFUSALS_BEFORE_PASSING} it is recorded in failed_operations and passed"
+    kind = MessageNotReturned if refused.left_out else MessageRefused
+    raise kind(
+        f"UID {ref.uid} (UIDVALIDITY {state.uidvalidity}) was {refused.what}"
+        f" ({refused.answer}) on {checks} consecutive check(s); the check stops before it,"
+        f" and after {REFUSALS_BEFORE_PASSING} it is recorded in failed_operations and passed"
     )
 
 
@@ -358,7 +367,7 @@ def check_account(
         refused_uid = checkpoint.refused_uid if checkpoint else None
         for message, old in _messages(session, refs, cutoff):
             if isinstance(message, Refused):
-                _refused(conn, account, state, by_uid[message.uid], message.answer)
+                _refused(conn, account, state, by_uid[message.uid], message)
                 counts.failed += 1
                 continue
             if message.uid == refused_uid:
@@ -418,10 +427,10 @@ _UIDVALIDITY_HINT = (
     " triaged again: nothing to set; if it recurs at every check, ask the server's operator"
 )
 _NOT_RETURNED_HINT = (
-    "no mail is lost: the check stops before these messages and the next one fetches them"
-    " again; the server listed them but sent no body, which no setting of the account"
-    " explains: if it repeats, see the server's log or ask its operator (Dovecot: doveadm"
-    " force-resync)"
+    "no mail is lost: the mail before the message left out is recorded, and the next check"
+    " asks for it again; the server lists it but sent no body, which no setting of the"
+    f" account explains: {REPAIR_HINT}; after {REFUSALS_BEFORE_PASSING} consecutive checks"
+    " leaving it out it is recorded in failed_operations and passed"
 )
 # The hint of each kind of IMAP failure with its own advice (checked in order).
 _HINTS: tuple[tuple[type[ImapError], str], ...] = (
@@ -430,7 +439,7 @@ _HINTS: tuple[tuple[type[ImapError], str], ...] = (
     (ImapServerState, _SERVER_STATE_HINT),
     (ImapDeadlineExceeded, _DEADLINE_HINT),
     (UidvalidityChangedWhileReading, _UIDVALIDITY_HINT),
-    (MessagesNotReturned, _NOT_RETURNED_HINT),
+    (MessageNotReturned, _NOT_RETURNED_HINT),
 )
 _NOT_RECORDED_HINT = (
     "no mail is lost: the next check starts again at this message; fix what the database said"

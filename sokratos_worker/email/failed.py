@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 
 from sokratos_worker.config import EmailAccountConfig
-from sokratos_worker.email.imap_answers import FetchedMessage, MessageRef
+from sokratos_worker.email.imap_answers import FetchedMessage, MessageRef, Refused
 from sokratos_worker.store import email as store
 from sokratos_worker.store.connection import translated
 from sokratos_worker.store.failures import EMAIL_OP_TYPE, record_failure
@@ -70,14 +70,14 @@ def record_refused_message(
     uidvalidity: int,
     ref: MessageRef,
     *,
-    answer: str,
+    refused: Refused,
     checks: int,
 ) -> int:
-    """Record a message the server refused on ``checks`` checks in failed_operations and move
-    the checkpoint past it, in one transaction; the row's id."""
+    """Record a message the server refused (or left out of its answers) on ``checks`` checks in
+    failed_operations and move the checkpoint past it, in one transaction; the row's id."""
     error = (
         f"email account {account.name!r}: UID {ref.uid} (UIDVALIDITY {uidvalidity}) was"
-        f" refused by the server on {checks} consecutive checks: {answer}"
+        f" {refused.what} on {checks} consecutive checks: {refused.answer}"
     )
     return _record_and_pass(
         conn,
@@ -90,7 +90,7 @@ def record_refused_message(
         details={
             "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
             "size": ref.size,
-            "server_answer": clean_text(answer),
+            "server_answer": clean_text(refused.answer),
             "refused_checks": checks,
         },
     )

@@ -76,6 +76,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "GREETING_PATIENCE_S",
     "HEADER_BYTES_LIMIT",
+    "LEFT_OUT_ANSWER",
     "LOOKUP_POLL_S",
     "MESSAGE_BYTES_LIMIT",
     "SEARCH_WINDOW",
@@ -93,7 +94,6 @@ __all__ = [
     "MailboxNotOpened",
     "MailboxState",
     "MessageRef",
-    "MessagesNotReturned",
     "NoGreeting",
     "OpenSessions",
     "Refused",
@@ -126,6 +126,9 @@ SEARCH_WINDOW_GROWTH = 16
 # Messages tried, at most, to see whether a server answering one with its state (RFC 5530)
 # returns others: the answer is then that message's.
 SERVED_TRIES = 2
+
+# What stands for the server's answer about a message its UID FETCH answer left out.
+LEFT_OUT_ANSWER = "OK without it, though UID SEARCH still lists it in the mailbox"
 
 # A plain-IMAP server greets at once; one silent this long is asked whether it speaks TLS
 # (an implicit-TLS port never greets a client that does not start TLS first).
@@ -179,10 +182,6 @@ class MailboxNotOpened(ImapError):
 
 class UidvalidityChangedWhileReading(ImapError):
     """The mailbox had another UIDVALIDITY on a reconnect within one check (it was rebuilt)."""
-
-
-class MessagesNotReturned(ImapError):
-    """A UID FETCH left out messages the mailbox still holds; they are never skipped."""
 
 
 # The accounts whose unverified TLS this process has warned of.
@@ -612,13 +611,13 @@ class ImapSession:
         ]
 
     def fetch(self, uids: list[int], *, headers_only: bool = False) -> list[FetchedMessage]:
-        """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``.
+        """Messages (``BODY.PEEK``, never marking them read) and INTERNALDATE of ``uids``, in
+        UID order: those the server returned (:meth:`fetch_each` tells a message left out from
+        one expunged since the listing).
 
         ``headers_only`` fetches just the header block (for mail that is only recorded as seen),
         up to HEADER_BYTES_LIMIT bytes: a header block of that size was cut (the caller fetches
-        the message whole instead). A message expunged since the listing is left out (logged);
-        one that exists but was not returned raises :class:`ImapError`, and a refused FETCH
-        :class:`ImapRefused`.
+        the message whole instead). A refused FETCH raises :class:`ImapRefused`.
         """
         if not uids:
             return []
@@ -632,9 +631,6 @@ class ImapSession:
         found = fetched_messages(self._uid_fetch(uids, f"UID INTERNALDATE {section}"))
         if found:
             self._served[headers_only] = max(found)
-        missing = [uid for uid in uids if uid not in found]
-        if missing:
-            self._skip_vanished(missing)
         return [found[uid] for uid in uids if uid in found]
 
     def _uid_fetch(self, uids: list[int], items: str) -> list[Any]:
@@ -663,8 +659,8 @@ class ImapSession:
         self._check(typ, list(data), "UID FETCH")
         return list(data)
 
-    def _skip_vanished(self, missing: list[int]) -> None:
-        """Log the UIDs expunged since the listing; raise for any the server still has."""
+    def _still_there(self, missing: list[int]) -> list[int]:
+        """Of ``missing``, those the server still has; logs those expunged since the listing."""
         present = self._existing(missing)
         for uid in missing:
             if uid not in present:
@@ -674,13 +670,7 @@ class ImapSession:
                     mailbox=self.account.mailbox,
                     uid=uid,
                 )
-        unreturned = [uid for uid in missing if uid in present]
-        if unreturned:
-            # Never skip silently (Sokratos hazard 2): the check stops before these UIDs.
-            raise MessagesNotReturned(
-                f"UID FETCH on {self._where()} returned no body for UIDs {unreturned},"
-                " which are still in the mailbox"
-            )
+        return [uid for uid in missing if uid in present]
 
     def _existing(self, uids: list[int]) -> set[int]:
         """Which of ``uids`` are still in the mailbox (UID SEARCH)."""
@@ -702,10 +692,14 @@ class ImapSession:
         one answered with the server's state (``NO [UNAVAILABLE]``) while the server returns
         another message (:meth:`_serves_another`); when it returns none, the check stops.
         ``later`` are UIDs listed after ``uids`` (in this batch or the next ones): candidates
-        for that comparison when no message was returned yet.
+        for that comparison when no message was returned yet. A message the answer left out
+        is asked for alone, and if left out again yielded in its place as :class:`Refused`
+        (``left_out``), after the messages before it.
         """
         try:
-            messages = self.fetch(uids, headers_only=headers_only)
+            found = {
+                message.uid: message for message in self.fetch(uids, headers_only=headers_only)
+            }
         except ImapRefused as exc:
             if len(uids) > 1:
                 log.warning(
@@ -716,15 +710,36 @@ class ImapSession:
                     what_to_do="nothing: fetching its messages one at a time",
                 )
                 yield from self._one_at_a_time(uids, headers_only, later)
-            elif uids[0] in self._existing(uids):
+            elif self._still_there(uids):
                 yield Refused(uid=uids[0], answer=exc.answer)
-            else:
-                self._skip_vanished(uids)
             return
         except ImapServerState as exc:
             yield from self._after_server_state(exc, uids, headers_only, later)
             return
-        yield from messages
+        missing = [uid for uid in uids if uid not in found]
+        left_out = self._still_there(missing) if missing else []
+        yield from self._in_uid_order(uids, found, left_out, headers_only, later)
+
+    def _in_uid_order(
+        self,
+        uids: list[int],
+        found: dict[int, FetchedMessage],
+        left_out: list[int],
+        headers_only: bool,
+        later: Sequence[int],
+    ) -> Iterator[FetchedMessage | Refused]:
+        """The messages returned, each UID left out in its place (a UID expunged is neither)."""
+        for i, uid in enumerate(uids):
+            if uid in found:
+                yield found[uid]
+            elif uid in left_out and len(uids) > 1:
+                # A server may fail a message only within a batch: it is asked for it alone.
+                yield from self.fetch_each(
+                    [uid], headers_only=headers_only, later=[*uids[i + 1 :], *later]
+                )
+            elif uid in left_out:
+                # Never skipped silently (Sokratos hazard 2): the check counts it as refused.
+                yield Refused(uid=uid, answer=LEFT_OUT_ANSWER, left_out=True)
 
     def _one_at_a_time(
         self, uids: list[int], headers_only: bool, later: Sequence[int]
@@ -760,8 +775,7 @@ class ImapSession:
         served = self._serves_another(uid, later, headers_only)
         if served is None:
             raise exc
-        if uid not in self._existing(uids):
-            self._skip_vanished(uids)
+        if not self._still_there(uids):
             return
         yield Refused(uid=uid, answer=f"{exc.answer} (while it returned UID {served})")
 

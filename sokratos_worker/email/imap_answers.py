@@ -75,10 +75,20 @@ class FetchedMessage:
 
 @dataclass(frozen=True)
 class Refused:
-    """A message whose single UID FETCH the server refused; ``answer`` is the server's reply."""
+    """A message the server would not return: its single UID FETCH refused (``answer`` is the
+    server's reply), or, ``left_out``, answered OK without it while the mailbox still holds it.
+    """
 
     uid: int
     answer: str
+    left_out: bool = False
+
+    @property
+    def what(self) -> str:
+        """What the server did, for errors and the failure row."""
+        if self.left_out:
+            return "left out of the server's answers"
+        return "refused by the server"
 
 
 def plan_batches(refs: list[MessageRef], *, headers_only: bool = False) -> Iterator[list[int]]:

@@ -114,3 +114,29 @@ class ByeProxy(RefusingProxy):
                             sock.shutdown(socket.SHUT_RDWR)
                     return
                 upstream.sendall(line)
+
+
+class OmittingProxy(RefusingProxy):
+    """Relays a body UID FETCH without the UIDs in ``refused``: the server answers OK without
+    them, as a server may for a message it cannot read (while UID SEARCH still lists it).
+    With ``alone_too`` False, a FETCH of one such UID alone is relayed whole (a server that
+    only fails it within a batch)."""
+
+    alone_too = True
+
+    def _commands(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in self._lines(client):
+                match = self.fetch.match(line)
+                if match is None:
+                    upstream.sendall(line)
+                    continue
+                asked = sorted(_uids(match.group(2)))
+                if len(asked) == 1 and not self.alone_too:
+                    upstream.sendall(line)
+                    continue
+                kept = ",".join(str(uid) for uid in asked if uid not in self.refused)
+                if not kept:
+                    client.sendall(match.group(1) + b" OK Fetch completed.\r\n")
+                    continue
+                upstream.sendall(line.replace(match.group(2), kept.encode(), 1))
