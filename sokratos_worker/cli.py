@@ -32,6 +32,7 @@ from sokratos_worker.config import (
     Settings,
     ignored_database_url,
     ignored_secret_files,
+    keys_replaced_by_url_credentials,
     load_settings,
     unknown_variables,
 )
@@ -436,6 +437,14 @@ def _main(argv: Sequence[str] | None, handler_factory: HandlerFactory | None) ->
             "database_url_ignored",
             hint="DATABASE_URL names another database than SOKRATOS_DATABASE_URL, which is the"
             " one used: unset DATABASE_URL for sokratos-worker, or give both the same URL",
+        )
+    if replaced := keys_replaced_by_url_credentials(settings):
+        log.warning(
+            "api_key_not_sent",
+            backends=replaced,
+            hint="each backend's url holds user:password, which is sent as Basic authorization"
+            " in place of its api_key (a request has one Authorization header): remove the"
+            " credentials from the url, or the api_key",
         )
     if ignored := ignored_secret_files(settings):
         log.warning(

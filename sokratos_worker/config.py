@@ -644,6 +644,22 @@ def ignored_database_url(settings: Settings, environ: Mapping[str, str] | None =
     return bool(other) and used is not None and other != used.strip()
 
 
+def keys_replaced_by_url_credentials(settings: Settings) -> list[str]:
+    """Backends given an api_key and a URL with ``user:password@``: httpx sends the URL's
+    credentials as Basic authorization, in place of the key (a request has one
+    Authorization header), and the key is never sent."""
+    return [
+        backend.name
+        for backend in settings.llm_backends
+        if backend.api_key is not None and "@" in _authority(backend.url)
+    ]
+
+
+def _authority(url: str) -> str:
+    """The ``user:password@host:port`` part of ``url``."""
+    return url.partition("://")[2].split("/", 1)[0]
+
+
 def ignored_secret_files(settings: Settings) -> list[str]:
     """Secret files given beside the secret itself, which wins: a key rotated by rewriting the
     file would go unnoticed until the old one is refused."""
