@@ -287,6 +287,16 @@ class Settings(BaseSettings):
     embedding_model: str | None = None
     embedding_dim: int | None = Field(default=None, ge=1, le=16000)
     embedding_suffix: str = ""
+    # Bounds one batch's whole answer; a CPU embedding server may need more than 10 s for 32.
+    embedding_timeout: Annotated[
+        Duration,
+        within(
+            0.1,
+            HOUR,
+            too_short="no embedding server answers sooner",
+            too_long="a batch silent for an hour has hung",
+        ),
+    ] = 10.0
     local_model: bool = False
     email_accounts: list[EmailAccountConfig] = Field(default_factory=list)
     # 0 turns checks off; see _EMAIL_CHECK_SHORTEST for the floor, and mail checked weekly is late.

@@ -34,6 +34,7 @@ def build_embedder(settings: Settings) -> Embedder | None:
         settings.embedding_model,
         settings.embedding_dim,
         suffix=settings.embedding_suffix,
+        timeout=settings.embedding_timeout,
     )
 
 

@@ -148,7 +148,7 @@ def probe_embeddings(settings: Settings) -> CheckLine:
         settings.embedding_model,
         settings.embedding_dim,
         suffix=settings.embedding_suffix,
-        timeout=PROBE_TIMEOUT,
+        timeout=settings.embedding_timeout,  # (what the worker allows it, not the probe's 10 s)
     )
     try:
         embedder.embed(["sokratos-worker check"])
