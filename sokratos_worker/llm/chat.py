@@ -468,9 +468,12 @@ class FallbackChatClient:
                 backend.chat_url, json=body, timeout=request_timeout(backend.config.timeout)
             )
         except httpx.TimeoutException as exc:
-            reason = "timeout"
             if isinstance(exc, httpx.ConnectTimeout):  # which host: the server or a proxy
-                reason += f": {describe_connection_error(exc)}"
+                reason = f"timeout: {describe_connection_error(exc)}"
+            else:  # (the number says which setting: a slow model needs a higher one)
+                reason = (
+                    f"timeout: no answer within the backend's timeout, {backend.config.timeout:g} s"
+                )
             self._log_failed(backend, attempt, started, purpose, reason=reason, status=None)
             raise _Transient(reason) from exc
         except ProxyAuthenticationRequired as exc:  # every request through it: configuration

@@ -199,7 +199,7 @@ def test_read_timeout_is_transient_and_real(servers: Servers, make_client: MakeC
     client = make_client(backend(a, "a", timeout=0.2), backend(b, "b"), attempts=2)
     result = ask(client)
     assert result.backend == "b"
-    assert result.tried[0].reason == "timeout"
+    assert result.tried[0].reason == "timeout: no answer within the backend's timeout, 0.2 s"
     assert a.count() == 2
 
 

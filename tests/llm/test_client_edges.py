@@ -582,7 +582,7 @@ def test_a_silence_after_the_headers_still_ends_at_the_calls_deadline(
     result = client.complete(response_model=Ok, system="s", user="u", max_tokens=8, purpose="t")
     elapsed = time.monotonic() - started
     assert result.backend == "b"
-    assert result.tried[0].reason == "timeout"
+    assert result.tried[0].reason == "timeout: no answer within the backend's timeout, 4 s"
     assert elapsed < 6.0, elapsed  # ~4 s; 7.5 s if the body's wait started afresh
 
 
