@@ -234,9 +234,10 @@ def _refused(
             conn, account, state.uidvalidity, ref, refused=refused, checks=checks
         )
         return
+    happened = "checks leaving it out" if refused.left_out else "refusals"
     hint = (
         f"{REPAIR_HINT}; it is tried again at the next check, and after"
-        f" {REFUSALS_BEFORE_PASSING} consecutive refusals recorded in failed_operations and"
+        f" {REFUSALS_BEFORE_PASSING} consecutive {happened} recorded in failed_operations and"
         " passed, so that the mail after it is not held back"
     )
     log.warning(

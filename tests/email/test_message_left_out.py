@@ -105,6 +105,7 @@ def test_a_message_the_server_keeps_leaving_out_is_passed_after_three_checks(
             [said] = [e for e in logs if e["event"] == "email_message_refused"]
             assert (said["uid"], said["refused_checks"]) == (3, n + 1)
             assert "UID SEARCH still lists it" in said["answer"], said
+            assert "3 consecutive checks leaving it out" in said["what_to_do"], said
             assert failures(db) == []
         with capture_logs() as logs:
             [report] = check_due_accounts(settings, database_url, now=later(20))
