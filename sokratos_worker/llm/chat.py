@@ -100,6 +100,11 @@ class _Transient(Exception):
         self.status = status
         self.retry_after = retry_after
 
+    @property
+    def answered(self) -> bool:
+        """The server answered (a status), not a timeout or a lost connection."""
+        return self.status is not None
+
 
 class _Permanent(Exception):
     def __init__(self, verdict: Verdict, reason: str, status: int) -> None:
@@ -533,11 +538,13 @@ class FallbackChatClient:
         def stop(state: RetryCallState) -> bool:
             if state.attempt_number >= attempts:
                 return True
-            # Other calls' failures opened it meanwhile: skipped by every new call, so this one
-            # moves on too rather than spend its attempts (each up to the timeout) on it.
-            if breaker.state is not Circuit.CLOSED:
-                return True
             exc = state.outcome.exception() if state.outcome else None
+            # Other calls' failures opened its circuit meanwhile and this try got no answer at
+            # all (a timeout, a lost connection): every new call skips it, so this one moves on
+            # rather than wait out the timeout again. A quick 5xx is still retried, and so is
+            # any try once the circuit is half-open (when the server is likeliest back).
+            if breaker.state is Circuit.OPEN and isinstance(exc, _Transient) and not exc.answered:
+                return True
             # Waiting out a long Retry-After would delay the fallback (litellm #3274).
             return isinstance(exc, _Transient) and (exc.retry_after or 0.0) > limit
 

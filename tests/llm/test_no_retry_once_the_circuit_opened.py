@@ -1,7 +1,9 @@
-"""A call retrying a backend stops once that backend's circuit has opened meanwhile (other calls'
-failures): it moves on to the next backend instead of spending its remaining attempts, each up
-to the backend's whole timeout, on a server the breaker already skips for every new call.
-Real HTTP servers on 127.0.0.1."""
+"""A call whose try got no answer (a timeout) stops retrying that backend once its circuit has
+opened meanwhile (other calls' failures): it moves on to the next backend instead of waiting
+out the backend's whole timeout again on a server the breaker already skips for every new
+call. A quick 5xx is still retried, and so is any try once the circuit is half-open: with one
+backend, a transient 503 while others opened the circuit cost the item its attempt (found by
+a review). Real HTTP servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,32 +13,36 @@ from sokratos_worker.llm.breaker import Circuit
 from sokratos_worker.llm.chat import FallbackChatClient
 from sokratos_worker.testing import Reply, ScriptedLLM
 from sokratos_worker.testing.scripted_llm import Request
-from tests.llm.conftest import ask, backend
+from tests.llm.conftest import FakeClock, ask, backend
+
+GOOD = {"score": 5, "summary": "ok"}
 
 
-def test_a_retry_loop_stops_when_the_circuit_opened_meanwhile(
+def test_a_retry_loop_after_a_timeout_stops_when_the_circuit_opened_meanwhile(
     servers: Callable[..., ScriptedLLM], make_client: Callable[..., FallbackChatClient]
 ) -> None:
     clients: list[FallbackChatClient] = []
 
-    def down_and_others_notice(request: Request) -> Reply:
+    def hangs_and_others_notice(request: Request) -> Reply:
         # Meanwhile, other slots' calls to this backend fail and open its circuit.
         breaker = clients[0].breaker("primary")
         for _ in range(breaker.threshold):
-            breaker.record_failure("http_503: Loading model")
-        return Reply.error(503, "Loading model")
+            breaker.record_failure("timeout")
+        return Reply.hang(2)
 
-    primary = servers(chat=down_and_others_notice)
+    primary = servers(chat=hangs_and_others_notice)
     fallback = servers()
-    fallback.script(Reply.chat({"score": 5, "summary": "ok"}))
-    client = make_client(backend(primary, "primary"), backend(fallback, "fallback"), attempts=3)
+    fallback.script(Reply.chat(GOOD))
+    client = make_client(
+        backend(primary, "primary", timeout=0.3), backend(fallback, "fallback"), attempts=3
+    )
     clients.append(client)
 
     result = ask(client)
 
     assert result.backend == "fallback"
-    assert primary.count() == 1, "retried a backend whose circuit had opened"
-    assert result.tried[0].reason == "http_503: Loading model"
+    assert primary.count() == 1, "waited out the timeout again on a backend whose circuit opened"
+    assert result.tried[0].reason.startswith("timeout: no answer within"), result.tried
     assert client.breaker("primary").state is Circuit.OPEN
 
 
@@ -45,8 +51,52 @@ def test_a_closed_circuit_still_gets_every_attempt(
 ) -> None:
     primary = servers(chat=lambda r: Reply.error(503, "Loading model"))
     fallback = servers()
-    fallback.script(Reply.chat({"score": 5, "summary": "ok"}))
+    fallback.script(Reply.chat(GOOD))
     client = make_client(backend(primary, "primary"), backend(fallback, "fallback"), attempts=3)
 
     assert ask(client).backend == "fallback"
     assert primary.count() == 3
+
+
+def _one_backend_503_then_served(
+    servers: Callable[..., ScriptedLLM],
+    make_client: Callable[..., FallbackChatClient],
+    clock: FakeClock,
+    *,
+    half_open: bool,
+) -> str:
+    clients: list[FallbackChatClient] = []
+    seen = [0]
+
+    def responder(request: Request) -> Reply:
+        seen[0] += 1
+        if seen[0] == 1:
+            breaker = clients[0].breaker("only")
+            for _ in range(breaker.threshold):
+                breaker.record_failure("http_503: Loading model")
+            if half_open:  # another call is the half-open trial right now
+                clock.advance(breaker.cooldown + 1)
+                breaker.admit()
+            return Reply.error(503, "Loading model")
+        return Reply.chat(GOOD)
+
+    only = servers(chat=responder)
+    client = make_client(backend(only, "only"), attempts=3)
+    clients.append(client)
+    return ask(client).backend
+
+
+def test_a_quick_503_is_retried_though_others_opened_the_circuit(
+    servers: Callable[..., ScriptedLLM],
+    make_client: Callable[..., FallbackChatClient],
+    clock: FakeClock,
+) -> None:
+    assert _one_backend_503_then_served(servers, make_client, clock, half_open=False) == "only"
+
+
+def test_any_try_is_retried_while_another_calls_trial_is_in_flight(
+    servers: Callable[..., ScriptedLLM],
+    make_client: Callable[..., FallbackChatClient],
+    clock: FakeClock,
+) -> None:
+    assert _one_backend_503_then_served(servers, make_client, clock, half_open=True) == "only"
