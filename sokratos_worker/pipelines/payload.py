@@ -81,16 +81,31 @@ def lenient_datetime(value: object) -> datetime | None:
     return _unless_zero(parsed)
 
 
-# A number of three or more digits in an RFC 2822 date that is not a zone (after its sign) or
-# part of a time (next to a colon): the year, or a zone written without its sign.
-_WRITTEN_YEAR = re.compile(r"(?<![\d:+-])\d{3,}(?![\d:])")
+_MONTH = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
+# RFC 2822's "5 Mar 0001 ...": the year follows the day and the month.
+_YEAR_AFTER_DAY_AND_MONTH = re.compile(rf"\b\d{{1,2}}\s+{_MONTH}\s+(\d+)\b", re.IGNORECASE)
+# ctime's and Go's UnixDate "Mon Jan  1 00:00:00 UTC 0001": the year is its last number (not
+# part of a time, next to a colon, nor a signed zone).
+_NUMBER = re.compile(r"(?<![\d:+-])(\d+)(?![\d:])")
+
+
+def _written_year(text: str) -> str | None:
+    """The year as ``text`` writes it, digits only, or None when it cannot be told."""
+    found = _YEAR_AFTER_DAY_AND_MONTH.search(text)
+    if found is not None:
+        return found.group(1)
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def _year_as_written(text: str, parsed: datetime) -> bool:
-    """False when email.utils read a year written with leading zeros as a two-digit one:
-    Go's zero time in RFC 1123 form ("Mon, 01 Jan 0001 ...") became 2001-01-01."""
-    written = [int(number) for number in _WRITTEN_YEAR.findall(text)]
-    return parsed.year in written or all(number >= 100 for number in written)
+    """False when email.utils read a year written with three or more digits as a two-digit
+    one: Go's zero time in RFC 1123 form ("Mon, 01 Jan 0001 ...") became 2001-01-01. Only the
+    year itself is looked at (a zone written without its sign, "0000", is not a year)."""
+    written = _written_year(text)
+    if written is None or len(written) < 3:
+        return True
+    return int(written) == parsed.year
 
 
 def _unless_zero(parsed: datetime) -> datetime | None:

@@ -45,6 +45,11 @@ def test_gos_zero_time_in_rfc_form_is_no_date(date: str) -> None:
         ("14 Mar 26 09:30 +0100", datetime(2026, 3, 14, 8, 30, tzinfo=UTC)),
         # A zone without its sign is four digits too: the year written in full decides.
         ("Thu, 01 Jan 2026 10:00:00 0000", datetime(2026, 1, 1, 10, 0, tzinfo=UTC)),
+        # A two-digit year beside a zone without its sign, or a number in a comment: only the
+        # year after the month counts (these came out None; found by a review).
+        ("Tue, 05 Mar 24 10:00:00 0000", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
+        ("Tue, 05 Mar 99 10:00:00 0000", datetime(1999, 3, 5, 10, 0, tzinfo=UTC)),
+        ("Tue, 05 Mar 24 10:00:00 +0000 (UTC 000)", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
     ],
 )
 def test_a_year_written_in_full_or_in_two_digits_is_kept(date: str, expected: datetime) -> None:
