@@ -5,6 +5,7 @@ keys keep.
 
 from __future__ import annotations
 
+import codecs
 import email.header
 import re
 from email.message import Message
@@ -27,21 +28,12 @@ _CODECS_BY_LABEL = {
     "windows-874": "cp874",
     "windows-31j": "cp932",
     "cswindows31j": "cp932",
-    # Labels Python knows, read as mail clients read them (the WHATWG Encoding Standard): the
-    # vendor supersets the mail was written in, whose extra characters (①, 똠, 镕, the
-    # curly quotes of "Latin-1" from Windows) came out as replacement or control characters.
-    "shift_jis": "cp932",
     "x-sjis": "cp932",
-    "sjis": "cp932",
-    "euc-kr": "cp949",
-    "ks_c_5601-1987": "cp949",
-    "gb2312": "gb18030",
-    "gbk": "gb18030",
+    "ks_c_5601-1989": "cp949",
+    "gb_2312-80": "gb18030",
+    "csgb2312": "gb18030",
+    "csiso58gb231280": "gb18030",
     "x-gbk": "gb18030",
-    "iso-8859-1": "cp1252",
-    "latin1": "cp1252",
-    "us-ascii": "cp1252",
-    "ascii": "cp1252",
     "x-euc-jp": "euc_jp",
     "x-x-big5": "big5",
     "x-mac-roman": "mac_roman",
@@ -54,6 +46,28 @@ _CODECS_BY_LABEL = {
 }
 
 
+# Codecs read as mail clients read them (the WHATWG Encoding Standard), whatever alias names
+# them: the vendor supersets the mail was written in, whose extra characters (①, 똠, 镕, the
+# curly quotes of "Latin-1" from Windows) came out as replacement or control characters.
+_ASCII_OR_UTF8 = "ascii-or-utf-8"
+_SUPERSETS = {
+    "shift_jis": "cp932",
+    "euc_kr": "cp949",
+    "gb2312": "gb18030",
+    "gbk": "gb18030",
+    "iso8859-1": "cp1252",
+    "ascii": _ASCII_OR_UTF8,
+}
+
+
+def _codec_name(name: str) -> str:
+    """Python's own name of the codec ``name`` is an alias of (``l1``: ``iso8859-1``)."""
+    try:
+        return codecs.lookup(name).name
+    except (LookupError, ValueError):  # (unknown, or a name with NUL: decode_bytes says so)
+        return name
+
+
 def decode_bytes(data: bytes, charset: str | None, notes: list[str], *, labels: bool = True) -> str:
     """Decode with the declared charset; an unusable one falls back to UTF-8 with replacement.
 
@@ -62,6 +76,12 @@ def decode_bytes(data: bytes, charset: str | None, notes: list[str], *, labels: 
     name = (charset or "utf-8").strip().strip('"').lower() or "utf-8"
     if labels:
         name = _CODECS_BY_LABEL.get(name, name)
+        name = _SUPERSETS.get(_codec_name(name), name)
+        if name == _ASCII_OR_UTF8:  # 8-bit bytes in "ASCII": UTF-8 when they are
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError:
+                name = "cp1252"
     try:
         return data.decode(name, errors="replace")
     except LookupError:

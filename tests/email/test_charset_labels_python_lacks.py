@@ -106,6 +106,16 @@ def test_the_hash_key_of_such_mail_is_the_one_recorded_before() -> None:
         ("gb2312", "gb18030", "镕基"),  # GBK's characters in mail labelled GB2312
         ("iso-8859-1", "cp1252", "“quoted” €5"),  # Windows' curly quotes in "Latin-1"
         ("us-ascii", "cp1252", "“quoted”"),
+        # Other spellings of the same charsets (found by a review): Python's aliases, and
+        # labels it lacks.
+        ("ISO8859-1", "cp1252", "“quoted” €5"),
+        ("l1", "cp1252", "“quoted”"),
+        ("ANSI_X3.4-1968", "cp1252", "“quoted”"),  # glibc's ASCII: cron mail
+        ("csShiftJIS", "cp932", "会議①"),
+        ("ks_c_5601-1989", "cp949", "똠방각하"),
+        ("gb_2312-80", "gb18030", "镕基"),
+        # UTF-8 in mail labelled ASCII is read as UTF-8 (not "cafÃ©").
+        ("us-ascii", "utf-8", "café “quoted”"),
     ],
 )
 def test_labels_are_read_as_the_vendor_superset_mail_clients_read(
