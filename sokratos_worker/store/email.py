@@ -358,7 +358,8 @@ def close_failures(
     stop offering it, the way a replayed dead letter is marked. Only when the UID's 'passed'
     row shows this message (its size and arrival date, where both are known): after a
     restore reused the UID for other mail, the failure stays open; and without a 'passed'
-    row (the usual case) failed_operations is not searched at all.
+    row (the usual case) failed_operations is not searched at all, so a failure recorded
+    before sql/0045 added those rows stays open (docs/email.md: purge it).
     """
     passed = [
         row
@@ -391,7 +392,7 @@ def close_failures(
 
 def _same_message(passed: Recorded, record: MessageRecord) -> bool:
     """Whether the message passed at a UID is ``record``'s: the same size and arrival date,
-    or one of them unknown (a row passed before sql/0045), when only the UID can tell."""
+    or, where a listing lacked the size, whatever the UID holds (only the UID can tell)."""
     if passed.server_size is None or record.server_size is None:
         return True
     return passed.matches(record.server_size, record.internal_date)
