@@ -661,13 +661,15 @@ def keys_replaced_by_url_credentials(settings: Settings) -> list[str]:
     return [
         backend.name
         for backend in settings.llm_backends
-        if backend.api_key is not None and "@" in _authority(backend.url)
+        if backend.api_key is not None and _has_userinfo(backend.url)
     ]
 
 
-def _authority(url: str) -> str:
-    """The ``user:password@host:port`` part of ``url``."""
-    return url.partition("://")[2].split("/", 1)[0]
+def _has_userinfo(url: str) -> bool:
+    """Whether ``url`` carries ``user[:password]@`` before its host (as httpx reads it)."""
+    import httpx  # noqa: PLC0415 - only when a backend has a key: --help stays quick
+
+    return bool(httpx.URL(url).userinfo)
 
 
 def ignored_secret_files(settings: Settings) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sokratos_worker.config import keys_replaced_by_url_credentials, load_settings
 from sokratos_worker.testing.scripted_llm import Reply, ScriptedLLM
 from tests.core.test_cli import cli, env_for
 
@@ -34,3 +35,14 @@ def test_a_url_with_credentials_beside_an_api_key_is_named(
     assert "proxypass" not in proc.stderr and "sk-secret" not in proc.stderr
     # What the warning says is what happens: the first backend got Basic, never the key.
     assert any(a.startswith("Basic ") for a in sent) and "Bearer sk-secret" in sent, sent
+
+
+def test_a_user_without_a_password_counts_too() -> None:
+    """userinfo as httpx reads it: ``user@`` alone is sent as Basic authorization as well."""
+    backends = [
+        {"name": "plain", "url": "http://127.0.0.1:9/v1", "model": "m", "api_key": "k"},
+        {"name": "user", "url": "http://someone@127.0.0.1:9/v1", "model": "m", "api_key": "k"},
+        {"name": "keyless", "url": "http://someone@127.0.0.1:9/v1", "model": "m"},
+    ]
+    settings = load_settings({"SOKRATOS_LLM_BACKENDS": json.dumps(backends)})
+    assert keys_replaced_by_url_credentials(settings) == ["user"]
