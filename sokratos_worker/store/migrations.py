@@ -284,10 +284,17 @@ def history_differences(conn: psycopg.Connection) -> list[str]:
     ).fetchall()
     files = {m.version: m for m in load_migrations()}
     unknown = [str(name) for version, name, _ in recorded if version not in files]
+    # The number reused by another migration (a build from another branch), not an edit.
+    other = [
+        f"{name} (this version's {files[version].name})"
+        for version, name, _ in recorded
+        if version in files and name != files[version].name
+    ]
     edited = [
         files[version].name
-        for version, _, checksum in recorded
+        for version, name, checksum in recorded
         if version in files
+        and name == files[version].name
         and files[version].checksum != checksum
         and checksum not in SAME_STATEMENTS.get(version, frozenset())
     ]
@@ -296,6 +303,12 @@ def history_differences(conn: psycopg.Connection) -> list[str]:
         differences.append(
             f"the database has migrations this version does not know: {', '.join(unknown)}"
             " (a newer sokratos-worker applied them; upgrade this one)"
+        )
+    if other:
+        differences.append(
+            f"applied migrations that are not this version's under their number: {', '.join(other)}"
+            " (a build from another branch applied them; the database keeps what it applied:"
+            " compare the two files, and apply what this version's adds by hand)"
         )
     if edited:
         differences.append(

@@ -412,3 +412,21 @@ def test_a_migration_edited_in_its_comments_only_is_not_a_changed_one(
     # Any other earlier text of it is still named.
     db.execute("UPDATE sokratos_worker_migrations SET checksum = 'other' WHERE version = 45")
     assert "0045_email_uid_fingerprint" in " ".join(history_differences(db))
+
+
+def test_a_number_another_migration_was_applied_under_is_named_as_such(
+    db: psycopg.Connection,
+) -> None:
+    """A database migrated by a build from another branch holds another migration under one
+    of this version's numbers: it was warned as "changed", which sent the operator looking
+    for an edit of this version's file."""
+    db.execute(
+        "UPDATE sokratos_worker_migrations SET name = '0045_branch_experiment', checksum = 'x'"
+        " WHERE version = 45"
+    )
+    [said] = history_differences(db)
+    assert said.startswith(
+        "applied migrations that are not this version's under their number:"
+        " 0045_branch_experiment (this version's 0045_email_uid_fingerprint)"
+    ), said
+    assert "changed" not in said
