@@ -201,6 +201,7 @@ def _import_one(
     queue, payload, key, source = fields
     try:
         with database.connection() as conn, lock_wait_limited(conn, ENQUEUE_TIMEOUT_MS):
+            known = store.key_known(conn, queue, key)
             item_id = store.enqueue(conn, queue, payload, idempotency_key=key, source=source)
     except DatabaseUnavailable:
         log.warning("spool_import_paused", reason="database unavailable", left=str(path))
@@ -223,6 +224,17 @@ def _import_one(
         return False
     if not _delete_imported(path):
         return False
+    if known:
+        # (An enqueue whose COMMIT landed though its answer was lost, spooled all the same.)
+        log.info(
+            "spool_key_known",
+            queue=queue.value,
+            item_id=item_id,
+            path=path.name,
+            hint="its key was enqueued before, as this item: the file's payload was not"
+            " enqueued again (a key is accepted once)",
+        )
+        return True
     log.info("spool_imported", queue=queue.value, item_id=item_id, path=path.name)
     return True
 

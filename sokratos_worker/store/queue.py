@@ -524,6 +524,16 @@ def next_ready_in(conn: psycopg.Connection, queues: Sequence[Queue]) -> float | 
     return max(0.0, float(row[0]))
 
 
+def key_known(conn: psycopg.Connection, queue: Queue, key: str) -> bool:
+    """Whether an enqueue with ``key`` would return an item enqueued before (the enqueue
+    functions do so without saying): a key is accepted once, for good."""
+    row = conn.execute(
+        "SELECT 1 FROM sokratos_idempotency_keys WHERE queue = %s AND key = %s",
+        (queue.value, key),
+    ).fetchone()
+    return row is not None
+
+
 def enqueue(
     conn: psycopg.Connection,
     queue: Queue,
