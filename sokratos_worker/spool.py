@@ -7,9 +7,11 @@ crashes half-way is repeated without doubling anything.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import time
 import uuid
 from datetime import UTC, datetime
@@ -254,7 +256,7 @@ def _say_left_for_next_tick(left: int, imported: int) -> None:
 def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:
     """The file's record and its fields; None when it is gone or was rejected as unreadable."""
     try:
-        record = jsontext.loads(path.read_text(encoding="utf-8"))
+        record = jsontext.loads(_read(path).decode("utf-8"))
         return record, _parse(record)
     except FileNotFoundError:
         _taken(path)
@@ -297,8 +299,7 @@ def _declared_database(path: Path) -> object:
     payload; ``_UNDECLARED`` when it does not start with it (an earlier version's file) or
     cannot be read (the import reports that)."""
     try:
-        with path.open("rb") as handle:
-            head = handle.read(_HEAD_BYTES).decode("utf-8", "replace")
+        head = _read(path, _HEAD_BYTES).decode("utf-8", "replace")
     except OSError:
         return _UNDECLARED
     found = _DATABASE_FIRST.match(head)
@@ -470,7 +471,7 @@ def _rejection_context(path: Path, record: Any) -> tuple[dict[str, Any], str | N
         else:
             return ({**context, "_sanitized": notes} if notes else context), None
     try:
-        return {"raw": clean_text(path.read_text("utf-8", "replace"))}, None
+        return {"raw": clean_text(_read(path).decode("utf-8", "replace"))}, None
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -526,6 +527,25 @@ def _rejection_recorded(conn: psycopg.Connection, name: str, context: Any) -> bo
         (name, Jsonb(context)),
     ).fetchone()
     return row is not None
+
+
+def _read(path: Path, limit: int = -1) -> bytes:
+    """A spool file's bytes (its first ``limit``); OSError unless it is a regular file itself.
+
+    A spool shared with producers under other users may hold what one of them planted: a
+    symbolic link would have its target, a file only the worker may read (a credential),
+    copied into failed_operations, and a FIFO would block the import (and the start) for ever.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link (never followed)") from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return handle.read(limit)
 
 
 def _spooled(spool_dir: Path) -> list[Path]:
@@ -621,7 +641,7 @@ def pending_elsewhere(spool_dir: Path, identity: str) -> dict[str, int]:
         meant_for = _declared_database(path)  # (this version's files: a few bytes read)
         if meant_for is _UNDECLARED:
             try:
-                meant_for = jsontext.loads(path.read_text(encoding="utf-8")).get("database")
+                meant_for = jsontext.loads(_read(path).decode("utf-8")).get("database")
             except (OSError, ValueError, AttributeError):
                 continue  # unreadable: the next import reports it as a failure
         if isinstance(meant_for, str) and not identities_match(meant_for, identity):

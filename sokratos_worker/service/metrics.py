@@ -134,6 +134,9 @@ class Metrics:
             registry=reg,
         )
         self._lock = threading.Lock()
+        # One refresh at a time: scrapes arriving together (a flood from anyone reaching the
+        # port) each took a pooled connection for the status query, the slots' included.
+        self._refreshing = threading.Lock()
         self._callbacks: list[Callable[[Metrics], None]] = []
         self._states: set[str] = set()
         self._op_types: set[str] = set()
@@ -223,7 +226,8 @@ class Metrics:
     # -- exposition ---------------------------------------------------------------------
 
     def on_scrape(self, callback: Callable[[Metrics], None]) -> None:
-        """Run ``callback(metrics)`` before every ``/metrics`` response.
+        """Run ``callback(metrics)`` before a ``/metrics`` response (once for scrapes that
+        arrive together).
 
         For gauges read from the database: keep it quick (a short statement timeout); an
         exception is logged and the last values are served.
@@ -232,7 +236,18 @@ class Metrics:
             self._callbacks.append(callback)
 
     def render(self) -> bytes:
-        """The Prometheus text format, after the scrape callbacks ran."""
+        """The Prometheus text format, after the scrape callbacks ran; a scrape that arrives
+        while another's callbacks run waits for them and serves what they read."""
+        if not self._refreshing.acquire(blocking=False):
+            with self._refreshing:
+                return generate_latest(self.registry)
+        try:
+            self._refresh()
+        finally:
+            self._refreshing.release()
+        return generate_latest(self.registry)
+
+    def _refresh(self) -> None:
         with self._lock:
             callbacks = list(self._callbacks)
         for callback in callbacks:
@@ -240,7 +255,6 @@ class Metrics:
                 callback(self)
             except Exception as exc:  # a scrape must still answer with the last values
                 log.warning("metrics_refresh_failed", error=str(exc), error_type=type(exc).__name__)
-        return generate_latest(self.registry)
 
 
 def _float_or_none(value: float | int | None) -> float | None:
