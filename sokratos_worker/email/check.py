@@ -41,6 +41,7 @@ from sokratos_worker.email.imap import (
     ImapServerState,
     ImapSession,
     MailboxNotOpened,
+    MessagesNotReturned,
     UidvalidityChangedWhileReading,
 )
 from sokratos_worker.email.imap_answers import (
@@ -433,6 +434,12 @@ _NOT_RETURNED_HINT = (
     f" account explains: {REPAIR_HINT}; after {REFUSALS_BEFORE_PASSING} consecutive checks"
     " leaving it out it is recorded in failed_operations and passed"
 )
+_NONE_RETURNED_HINT = (
+    "no mail is lost, and the check is counted against no message: the server returned no"
+    " message at all, not even one it returned before (a mail store outage, or an answer this"
+    " client cannot read), so the next check asks again: see the server's log or ask its"
+    " operator if it lasts"
+)
 # The hint of each kind of IMAP failure with its own advice (checked in order).
 _HINTS: tuple[tuple[type[ImapError], str], ...] = (
     (ConnectionFailed, _ACCOUNT_HINT),
@@ -441,6 +448,7 @@ _HINTS: tuple[tuple[type[ImapError], str], ...] = (
     (ImapDeadlineExceeded, _DEADLINE_HINT),
     (UidvalidityChangedWhileReading, _UIDVALIDITY_HINT),
     (MessageNotReturned, _NOT_RETURNED_HINT),
+    (MessagesNotReturned, _NONE_RETURNED_HINT),
 )
 _NOT_RECORDED_HINT = (
     "no mail is lost: the next check starts again at this message; fix what the database said"
