@@ -219,6 +219,14 @@ def _messages(
                     yield item, old
 
 
+def _as_listed(ref: MessageRef, message: FetchedMessage) -> MessageRef:
+    """``ref``, or for a message the listing left out, its size and arrival date as its own
+    fetch returned them (kept for the restore check)."""
+    if not ref.unlisted:
+        return ref
+    return MessageRef(uid=ref.uid, size=message.size, internal_date=message.internal_date)
+
+
 def _refused(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -365,6 +373,7 @@ def check_account(
             store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
             last_uid, reset = 0, "uids_reused"
             refs, _ = session.refs_from(0)
+        refs = session.with_unlisted(last_uid, refs)
         by_uid = {ref.uid: ref for ref in refs}
         refused_uid = checkpoint.refused_uid if checkpoint else None
         for message, old in _messages(session, refs, cutoff):
@@ -376,9 +385,8 @@ def check_account(
                 # Returned this time, so its refusals are no longer consecutive, whatever
                 # becomes of its record.
                 store.forget_refusal(conn, account.name, account.mailbox, message.uid)
-            _record(
-                conn, account, state, message, listed=by_uid[message.uid], old=old, counts=counts
-            )
+            listed = _as_listed(by_uid[message.uid], message)
+            _record(conn, account, state, message, listed=listed, old=old, counts=counts)
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,

@@ -549,6 +549,35 @@ class ImapSession:
         self._read_before = at_or_below.uid if at_or_below is not None else None
         return [refs[uid] for uid in sorted(refs)], at_or_below
 
+    def with_unlisted(self, last_uid: int, refs: list[MessageRef]) -> list[MessageRef]:
+        """``refs`` and, in UID order among them, the messages the listing left out (below
+        the highest UID it showed) while ``UID SEARCH UID last_uid+1:*`` finds them, as
+        ``unlisted`` refs: fetched like the others, so none is passed in silence.
+
+        Nothing is asked when the listing showed no new mail (a quiet check costs no more);
+        a message left out then waits above the checkpoint for a listing that shows another.
+        """
+        if not refs:
+            return refs
+        listed = {ref.uid for ref in refs}
+        unlisted = [
+            uid
+            for uid in self._search_uids(f"{last_uid + 1}:*")
+            if last_uid < uid < refs[-1].uid and uid not in listed
+        ]
+        for uid in unlisted:
+            log.warning(
+                "email_message_unlisted",
+                account=self.account.name,
+                mailbox=self.account.mailbox,
+                uid=uid,
+                what_to_do="nothing: the server's listing left it out while UID SEARCH finds"
+                " it, so it is fetched with the others (if the server leaves it out of that"
+                " answer too, it is counted as a message left out)",
+            )
+        added = [MessageRef(uid=uid, size=0, unlisted=True) for uid in set(unlisted)]
+        return sorted([*refs, *added], key=lambda ref: ref.uid)
+
     def listed(self, uid: int) -> MessageRef | None:
         """UID ``uid``'s RFC822.SIZE and INTERNALDATE (one small UID FETCH), or None when it
         is not in the mailbox; raises :class:`ImapRefused` when the server refuses it."""
