@@ -41,6 +41,7 @@ from sokratos_worker.email.imap import (
     ImapServerState,
     ImapSession,
     MailboxNotOpened,
+    MessagesNotReturned,
     UidvalidityChangedWhileReading,
 )
 from sokratos_worker.email.imap_answers import (
@@ -218,6 +219,14 @@ def _messages(
                     yield item, old
 
 
+def _as_listed(ref: MessageRef, message: FetchedMessage) -> MessageRef:
+    """``ref``, or for a message the listing left out, its size and arrival date as its own
+    fetch returned them (kept for the restore check)."""
+    if not ref.unlisted:
+        return ref
+    return MessageRef(uid=ref.uid, size=message.size, internal_date=message.internal_date)
+
+
 def _refused(
     conn: store.Connection,
     account: EmailAccountConfig,
@@ -364,6 +373,7 @@ def check_account(
             store.reset_checkpoint(conn, account.name, account.mailbox, state.uidvalidity)
             last_uid, reset = 0, "uids_reused"
             refs, _ = session.refs_from(0)
+        refs = session.with_unlisted(last_uid, refs)
         by_uid = {ref.uid: ref for ref in refs}
         refused_uid = checkpoint.refused_uid if checkpoint else None
         for message, old in _messages(session, refs, cutoff):
@@ -375,9 +385,8 @@ def check_account(
                 # Returned this time, so its refusals are no longer consecutive, whatever
                 # becomes of its record.
                 store.forget_refusal(conn, account.name, account.mailbox, message.uid)
-            _record(
-                conn, account, state, message, listed=by_uid[message.uid], old=old, counts=counts
-            )
+            listed = _as_listed(by_uid[message.uid], message)
+            _record(conn, account, state, message, listed=listed, old=old, counts=counts)
     store.finish_check(conn, account.name, account.mailbox, state.uidvalidity, now)
     return AccountReport(
         name=account.name,
@@ -433,6 +442,12 @@ _NOT_RETURNED_HINT = (
     f" account explains: {REPAIR_HINT}; after {REFUSALS_BEFORE_PASSING} consecutive checks"
     " leaving it out it is recorded in failed_operations and passed"
 )
+_NONE_RETURNED_HINT = (
+    "no mail is lost, and the check is counted against no message: the server returned no"
+    " message at all, not even one it returned before (a mail store outage, or an answer this"
+    " client cannot read), so the next check asks again: see the server's log or ask its"
+    " operator if it lasts"
+)
 # The hint of each kind of IMAP failure with its own advice (checked in order).
 _HINTS: tuple[tuple[type[ImapError], str], ...] = (
     (ConnectionFailed, _ACCOUNT_HINT),
@@ -441,6 +456,7 @@ _HINTS: tuple[tuple[type[ImapError], str], ...] = (
     (ImapDeadlineExceeded, _DEADLINE_HINT),
     (UidvalidityChangedWhileReading, _UIDVALIDITY_HINT),
     (MessageNotReturned, _NOT_RETURNED_HINT),
+    (MessagesNotReturned, _NONE_RETURNED_HINT),
 )
 _NOT_RECORDED_HINT = (
     "no mail is lost: the next check starts again at this message; fix what the database said"

@@ -86,10 +86,11 @@ def record_refused_message(
         ref.uid,
         error=error,
         hint=refused_what_to_do(account, uidvalidity, ref.uid),
-        listed=(ref.size, ref.internal_date),
+        # (A message the listing left out too has no size nor date known.)
+        listed=(None, None) if ref.unlisted else (ref.size, ref.internal_date),
         details={
             "internal_date": ref.internal_date.isoformat() if ref.internal_date else None,
-            "size": ref.size,
+            "size": None if ref.unlisted else ref.size,
             "server_answer": clean_text(refused.answer),
             "refused_checks": checks,
         },

@@ -94,6 +94,7 @@ __all__ = [
     "MailboxNotOpened",
     "MailboxState",
     "MessageRef",
+    "MessagesNotReturned",
     "NoGreeting",
     "OpenSessions",
     "Refused",
@@ -184,6 +185,11 @@ class UidvalidityChangedWhileReading(ImapError):
     """The mailbox had another UIDVALIDITY on a reconnect within one check (it was rebuilt)."""
 
 
+class MessagesNotReturned(ImapError):
+    """A UID FETCH left out a message the mailbox still lists and the server returned no other
+    message asked for to compare: its failure, not one message's (nothing is counted)."""
+
+
 # The accounts whose unverified TLS this process has warned of.
 _UNVERIFIED: set[str] = set()
 
@@ -231,6 +237,9 @@ class ImapSession:
         self._logged_in_capabilities: frozenset[str] | None = None
         # The last UID returned in this session, by headers_only: proof the server serves.
         self._served: dict[bool, int] = {}
+        # The message at or below the checkpoint the listing showed: returned by an earlier
+        # check, so the proof the server serves when this one has returned none yet.
+        self._read_before: int | None = None
 
     def __enter__(self) -> ImapSession:
         self._sessions.add(self._watch)
@@ -537,7 +546,37 @@ class ImapSession:
                 refs[ref.uid] = ref
             elif at_or_below is None or ref.uid > at_or_below.uid:
                 at_or_below = ref
+        self._read_before = at_or_below.uid if at_or_below is not None else None
         return [refs[uid] for uid in sorted(refs)], at_or_below
+
+    def with_unlisted(self, last_uid: int, refs: list[MessageRef]) -> list[MessageRef]:
+        """``refs`` and, in UID order among them, the messages the listing left out (below
+        the highest UID it showed) while ``UID SEARCH UID last_uid+1:*`` finds them, as
+        ``unlisted`` refs: fetched like the others, so none is passed in silence.
+
+        Nothing is asked when the listing showed no new mail (a quiet check costs no more);
+        a message left out then waits above the checkpoint for a listing that shows another.
+        """
+        if not refs:
+            return refs
+        listed = {ref.uid for ref in refs}
+        unlisted = [
+            uid
+            for uid in self._search_uids(f"{last_uid + 1}:*")
+            if last_uid < uid < refs[-1].uid and uid not in listed
+        ]
+        for uid in unlisted:
+            log.warning(
+                "email_message_unlisted",
+                account=self.account.name,
+                mailbox=self.account.mailbox,
+                uid=uid,
+                what_to_do="nothing: the server's listing left it out while UID SEARCH finds"
+                " it, so it is fetched with the others (if the server leaves it out of that"
+                " answer too, it is counted as a message left out)",
+            )
+        added = [MessageRef(uid=uid, size=0, unlisted=True) for uid in set(unlisted)]
+        return sorted([*refs, *added], key=lambda ref: ref.uid)
 
     def listed(self, uid: int) -> MessageRef | None:
         """UID ``uid``'s RFC822.SIZE and INTERNALDATE (one small UID FETCH), or None when it
@@ -694,7 +733,8 @@ class ImapSession:
         ``later`` are UIDs listed after ``uids`` (in this batch or the next ones): candidates
         for that comparison when no message was returned yet. A message the answer left out
         is asked for alone, and if left out again yielded in its place as :class:`Refused`
-        (``left_out``), after the messages before it.
+        (``left_out``), after the messages before it, while the server returns another
+        message; when it returns none, the check stops (:class:`MessagesNotReturned`).
         """
         try:
             found = {
@@ -738,8 +778,31 @@ class ImapSession:
                     [uid], headers_only=headers_only, later=[*uids[i + 1 :], *later]
                 )
             elif uid in left_out:
-                # Never skipped silently (Sokratos hazard 2): the check counts it as refused.
-                yield Refused(uid=uid, answer=LEFT_OUT_ANSWER, left_out=True)
+                # Never skipped silently (Sokratos hazard 2): the check counts it as refused,
+                # unless the server returns no message at all (an outage is no message's).
+                served = self._serves_another(uid, later, headers_only)
+                if served is None:
+                    raise self._none_returned(uid, later, headers_only)
+                answer = f"{LEFT_OUT_ANSWER} (while it returned UID {served})"
+                yield Refused(uid=uid, answer=answer, left_out=True)
+
+    def _none_returned(
+        self, uid: int, later: Sequence[int], headers_only: bool
+    ) -> MessagesNotReturned:
+        """The error of a check whose server returned neither ``uid`` nor any message asked
+        for to compare (:meth:`_serves_another`)."""
+        tried = self._compared(uid, later, headers_only)
+        others = (
+            f"nor UIDs {format_uid_set(tried)}, asked for to compare"
+            if tried
+            else "and no other message of this check was there to ask for"
+        )
+        return MessagesNotReturned(
+            f"UID FETCH on {self._where()} returned no message at all: not UID {uid}, which"
+            f" UID SEARCH still lists, {others}; a failure of the server (its mail store, or an"
+            " answer this client cannot read), not counted against any message: the check"
+            " stops and the next one asks again"
+        )
 
     def _one_at_a_time(
         self, uids: list[int], headers_only: bool, later: Sequence[int]
@@ -781,9 +844,7 @@ class ImapSession:
 
     def _serves_another(self, uid: int, later: Sequence[int], headers_only: bool) -> int | None:
         """A UID other than ``uid`` the server returns now (fetched the same way), or None."""
-        last = self._served.get(headers_only)
-        candidates = [c for c in (last, *later) if c is not None and c != uid]
-        for candidate in candidates[:SERVED_TRIES]:
+        for candidate in self._compared(uid, later, headers_only):
             try:
                 if self.fetch([candidate], headers_only=headers_only):
                     return candidate
@@ -792,3 +853,9 @@ class ImapSession:
             except ImapServerState:
                 return None
         return None
+
+    def _compared(self, uid: int, later: Sequence[int], headers_only: bool) -> list[int]:
+        """The UIDs :meth:`_serves_another` asks for: the last one returned (in this check,
+        else the one at the checkpoint), then the next ones listed (SERVED_TRIES at most)."""
+        last = self._served.get(headers_only, self._read_before)
+        return [c for c in (last, *later) if c is not None and c != uid][:SERVED_TRIES]

@@ -50,6 +50,8 @@ class MessageRef:
     uid: int
     size: int
     internal_date: datetime | None = None
+    # Left out of the listing while UID SEARCH finds it: its size and date are not known.
+    unlisted: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,13 @@ def plan_batches(refs: list[MessageRef], *, headers_only: bool = False) -> Itera
     batch: list[int] = []
     size = 0
     for ref in refs:
-        if batch and (len(batch) >= BATCH_MESSAGES or size + ref.size > BATCH_BYTES):
+        # A message whose size is not known may be as large as what is read of one.
+        listed_size = MESSAGE_BYTES_LIMIT if ref.unlisted else ref.size
+        if batch and (len(batch) >= BATCH_MESSAGES or size + listed_size > BATCH_BYTES):
             yield batch
             batch, size = [], 0
         batch.append(ref.uid)
-        size += 0 if headers_only else min(ref.size, MESSAGE_BYTES_LIMIT)
+        size += 0 if headers_only else min(listed_size, MESSAGE_BYTES_LIMIT)
     if batch:
         yield batch
 

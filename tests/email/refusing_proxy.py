@@ -140,3 +140,29 @@ class OmittingProxy(RefusingProxy):
                     client.sendall(match.group(1) + b" OK Fetch completed.\r\n")
                     continue
                 upstream.sendall(line.replace(match.group(2), kept.encode(), 1))
+
+
+_LISTED = re.compile(rb"^\* \d+ FETCH \(.*\bUID (\d+)\b")
+_LITERAL = re.compile(rb"\{(\d+)\}\r\n$")
+
+
+class UnlistingProxy(OmittingProxy):
+    """An :class:`OmittingProxy` that also drops, from the server's answers, the untagged
+    FETCH lines without a body (the listing's ``* n FETCH (UID u RFC822.SIZE ...)``) of the
+    UIDs in ``unlisted``: the listing leaves them out while UID SEARCH still finds them."""
+
+    def __init__(self, upstream_port: int, refused: set[int], unlisted: set[int]) -> None:
+        super().__init__(upstream_port, refused)
+        self.unlisted = unlisted
+
+    def _copy(self, source: socket.socket, target: socket.socket) -> None:  # type: ignore[override]
+        with contextlib.suppress(OSError, ValueError):
+            answers = source.makefile("rb")
+            while line := answers.readline():
+                literal = _LITERAL.search(line)
+                if literal is not None:  # a body follows: relayed whole, never dropped
+                    target.sendall(line + answers.read(int(literal.group(1))))
+                    continue
+                listed = _LISTED.match(line)
+                if listed is None or int(listed.group(1)) not in self.unlisted:
+                    target.sendall(line)

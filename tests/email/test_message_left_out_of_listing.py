@@ -1,0 +1,122 @@
+"""A message the listing (``UID FETCH last_uid:* (UID RFC822.SIZE INTERNALDATE)``) leaves out
+while UID SEARCH finds it is asked for like any other, never passed in silence.
+
+Found by a review (2026-12-06): such a message was skipped without a word: recording the
+next UID moved the checkpoint past it, with no error, no failure row and no log. Now a check
+whose listing shows new mail compares it with ``UID SEARCH UID last_uid+1:*``; a UID missing
+from the listing (below the highest one listed) is logged (``email_message_unlisted``) and
+fetched with the others: returned, it is triaged; left out of the body fetch too, it is
+counted and passed after 3 checks like any message left out.
+
+Real parts: Dovecot on 127.0.0.1 behind a proxy that drops chosen lines from the listing's
+answer (and chosen UIDs from body FETCH commands), and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import mails
+import psycopg
+import pytest
+from dovecot import AccountFactory, Dovecot, make_settings
+from refusing_proxy import UnlistingProxy
+from structlog.testing import capture_logs
+
+from sokratos_worker.email import check_due_accounts
+
+pytestmark = [pytest.mark.imap, pytest.mark.postgres]
+
+NOW = datetime.now(UTC)
+
+
+def later(minutes: int) -> datetime:
+    """A time when every account is due again (the interval is 5 minutes)."""
+    return NOW + timedelta(minutes=minutes)
+
+
+def subjects(db: psycopg.Connection) -> list[str]:
+    rows = db.execute("SELECT payload->>'subject' FROM pending_triage ORDER BY id").fetchall()
+    return [row[0] for row in rows]
+
+
+def failures(db: psycopg.Connection) -> list[tuple[str, str, dict[str, Any]]]:
+    return db.execute(
+        "SELECT label, error_message, context_data FROM failed_operations ORDER BY id"
+    ).fetchall()
+
+
+def refusal(db: psycopg.Connection) -> tuple[int, int | None, int]:
+    row = db.execute(
+        "SELECT last_uid, refused_uid, refused_checks FROM email_checkpoints"
+    ).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def assert_nothing_doubled(db: psycopg.Connection) -> None:
+    items, keys = db.execute(
+        "SELECT count(*), count(DISTINCT idempotency_key) FROM pending_triage"
+    ).fetchone()
+    assert items == keys
+
+
+def test_a_message_left_out_of_the_listing_is_fetched_and_triaged(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    names = ["one", "two", "three", "four"]
+    for subject in names:
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    with (
+        UnlistingProxy(dovecot.imap_port, refused=set(), unlisted={2}) as proxy,
+        capture_logs() as logs,
+    ):
+        [report] = check_due_accounts(
+            make_settings(account(port=proxy.port)), database_url, now=later(0)
+        )
+    assert report.ok, report.error
+    assert (report.enqueued, report.failed) == (4, 0), report
+    assert subjects(db) == names
+    assert failures(db) == []
+    [said] = [e for e in logs if e["event"] == "email_message_unlisted"]
+    assert (said["uid"], said["mailbox"]) == (2, mailbox), said
+    # Recorded with the size and arrival date its own fetch returned (the restore check's).
+    row = db.execute(
+        "SELECT server_size > 0, internal_date IS NOT NULL FROM processed_emails WHERE uid = 2"
+    ).fetchone()
+    assert row == (True, True)
+    assert_nothing_doubled(db)
+
+
+def test_a_message_left_out_of_the_listing_and_its_fetch_is_passed_after_three_checks(
+    dovecot: Dovecot, mailbox: str, account: AccountFactory, database_url: str, db: Any
+) -> None:
+    names = ["one", "two", "three", "four", "five"]
+    for subject in names:
+        dovecot.append(mailbox, mails.plain(subject=subject))
+    with UnlistingProxy(dovecot.imap_port, refused={3}, unlisted={3}) as proxy:
+        settings = make_settings(account(port=proxy.port))
+        for n in range(2):
+            [report] = check_due_accounts(settings, database_url, now=later(10 * n))
+            assert report.error is not None and "UID 3 " in report.error, report.error
+            assert f"on {n + 1} consecutive check(s)" in report.error, report.error
+            assert subjects(db) == ["one", "two"]
+            assert refusal(db) == (2, 3, n + 1)
+            assert failures(db) == []
+        [report] = check_due_accounts(settings, database_url, now=later(20))
+    assert report.ok, report.error
+    assert (report.enqueued, report.failed) == (2, 1), report
+    assert subjects(db) == ["one", "two", "four", "five"]
+    assert refusal(db) == (5, None, 0)
+    [(label, error, context)] = failures(db)
+    assert label == "home UID 3"
+    assert "left out of the server's answers on 3 consecutive checks" in error, error
+    assert context["uid"] == 3 and context["size"] is None, context
+
+    # The server is repaired: what_to_do fetches it again, and only it is triaged.
+    db.execute(context["what_to_do"].split("fetch it again with ", 1)[1].split(";")[0])
+    [report] = check_due_accounts(make_settings(account()), database_url, now=later(40))
+    assert report.ok, report.error
+    assert subjects(db) == ["one", "two", "four", "five", "three"]
+    assert_nothing_doubled(db)
