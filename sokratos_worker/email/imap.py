@@ -211,6 +211,11 @@ def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
     return context
 
 
+def _quoted(text: str) -> str:
+    """``text`` as an IMAP quoted string (RFC 3501: backslash and double quote escaped)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class ImapSession:
     """One logged-in, read-only connection to an account's mailbox; use as a context manager.
 
@@ -335,10 +340,13 @@ class ImapSession:
     def _login(self, conn: imaplib.IMAP4) -> None:
         user = self.account.username
         password = self.account.password.get_secret_value() if self.account.password else ""
-        if (user + password).isascii():
-            conn.login(user, password)
+        both = user + password
+        if both.isascii() and not any(c in both for c in "\r\n\0"):
+            # imaplib quotes the password only: a DOMAIN\user or a name with a space went bare.
+            conn.login(_quoted(user), password)
             return
-        # LOGIN is ASCII-only in imaplib; SASL PLAIN carries UTF-8 credentials.
+        # LOGIN is ASCII-only in imaplib, and a quoted string holds no line break; SASL PLAIN
+        # carries UTF-8 credentials, line breaks included.
         credentials = f"\0{user}\0{password}".encode()
         conn.authenticate("PLAIN", lambda _challenge: credentials)
 

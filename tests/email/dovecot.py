@@ -35,6 +35,14 @@ PASSWORD = "correct horse battery staple"
 # A second login whose password is not ASCII (sent with SASL PLAIN, not LOGIN).
 UTF8_USER = "bjorn"
 UTF8_PASSWORD = "pässwörd-ø"
+# A third whose name needs quoting in LOGIN (an Exchange-style domain\user, a space).
+QUOTED_USER = "corp\\alice smith"  # (lower case: Dovecot lowercases names)
+QUOTED_PASSWORD = "open sesame"
+
+
+def _passwd_file_name(user: str) -> str:
+    """``user`` as passwd-file keys it: Dovecot escapes a backslash in the name it looks up."""
+    return user.replace("\\", "\\\\")
 
 
 def dovecot_binary() -> str | None:
@@ -113,7 +121,8 @@ class Dovecot:
         os.chown(root / "mail", uid, gid)
         cert, key = _make_certificate(root)
         (root / "passwd").write_text(
-            f"{USER}:{{PLAIN}}{PASSWORD}::::\n{UTF8_USER}:{{PLAIN}}{UTF8_PASSWORD}::::\n",
+            f"{USER}:{{PLAIN}}{PASSWORD}::::\n{UTF8_USER}:{{PLAIN}}{UTF8_PASSWORD}::::\n"
+            f"{_passwd_file_name(QUOTED_USER)}:{{PLAIN}}{QUOTED_PASSWORD}::::\n",
             encoding="utf-8",
         )
         imap_port, imaps_port = _free_ports(2)
@@ -132,6 +141,8 @@ ssl_key = <{key}
 disable_plaintext_auth = no
 auth_mechanisms = plain login
 auth_failure_delay = 0
+# Any character in a user name, as Exchange takes domain-backslash-user (QUOTED_USER).
+auth_username_chars =
 login_trusted_networks = 127.0.0.1
 default_login_user = {login_user}
 default_internal_user = {internal_user}
