@@ -322,7 +322,8 @@ class LocalModelServer:
     def _wait_until_ready(self, path: Path) -> None:
         deadline = time.monotonic() + self.startup_timeout
         answered_at: float | None = None
-        with httpx.Client(timeout=2.0) as client:
+        # Its own child on 127.0.0.1: a proxy in the environment would ask another host's port.
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline and not self._stopping.is_set():
                 process = self._process
                 assert process is not None  # noqa: S101 - set by _start_once()
