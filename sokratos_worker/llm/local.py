@@ -220,6 +220,7 @@ class LocalModelServer:
         self.port = port or free_port()
         command = [
             sys.executable,
+            "-P",  # not the working directory on its import path: a queue.py there was imported
             "-c",
             _ORPHAN_GUARD,
             self.server_module,
@@ -246,7 +247,7 @@ class LocalModelServer:
         try:
             self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                 command,
-                env=child_environment(),  # it needs none of the worker's secrets
+                env=self.environment(),
                 stdin=lifeline_read,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
@@ -271,6 +272,10 @@ class LocalModelServer:
             # (a Ctrl-C while it loads: the server, in its own session, did not get it)
             self._stop_child()
             raise
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the worker's, without its secrets (it needs none)."""
+        return child_environment()
 
     def stop(self) -> None:
         """Stop watching, terminate the server (kill it after 10 s) and remove its log."""

@@ -1,4 +1,5 @@
-"""The local model server starts whatever surrounds the worker: a proxy in its environment.
+"""The local model server starts whatever surrounds the worker: a proxy in its environment,
+files in its working directory.
 
 The readiness check asks the worker's own child on 127.0.0.1; nothing in the worker's
 environment may send it elsewhere.
@@ -6,10 +7,13 @@ environment may send it elsewhere.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sokratos_worker.llm import local
 from tests.llm.test_local_process import StandIn, _answers
+from tests.support.daemon import ROOT
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -33,3 +37,22 @@ def test_a_proxy_in_the_environment_does_not_hold_up_the_start(
     finally:
         server.stop()
     assert not _answers(server.port)
+
+
+def test_a_module_in_the_working_directory_is_not_imported_by_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -c`` put the worker's working directory first on the server's import path: an
+    argparse.py (a queue.py, a types.py...) there replaced the standard library's module, so the
+    server died at its start, or ran whatever anyone who can write that directory put there."""
+    (tmp_path / "argparse.py").write_text("raise SystemExit('the working directory imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # (where the stand-in is found)
+    server = StandIn(n_threads=1, startup_timeout=30)
+    try:
+        server.start()
+        assert server._process is not None and server._process.poll() is None
+        assert _answers(server.port)
+    finally:
+        server.stop()
+
