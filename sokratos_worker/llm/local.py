@@ -111,7 +111,8 @@ def listens_on(pid: int, port: int) -> bool | None:
     """True when process ``pid`` holds the socket listening on ``port``; None when /proc
     cannot tell (not Linux). Another process may have taken the port meanwhile."""
     try:
-        table = Path("/proc/net/tcp").read_text()
+        # (/proc/net is hidden under systemd's ProcSubset=pid; the process's own view is not)
+        table = Path(f"/proc/{pid}/net/tcp").read_text()
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None

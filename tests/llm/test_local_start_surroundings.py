@@ -1,5 +1,5 @@
 """The local model server starts whatever surrounds the worker: a proxy in its environment,
-files in its working directory.
+files in its working directory, the /proc of systemd's ProcSubset=pid.
 
 The readiness check asks the worker's own child on 127.0.0.1; nothing in the worker's
 environment may send it elsewhere.
@@ -7,6 +7,10 @@ environment may send it elsewhere.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,4 +59,35 @@ def test_a_module_in_the_working_directory_is_not_imported_by_the_server(
         assert _answers(server.port)
     finally:
         server.stop()
+
+
+# In a /proc mounted as ProcSubset=pid mounts it (the shipped units set it), a socket of this
+# process listening: whose it is must still be told.
+_OWN_LISTENER = """
+import socket
+from sokratos_worker.llm.local import listens_on
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+print("listens_on:", listens_on(os.getpid(), sock.getsockname()[1]))
+"""
+
+
+def test_the_own_server_is_told_under_procsubset_pid() -> None:
+    """/proc/net/tcp is hidden there: listens_on said "cannot tell", and a 200 from any process
+    on the port counted once the child had lived a second (the port taken while the model
+    loaded went unnoticed)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a /proc with subset=pid")
+    script = "mount -o remount,subset=pid /proc && exec " + " ".join(
+        [sys.executable, "-c", f"'import os{_OWN_LISTENER}'"]
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    if done.returncode != 0 and "listens_on" not in done.stdout:
+        pytest.skip(f"cannot mount a /proc with subset=pid here: {done.stderr.strip()[-300:]}")
+    assert done.stdout.strip() == "listens_on: True", (done.stdout, done.stderr[-500:])
 
