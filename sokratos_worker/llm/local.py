@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import httpx
 import structlog
@@ -164,7 +164,7 @@ class LocalModelServer:
         self.restarts: list[float] = []  # monotonic times of the restarts (the watcher's)
         self._process: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the pipe's write end: closed, the server stops
-        self._log_file: tempfile._TemporaryFileWrapper[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
         self._path: Path | None = None
         self._stopping = threading.Event()
         # Held while the child is started or stopped: the watcher and stop() both do it.
@@ -240,8 +240,9 @@ class LocalModelServer:
             "--verbose",
             "false",
         ]
-        # Output goes to a file: a pipe nobody reads would block the server when full.
-        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+        # Output goes to a file: a pipe nobody reads would block the server when full. It has
+        # no name, so a worker killed with SIGKILL leaves no file behind.
+        self._log_file = tempfile.TemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="sokratos-local-model-", suffix=".log"
         )
         lifeline_read, self._lifeline = os.pipe()
@@ -305,9 +306,16 @@ class LocalModelServer:
 
     def output(self) -> str:
         """The server's output so far (for error messages)."""
-        if self._log_file is None:
+        log_file = self._log_file
+        if log_file is None:
             return ""
-        return Path(self._log_file.name).read_text(errors="replace")[-2000:]
+        try:
+            # pread: the server writes at the file's offset, which a read would move.
+            fd = log_file.fileno()
+            tail = os.pread(fd, 2000, max(0, os.fstat(fd).st_size - 2000))
+        except (OSError, ValueError):  # closed meanwhile by a stop (the watcher reads it too)
+            return ""
+        return tail.decode(errors="replace")
 
     def _exited(self, path: Path, process: subprocess.Popen[bytes]) -> LocalModelError:
         """The error for a server that exited before it was ready."""

@@ -1,5 +1,6 @@
 """The local model server starts whatever surrounds the worker: a proxy in its environment,
-files in its working directory, the /proc of systemd's ProcSubset=pid.
+files in its working directory, the /proc of systemd's ProcSubset=pid; and it leaves nothing
+behind.
 
 The readiness check asks the worker's own child on 127.0.0.1; nothing in the worker's
 environment may send it elsewhere.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from sokratos_worker.llm import local
-from tests.llm.test_local_process import StandIn, _answers
-from tests.support.daemon import ROOT
+from tests.llm.test_local_process import DRIVER, StandIn, _answers, _ended, _server_of
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -91,3 +93,24 @@ def test_the_own_server_is_told_under_procsubset_pid() -> None:
         pytest.skip(f"cannot mount a /proc with subset=pid here: {done.stderr.strip()[-300:]}")
     assert done.stdout.strip() == "listens_on: True", (done.stdout, done.stderr[-500:])
 
+
+def test_a_worker_killed_with_sigkill_leaves_no_server_log_behind(tmp_path: Path) -> None:
+    """The server's output went to a named file in $TMPDIR, removed only by a stop: every
+    worker killed (kill -9, the OOM killer, a watchdog abort, a second Ctrl-C) left one."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(module="tests.llm.test_local_process", name="StandIn")],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    pid = 0
+    try:
+        pid = _server_of(worker)["pid"]
+        worker.kill()
+        worker.wait(10)
+        assert wait_until(lambda: _ended(pid), timeout=30), "the model server outlived its worker"
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    finally:
+        worker.kill()
+        if pid and not _ended(pid):
+            os.kill(pid, signal.SIGKILL)
