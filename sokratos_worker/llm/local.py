@@ -131,6 +131,15 @@ def listens_on(pid: int, port: int) -> bool | None:
     return False
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, systemd's CPUAffinity=, a container's cpuset
+    limit them; os.cpu_count() counts the machine's): llama.cpp's threads beyond them only wait."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # (not Linux)
+        return max(1, os.cpu_count() or 1)
+
+
 def last_lines(output: str, count: int = 5) -> str:
     """The output's last non-empty lines, joined with " | " (one log or error line)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
@@ -158,7 +167,7 @@ class LocalModelServer:
     ) -> None:
         self.startup_timeout = startup_timeout
         self.n_ctx = n_ctx
-        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self.n_threads = n_threads or usable_cpus()
         self.request_timeout = request_timeout
         self.port = 0
         self.restarts: list[float] = []  # monotonic times of the restarts (the watcher's)

@@ -114,3 +114,22 @@ def test_a_worker_killed_with_sigkill_leaves_no_server_log_behind(tmp_path: Path
         worker.kill()
         if pid and not _ended(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_server_gets_as_many_threads_as_the_worker_has_cpus() -> None:
+    """os.cpu_count() counts the machine's CPUs, not those the worker may run on (taskset,
+    systemd's CPUAffinity=, a container's cpuset): llama.cpp started a thread per CPU of the
+    machine, and threads beyond the worker's CPUs only slowed each reply down."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs a machine with two CPUs or more")
+    code = (
+        "import os\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from sokratos_worker.llm.local import LocalModelServer\n"
+        "print('n_threads:', LocalModelServer().n_threads)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.stdout.strip() == "n_threads: 1", (done.stdout, done.stderr[-500:])
