@@ -6,9 +6,13 @@ can never touch a real memory store.
 
 from __future__ import annotations
 
+import shutil
+import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -125,8 +129,8 @@ def _run_demo(settings: Settings, out: TextIO) -> int:
     from sokratos_worker.store.migrations import apply_migrations  # noqa: PLC0415
 
     stopped = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="sokratos-demo-") as tmp:
-        local = demo_settings(settings, Path(tmp))
+    with _throwaway_directory() as tmp:
+        local = demo_settings(settings, tmp)
         with database_url(local) as url:
             apply_migrations(url)
             for n, (source, payload) in enumerate(SAMPLE_TRIAGE):
@@ -140,6 +144,33 @@ def _run_demo(settings: Settings, out: TextIO) -> int:
             if stopped.is_set():
                 out.write("\nInterrupted: the report shows what was done until then.\n")
     return 0
+
+
+@contextmanager
+def _throwaway_directory() -> Iterator[Path]:
+    """A temporary directory, removed at the end even when a stop signal comes meanwhile: a
+    second Ctrl-C cut the removal short and left the demo's database in $TMPDIR."""
+    path = Path(tempfile.mkdtemp(prefix="sokratos-demo-"))
+    try:
+        yield path
+    finally:
+        with _stop_signals_ignored():  # (the demo is ending: nothing is left to stop)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    """Inside, SIGINT, SIGTERM and SIGHUP do nothing (in the main thread, which gets them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _rounds(local: Settings, url: str, stopped: threading.Event) -> int:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import httpx
 import structlog
@@ -111,7 +111,8 @@ def listens_on(pid: int, port: int) -> bool | None:
     """True when process ``pid`` holds the socket listening on ``port``; None when /proc
     cannot tell (not Linux). Another process may have taken the port meanwhile."""
     try:
-        table = Path("/proc/net/tcp").read_text()
+        # (/proc/net is hidden under systemd's ProcSubset=pid; the process's own view is not)
+        table = Path(f"/proc/{pid}/net/tcp").read_text()
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None
@@ -128,6 +129,15 @@ def listens_on(pid: int, port: int) -> bool | None:
         except OSError:
             continue
     return False
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, systemd's CPUAffinity=, a container's cpuset
+    limit them; os.cpu_count() counts the machine's): llama.cpp's threads beyond them only wait."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # (not Linux)
+        return max(1, os.cpu_count() or 1)
 
 
 def last_lines(output: str, count: int = 5) -> str:
@@ -157,13 +167,13 @@ class LocalModelServer:
     ) -> None:
         self.startup_timeout = startup_timeout
         self.n_ctx = n_ctx
-        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self.n_threads = n_threads or usable_cpus()
         self.request_timeout = request_timeout
         self.port = 0
         self.restarts: list[float] = []  # monotonic times of the restarts (the watcher's)
         self._process: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the pipe's write end: closed, the server stops
-        self._log_file: tempfile._TemporaryFileWrapper[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
         self._path: Path | None = None
         self._stopping = threading.Event()
         # Held while the child is started or stopped: the watcher and stop() both do it.
@@ -220,6 +230,7 @@ class LocalModelServer:
         self.port = port or free_port()
         command = [
             sys.executable,
+            "-P",  # not the working directory on its import path: a queue.py there was imported
             "-c",
             _ORPHAN_GUARD,
             self.server_module,
@@ -238,15 +249,16 @@ class LocalModelServer:
             "--verbose",
             "false",
         ]
-        # Output goes to a file: a pipe nobody reads would block the server when full.
-        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+        # Output goes to a file: a pipe nobody reads would block the server when full. It has
+        # no name, so a worker killed with SIGKILL leaves no file behind.
+        self._log_file = tempfile.TemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="sokratos-local-model-", suffix=".log"
         )
         lifeline_read, self._lifeline = os.pipe()
         try:
             self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                 command,
-                env=child_environment(),  # it needs none of the worker's secrets
+                env=self.environment(),
                 stdin=lifeline_read,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
@@ -271,6 +283,10 @@ class LocalModelServer:
             # (a Ctrl-C while it loads: the server, in its own session, did not get it)
             self._stop_child()
             raise
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the worker's, without its secrets (it needs none)."""
+        return child_environment()
 
     def stop(self) -> None:
         """Stop watching, terminate the server (kill it after 10 s) and remove its log."""
@@ -299,9 +315,16 @@ class LocalModelServer:
 
     def output(self) -> str:
         """The server's output so far (for error messages)."""
-        if self._log_file is None:
+        log_file = self._log_file
+        if log_file is None:
             return ""
-        return Path(self._log_file.name).read_text(errors="replace")[-2000:]
+        try:
+            # pread: the server writes at the file's offset, which a read would move.
+            fd = log_file.fileno()
+            tail = os.pread(fd, 2000, max(0, os.fstat(fd).st_size - 2000))
+        except (OSError, ValueError):  # closed meanwhile by a stop (the watcher reads it too)
+            return ""
+        return tail.decode(errors="replace")
 
     def _exited(self, path: Path, process: subprocess.Popen[bytes]) -> LocalModelError:
         """The error for a server that exited before it was ready."""
@@ -322,7 +345,8 @@ class LocalModelServer:
     def _wait_until_ready(self, path: Path) -> None:
         deadline = time.monotonic() + self.startup_timeout
         answered_at: float | None = None
-        with httpx.Client(timeout=2.0) as client:
+        # Its own child on 127.0.0.1: a proxy in the environment would ask another host's port.
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline and not self._stopping.is_set():
                 process = self._process
                 assert process is not None  # noqa: S101 - set by _start_once()

@@ -38,6 +38,11 @@ class StandIn(LocalModelServer):
     def model_file(self) -> Path:
         return Path(os.devnull)  # the stand-in loads nothing
 
+    def environment(self) -> dict[str, str]:
+        # The server does not import from its working directory: the stand-in is found this way.
+        found = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        return {**super().environment(), "PYTHONPATH": os.pathsep.join(found)}
+
 
 SLOW_MODEL = "slow-to-load"
 
