@@ -437,7 +437,9 @@ class LocalModelServer:
                 # The same port first: the chat client's URL stays right.
                 self._start(self._path, attempts=3, port=port)
                 return None
-            except LocalModelError as exc:
+            # (An OSError, no file descriptor or temporary directory left, killed the watcher:
+            # the server was neither started again nor given up on.)
+            except (LocalModelError, OSError) as exc:
                 log.error("local_model_restart_failed", backend=LOCAL_BACKEND_NAME, error=str(exc))
         return None
 

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from sokratos_worker.app import backends
 from sokratos_worker.config import BackendConfig, ConfigError, Settings
@@ -454,3 +456,22 @@ def test_a_signal_landing_while_the_watcher_gives_up_still_exits_0(database_url:
     done = _run_give_up_script(_SIGTERM_INSIDE_GIVE_UP, database_url)
     assert done.returncode == 0, done.stderr[-1500:]
     assert "exit_code 0" in done.stdout, (done.stdout, done.stderr[-1500:])
+
+
+@pytest.mark.subprocess
+def test_a_restart_failing_with_an_os_error_counts_as_a_failed_restart(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A restart that meets an OSError (no file descriptor left, no temporary directory)
+    killed the watcher thread: the server was never started again nor given up on, and the
+    worker went on with a dead backend, saying nothing. Here the temporary directory the
+    server's output goes to is gone."""
+    monkeypatch.setattr(local, "RESTART_LIMIT", 2)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    gave_up: list[str] = []
+    stand_in.watch(on_moved=lambda _config: None, on_give_up=gave_up.append)
+    with capture_logs() as logs:
+        _kill(stand_in)
+        assert wait_until(lambda: bool(gave_up), timeout=20), "the watcher died"
+    failed = [e for e in logs if e["event"] == "local_model_restart_failed"]
+    assert len(failed) == 2 and "gone" in failed[0]["error"], failed
