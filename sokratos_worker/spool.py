@@ -253,6 +253,10 @@ def _say_left_for_next_tick(left: int, imported: int) -> None:
     )
 
 
+# Errors of the moment, not of the file: it is read again at the next tick, never set aside.
+_TRY_AGAIN = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.EMFILE, errno.ENFILE})
+
+
 def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:
     """The file's record and its fields; None when it is gone or was rejected as unreadable."""
     try:
@@ -260,9 +264,20 @@ def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, s
         return record, _parse(record)
     except FileNotFoundError:
         _taken(path)
+    except OSError as exc:
+        if exc.errno not in _TRY_AGAIN:
+            _reject_or_leave(path, database, f"unreadable spool file: {exc}", None)
+            return None
+        # Not the file's fault: another's lease on it (Samba, NFS), no descriptor left.
+        log.warning(
+            "spool_file_busy",
+            path=path.name,
+            error=str(exc),
+            hint="left for the next tick",
+        )
     except KeyError as exc:  # (str(KeyError) is the bare name: say what it is)
         _reject_or_leave(path, database, f"unreadable spool file: no {exc} field", None)
-    except (OSError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         _reject_or_leave(path, database, f"unreadable spool file: {exc}", None)
     return None
 
