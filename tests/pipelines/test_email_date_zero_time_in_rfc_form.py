@@ -50,6 +50,10 @@ def test_gos_zero_time_in_rfc_form_is_no_date(date: str) -> None:
         ("Tue, 05 Mar 24 10:00:00 0000", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
         ("Tue, 05 Mar 99 10:00:00 0000", datetime(1999, 3, 5, 10, 0, tzinfo=UTC)),
         ("Tue, 05 Mar 24 10:00:00 +0000 (UTC 000)", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
+        # ctime's form, with a zone without its sign or a number after the year.
+        ("Tue Mar  5 10:00:00 2024 0000", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
+        ("Tue Mar  5 10:00:00 2024 0100", datetime(2024, 3, 5, 9, 0, tzinfo=UTC)),
+        ("Tue Mar  5 10:00:00 2024 (1234)", datetime(2024, 3, 5, 10, 0, tzinfo=UTC)),
     ],
 )
 def test_a_year_written_in_full_or_in_two_digits_is_kept(date: str, expected: datetime) -> None:
