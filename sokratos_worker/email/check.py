@@ -215,6 +215,10 @@ def _messages(
                 if old and isinstance(item, FetchedMessage) and _needs_body(name, item.raw):
                     for full in session.fetch_each([item.uid], later=after(item.uid)):
                         yield full, old
+                elif not old and isinstance(item, FetchedMessage):
+                    # Its own arrival date decides for a message listed without one (left out
+                    # of the listing: fetched whole, and old mail is still only recorded).
+                    yield item, _is_old(item.internal_date, cutoff)
                 else:
                     yield item, old
 

@@ -122,6 +122,8 @@ HEADER_BYTES_LIMIT = 64 * 1024
 # below it first, then in windows WINDOW_GROWTH times as wide: an answer lists at most the UIDs
 # of one window, not every UID of the mailbox.
 SEARCH_WINDOW = 1000
+# The gaps between listed UIDs one UID SEARCH asks about (a command line of a few kB).
+GAP_RANGES_PER_SEARCH = 200
 SEARCH_WINDOW_GROWTH = 16
 
 # Messages tried, at most, to see whether a server answering one with its state (RFC 5530)
@@ -209,6 +211,17 @@ def ssl_context(account: EmailAccountConfig) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def _gaps(last_uid: int, listed: list[int]) -> list[tuple[int, int]]:
+    """The UID ranges above ``last_uid`` and below the highest of ``listed`` (ascending) that
+    the listing did not show: where a message it left out can be."""
+    gaps, previous = [], last_uid
+    for uid in listed:
+        if uid > previous + 1:
+            gaps.append((previous + 1, uid - 1))
+        previous = max(previous, uid)
+    return gaps
 
 
 def _quoted(text: str) -> str:
@@ -559,21 +572,27 @@ class ImapSession:
 
     def with_unlisted(self, last_uid: int, refs: list[MessageRef]) -> list[MessageRef]:
         """``refs`` and, in UID order among them, the messages the listing left out (below
-        the highest UID it showed) while ``UID SEARCH UID last_uid+1:*`` finds them, as
-        ``unlisted`` refs: fetched like the others, so none is passed in silence.
+        the highest UID it showed) while ``UID SEARCH`` finds them: fetched like the others,
+        so none is passed in silence.
 
-        Nothing is asked when the listing showed no new mail (a quiet check costs no more);
-        a message left out then waits above the checkpoint for a listing that shows another.
+        Only the gaps between the listed UIDs are searched, so the answer names the messages
+        left out and nothing else (an unbounded ``last_uid+1:*`` named every new UID on one
+        line, past imaplib's 1 MB limit on a first check of ~160,000 messages); listed UIDs
+        without gaps, or no new mail at all (a quiet check), cost no command. A message left
+        out above the highest listed UID waits above the checkpoint for a listing that
+        shows another.
         """
-        if not refs:
-            return refs
-        listed = {ref.uid for ref in refs}
-        unlisted = [
-            uid
-            for uid in self._search_uids(f"{last_uid + 1}:*")
-            if last_uid < uid < refs[-1].uid and uid not in listed
-        ]
-        for uid in unlisted:
+        found: set[int] = set()
+        gaps = _gaps(last_uid, [ref.uid for ref in refs])
+        for start in range(0, len(gaps), GAP_RANGES_PER_SEARCH):
+            uid_set = ",".join(
+                f"{lo}:{hi}" if lo < hi else str(lo)
+                for lo, hi in gaps[start : start + GAP_RANGES_PER_SEARCH]
+            )
+            found.update(uid for uid in self._search_uids(uid_set) if last_uid < uid < refs[-1].uid)
+        found -= {ref.uid for ref in refs}
+        added = []
+        for uid in sorted(found):
             log.warning(
                 "email_message_unlisted",
                 account=self.account.name,
@@ -583,7 +602,13 @@ class ImapSession:
                 " it, so it is fetched with the others (if the server leaves it out of that"
                 " answer too, it is counted as a message left out)",
             )
-        added = [MessageRef(uid=uid, size=0, unlisted=True) for uid in set(unlisted)]
+            # Its size and arrival date asked alone (a first check's lookback needs the date);
+            # left out again, it is fetched as of unknown size.
+            try:
+                alone = self.listed(uid)
+            except ImapRefused:  # (the fetch meets the refusal again, and counts it)
+                alone = None
+            added.append(alone or MessageRef(uid=uid, size=0, unlisted=True))
         return sorted([*refs, *added], key=lambda ref: ref.uid)
 
     def listed(self, uid: int) -> MessageRef | None:
