@@ -119,6 +119,30 @@ def short_home() -> Iterator[Path]:
     shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _runners_stopped_after_the_test(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every Runner a test started in this process is stopped after it: a drain-only runner's
+    lease renewer runs until shutdown(), which most tests never call, and once the test closed
+    its database the renewer logged lease_renewal_failed into later tests' captured logs (a
+    flaky failure in CI: test_metrics_refresh)."""
+    from sokratos_worker.runner import Runner
+
+    started: list[Runner] = []
+    original = Runner.start
+
+    def start(self: Runner, *args: Any, **kwargs: Any) -> None:
+        started.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "start", start)
+    yield
+    for runner in started:
+        if not runner._stopped.is_set():
+            runner._stopped.set()  # the lease renewer ends
+            for _ in range(runner.settings.concurrency):
+                runner._handoff.put(None)  # and so do the slots
+
+
 @pytest.fixture
 def restart_postgres() -> Callable[[float], None]:
     """Stop the embedded PostgreSQL (fast shutdown), wait, start it again."""
