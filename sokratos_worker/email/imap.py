@@ -122,8 +122,10 @@ HEADER_BYTES_LIMIT = 64 * 1024
 # below it first, then in windows WINDOW_GROWTH times as wide: an answer lists at most the UIDs
 # of one window, not every UID of the mailbox.
 SEARCH_WINDOW = 1000
-# The gaps between listed UIDs one UID SEARCH asks about (a command line of a few kB).
+# The gaps between listed UIDs one UID SEARCH asks about (a command line of a few kB), and
+# the searches one check makes at most (each a round trip out of the check's deadline).
 GAP_RANGES_PER_SEARCH = 200
+MAX_GAP_SEARCHES = 10
 SEARCH_WINDOW_GROWTH = 16
 
 # Messages tried, at most, to see whether a server answering one with its state (RFC 5530)
@@ -572,26 +574,30 @@ class ImapSession:
 
     def with_unlisted(self, last_uid: int, refs: list[MessageRef]) -> list[MessageRef]:
         """``refs`` and, in UID order among them, the messages the listing left out (below
-        the highest UID it showed) while ``UID SEARCH`` finds them: fetched like the others,
-        so none is passed in silence.
+        the highest UID it showed) while ``UID SEARCH`` finds them: fetched like the others
+        (their own fetch's size and arrival date recorded), so none is passed in silence.
 
         Only the gaps between the listed UIDs are searched, so the answer names the messages
         left out and nothing else (an unbounded ``last_uid+1:*`` named every new UID on one
         line, past imaplib's 1 MB limit on a first check of ~160,000 messages); listed UIDs
-        without gaps, or no new mail at all (a quiet check), cost no command. A message left
-        out above the highest listed UID waits above the checkpoint for a listing that
+        without gaps, or no new mail at all (a quiet check), cost no command. At most
+        MAX_GAP_SEARCHES commands per check: the listed mail above the gaps left unsearched
+        waits for the next check (the checkpoint never passes an unsearched gap). A message
+        left out above the highest listed UID waits above the checkpoint for a listing that
         shows another.
         """
         found: set[int] = set()
         gaps = _gaps(last_uid, [ref.uid for ref in refs])
-        for start in range(0, len(gaps), GAP_RANGES_PER_SEARCH):
+        for searches, start in enumerate(range(0, len(gaps), GAP_RANGES_PER_SEARCH)):
+            if searches == MAX_GAP_SEARCHES:  # (a sparse mailbox's first check)
+                refs = [ref for ref in refs if ref.uid < gaps[start][0]]
+                break
             uid_set = ",".join(
                 f"{lo}:{hi}" if lo < hi else str(lo)
                 for lo, hi in gaps[start : start + GAP_RANGES_PER_SEARCH]
             )
-            found.update(uid for uid in self._search_uids(uid_set) if last_uid < uid < refs[-1].uid)
-        found -= {ref.uid for ref in refs}
-        added = []
+            found.update(self._search_uids(uid_set))
+        found = {uid for uid in found if last_uid < uid < refs[-1].uid} - {r.uid for r in refs}
         for uid in sorted(found):
             log.warning(
                 "email_message_unlisted",
@@ -602,13 +608,8 @@ class ImapSession:
                 " it, so it is fetched with the others (if the server leaves it out of that"
                 " answer too, it is counted as a message left out)",
             )
-            # Its size and arrival date asked alone (a first check's lookback needs the date);
-            # left out again, it is fetched as of unknown size.
-            try:
-                alone = self.listed(uid)
-            except ImapRefused:  # (the fetch meets the refusal again, and counts it)
-                alone = None
-            added.append(alone or MessageRef(uid=uid, size=0, unlisted=True))
+        # Of unknown size (batched as the largest) and date (its fetch's decides old from new).
+        added = [MessageRef(uid=uid, size=0, unlisted=True) for uid in found]
         return sorted([*refs, *added], key=lambda ref: ref.uid)
 
     def listed(self, uid: int) -> MessageRef | None:
