@@ -84,9 +84,12 @@ def lenient_datetime(value: object) -> datetime | None:
 _MONTH = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 # RFC 2822's "5 Mar 0001 ...": the year follows the day and the month.
 _YEAR_AFTER_DAY_AND_MONTH = re.compile(rf"\b\d{{1,2}}\s+{_MONTH}\s+(\d+)\b", re.IGNORECASE)
-# ctime's and Go's UnixDate "Mon Jan  1 00:00:00 UTC 0001": the year follows the time and
-# a zone's name, if any (a zone without its sign, "0000", or a comment may come after it).
-_YEAR_AFTER_TIME = re.compile(r"\d{1,2}:\d{2}(?::\d{2})?\s+(?:[A-Za-z]{1,5}\s+)?(\d+)\b")
+# ctime's, Go's UnixDate "Mon Jan  1 00:00:00 UTC 0001" and RubyDate "... +0000 0001": the
+# year follows the time and a zone, if any (a zone without its sign, "0000", or a comment may
+# come after it).
+_YEAR_AFTER_TIME = re.compile(
+    r"\d{1,2}:\d{2}(?::\d{2})?\s+(?:(?:[A-Za-z]{1,5}|[+-]\d{4})\s+)?(\d+)\b"
+)
 
 
 def _written_year(text: str) -> str | None:

@@ -28,6 +28,7 @@ GOS_ZERO_TIME = [
     "Mon, 01 Jan 0001 00:00:00 +0000",  # time.RFC1123Z
     "Mon, 01 Jan 0001 00:00:00 UTC",  # time.RFC1123
     "Sun, 31 Dec 0000 19:03:58 -0456",  # RFC1123Z in America/New_York (its LMT offset)
+    "Mon Jan 01 00:00:00 +0000 0001",  # time.RubyDate (found by a review)
     "Mon Jan  1 00:00:00 UTC 0001",  # time.UnixDate
 ]
 
