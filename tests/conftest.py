@@ -138,6 +138,7 @@ def _runners_stopped_after_the_test(monkeypatch: pytest.MonkeyPatch) -> Iterator
     yield
     for runner in started:
         if not runner._stopped.is_set():
+            runner.request_stop()  # the dispatcher claims no more
             runner._stopped.set()  # the lease renewer ends
             for _ in range(runner.settings.concurrency):
                 runner._handoff.put(None)  # and so do the slots
