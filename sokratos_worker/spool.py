@@ -258,7 +258,8 @@ _TRY_AGAIN = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.EMFI
 
 
 def _load(path: Path, database: Database) -> tuple[Any, tuple[Queue, Any, str, str | None]] | None:
-    """The file's record and its fields; None when it is gone or was rejected as unreadable."""
+    """The file's record and its fields; None when it is gone, busy (left for the next tick)
+    or was rejected as unreadable."""
     try:
         record = jsontext.loads(_read(path).decode("utf-8"))
         return record, _parse(record)

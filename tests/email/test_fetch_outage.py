@@ -15,7 +15,6 @@ commands (and chosen lines from the listing's answer), and PostgreSQL.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import mails
@@ -24,23 +23,15 @@ import pytest
 from dovecot import AccountFactory, Dovecot, make_settings
 from refusing_proxy import UnlistingProxy
 from structlog.testing import capture_logs
+from test_message_left_out import later, subjects
 
 from sokratos_worker.email import check_due_accounts
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
-NOW = datetime.now(UTC)
 SUBJECTS = ["one", "two", "three", "four"]
 
 
-def later(minutes: int) -> datetime:
-    """A time when every account is due again (the interval is 5 minutes)."""
-    return NOW + timedelta(minutes=minutes)
-
-
-def subjects(db: psycopg.Connection) -> list[str]:
-    rows = db.execute("SELECT payload->>'subject' FROM pending_triage ORDER BY id").fetchall()
-    return [row[0] for row in rows]
 
 
 def failed_uids(db: psycopg.Connection) -> list[int]:

@@ -3,8 +3,8 @@ while UID SEARCH finds it is asked for like any other, never passed in silence.
 
 Found by a review (2026-12-06): such a message was skipped without a word: recording the
 next UID moved the checkpoint past it, with no error, no failure row and no log. Now a check
-whose listing shows new mail compares it with ``UID SEARCH UID last_uid+1:*``; a UID missing
-from the listing (below the highest one listed) is logged (``email_message_unlisted``) and
+whose listing leaves gaps between its UIDs asks ``UID SEARCH`` about those gaps (at most 10
+commands a check); a UID missing from the listing (below the highest one listed) is logged (``email_message_unlisted``) and
 fetched with the others: returned, it is triaged; left out of the body fetch too, it is
 counted and passed after 3 checks like any message left out.
 
@@ -26,22 +26,14 @@ import pytest
 from dovecot import AccountFactory, Dovecot, make_settings
 from refusing_proxy import UnlistingProxy, _uids
 from structlog.testing import capture_logs
+from test_message_left_out import assert_nothing_doubled, later, refusal, subjects
 
 from sokratos_worker.email import check_due_accounts, imap
 
 pytestmark = [pytest.mark.imap, pytest.mark.postgres]
 
-NOW = datetime.now(UTC)
 
 
-def later(minutes: int) -> datetime:
-    """A time when every account is due again (the interval is 5 minutes)."""
-    return NOW + timedelta(minutes=minutes)
-
-
-def subjects(db: psycopg.Connection) -> list[str]:
-    rows = db.execute("SELECT payload->>'subject' FROM pending_triage ORDER BY id").fetchall()
-    return [row[0] for row in rows]
 
 
 def failures(db: psycopg.Connection) -> list[tuple[str, str, dict[str, Any]]]:
@@ -50,19 +42,6 @@ def failures(db: psycopg.Connection) -> list[tuple[str, str, dict[str, Any]]]:
     ).fetchall()
 
 
-def refusal(db: psycopg.Connection) -> tuple[int, int | None, int]:
-    row = db.execute(
-        "SELECT last_uid, refused_uid, refused_checks FROM email_checkpoints"
-    ).fetchone()
-    assert row is not None
-    return row[0], row[1], row[2]
-
-
-def assert_nothing_doubled(db: psycopg.Connection) -> None:
-    items, keys = db.execute(
-        "SELECT count(*), count(DISTINCT idempotency_key) FROM pending_triage"
-    ).fetchone()
-    assert items == keys
 
 
 def test_a_message_left_out_of_the_listing_is_fetched_and_triaged(
