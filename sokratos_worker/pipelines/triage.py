@@ -151,11 +151,12 @@ class TriageHandler:
         if request.honour_save_flag and not verdict.save:
             return self._skip(item, backend, verdict, "save=false")
         if verdict.salience_score < threshold:
-            reason = f"salience {verdict.salience_score:g} below {key} {threshold:g}"
+            reason = f"salience {_number(verdict.salience_score)} below {key} {_number(threshold)}"
             return self._skip(item, backend, verdict, reason)
         if not verdict.summary:
+            score = _number(verdict.salience_score)
             raise ItemError(
-                f"the model scored salience {verdict.salience_score:g} but gave no summary to save",
+                f"the model scored salience {score} but gave no summary to save",
                 backend=backend,
             )
         draft = MemoryDraft(
@@ -184,7 +185,7 @@ class TriageHandler:
             superseded=len(plan.supersessions),
             backend=backend,
         )
-        detail = f"salience {verdict.salience_score:g} (threshold {threshold:g})"
+        detail = f"salience {_number(verdict.salience_score)} (threshold {_number(threshold)})"
         note = contradiction_note([plan])
         if note:
             detail += f"; {note}"
@@ -255,6 +256,13 @@ def _bounded(request: TriageRequest, note: str, limit: int) -> str:
         return bound_triage_input(request.text, note, limit)
     suffix = f"\n{note}" if note else ""
     return truncate_within(request.text, max(0, limit - byte_len(suffix))) + suffix
+
+
+def _number(value: float) -> str:
+    """A score or threshold as short as it reads exactly: ``:g`` keeps 6 digits, which showed
+    a salience of 6.9999999 skipped as "salience 7 below ... 7"."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _flagged(verdict: TriageVerdict) -> str:

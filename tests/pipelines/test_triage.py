@@ -104,6 +104,33 @@ def test_adaptive_threshold_is_read_from_the_table(
     assert effects.detail == "salience 6.5 below triage_conversation_unverified_threshold 7"
 
 
+def test_a_score_just_below_the_threshold_is_shown_as_it_is(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    """Six significant digits showed 6.9999999 as 7: "salience 7 below ... 7" reads as a bug."""
+    db.execute(
+        "INSERT INTO adaptive_params (key, value, source) VALUES "
+        "('triage_conversation_unverified_threshold', 7, 'reflection')"
+    )
+    chat.script("conversation_triage", verdict(6.9999999))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SKIPPED
+    assert effects.detail == "salience 6.9999999 below triage_conversation_unverified_threshold 7"
+
+
+def test_a_score_just_above_a_fine_threshold_is_shown_as_it_is(
+    db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder
+) -> None:
+    db.execute(
+        "INSERT INTO adaptive_params (key, value, source) VALUES "
+        "('triage_conversation_unverified_threshold', 6.6666666, 'reflection')"
+    )
+    chat.script("conversation_triage", verdict(6.6666667))
+    effects = triage_handler(database, chat, embedder).handle(make_item({"exchange": EXCHANGE}))
+    assert effects.outcome is Outcome.SAVED
+    assert effects.detail.startswith("salience 6.6666667 (threshold 6.6666666)")
+
+
 @pytest.mark.parametrize("value", ["NaN", "-Infinity"])
 def test_a_non_finite_adaptive_threshold_falls_back_to_the_default(
     db: psycopg.Connection, database: Database, chat: FakeChat, embedder: FakeEmbedder, value: str
