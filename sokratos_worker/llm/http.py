@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import ipaddress
 import os
 import re
 import ssl
@@ -190,9 +191,29 @@ def _proxy_transport(url: str, verify: ssl.SSLContext | bool, variable: str) -> 
 _proxy_bypass: Callable[[str, dict[str, str]], bool] = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host``, as a URL spells it, is this machine: ``localhost`` or a name under it
+    (RFC 6761; any case, a trailing dot), an address in 127.0.0.0/8, ``::1`` or an IPv4-mapped
+    ``::ffff:127.x.y.z``. Read from the spelling, never resolved; as in Go, ``0.0.0.0`` and
+    inet_aton's shorthands (``127.1``) are not loopback."""
+    host = host.removeprefix("[").removesuffix("]")
+    name = host.lower().removesuffix(".")
+    if name == "localhost" or (name.endswith(".localhost") and "" not in name.split(".")):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
 class EnvironmentProxies(httpx.BaseTransport):
     """Each request straight to its server or through its scheme's proxy, as urllib decides
-    from NO_PROXY (a host, ``.domain``, ``*``, ``host:port``, an address)."""
+    from NO_PROXY (a host, ``.domain``, ``*``, ``host:port``, an address); a :func:`loopback`
+    host always straight, as in Go's net/http: the proxy runs elsewhere, where 127.0.0.1 is
+    the proxy's own host and never this machine's model."""
 
     def __init__(
         self, direct: httpx.BaseTransport, routes: dict[str, httpx.BaseTransport], no_proxy: str
@@ -204,7 +225,7 @@ class EnvironmentProxies(httpx.BaseTransport):
     def route(self, url: httpx.URL) -> httpx.BaseTransport:
         """The transport a request to ``url`` goes through."""
         proxied = self._routes.get(url.scheme)
-        if proxied is None or self._exempt(url):
+        if proxied is None or loopback(url.host) or self._exempt(url):
             return self._direct
         return proxied
 
@@ -303,6 +324,7 @@ __all__ = [
     "describe_connection_error",
     "environment_proxies",
     "excerpt",
+    "loopback",
     "make_client",
     "proxy_variable",
     "request_timeout",

@@ -23,6 +23,7 @@ from sokratos_worker.config import BackendConfig, Settings
 from sokratos_worker.llm.backend import Backend, RetryPolicy
 from sokratos_worker.llm.breaker import Circuit
 from sokratos_worker.llm.chat import FallbackChatClient
+from sokratos_worker.llm.embeddings import HttpEmbedder
 from sokratos_worker.llm.gbnf import schema_to_gbnf
 from sokratos_worker.llm.one_token_probe import (
     Probed,
@@ -35,7 +36,7 @@ from sokratos_worker.llm.reply import ReplyInvalid, parse_reply
 from sokratos_worker.llm.request_body import strict_schema
 from sokratos_worker.llm.types import LLMBackendsMisconfigured, NoBackendReachable
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts, Distillation, TriageVerdict
-from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, json_responder
+from sokratos_worker.testing import PROBE, Reply, ScriptedLLM, hash_embedding, json_responder
 from tests.llm.conftest import FakeClock, ask, backend
 from tests.support.forward_proxy import ForwardProxy
 from tests.support.rawserver import RawServer
@@ -416,23 +417,53 @@ def test_an_https_backend_is_reached_through_the_proxys_tunnel(
     tls_llm: tuple[ScriptedLLM, Path], make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ):
     """https through an http:// proxy: ``CONNECT`` with the proxy's credentials, answered
-    ``200 Connection established``, then TLS to the backend (its name verified) and the call."""
+    ``200 Connection established``, then TLS to the backend (its name verified) and the call.
+    Only the proxy knows where ``llm.test:443`` is: no direct connection could have served it."""
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
     server, cert = tls_llm
-    proxy = ForwardProxy()  # every host name is 127.0.0.1 to it
+    proxy = ForwardProxy(upstreams={"llm.test:443": server.port})
     try:
         monkeypatch.setenv("HTTPS_PROXY", proxy.url("corp:pw"))
-        url = f"https://llm.test:{server.port}/v1"
+        url = "https://llm.test/v1"
         config = BackendConfig(name="tls", url=url, model="m", timeout=5, ca_file=str(cert))
         client = make_client(config, attempts=1)
         assert ask(client).backend == "tls"
     finally:
         proxy.close()
-    assert proxy.seen[0].request_line == f"CONNECT llm.test:{server.port} HTTP/1.1"
+    assert proxy.seen[0].request_line == "CONNECT llm.test:443 HTTP/1.1"
     assert proxy.seen[0].headers["proxy-authorization"] == "Basic Y29ycDpwdw=="  # corp:pw
     assert server.count() == 1
+
+
+def test_a_plain_http_backend_is_reached_through_the_proxy(
+    servers: Servers, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+):
+    """http through an http:// proxy: the chat call, its probe and an embeddings call are sent
+    in absolute form with the proxy's credentials, and the proxy carries them to a backend only
+    it knows (``llm-backend.test`` resolves nowhere, and port 80 is not the backend's)."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    server = servers(chat=json_responder({"score": 1, "summary": "s"}), embed_dim=4)
+    proxy = ForwardProxy(upstreams={"llm-backend.test:80": server.port})
+    embedder = HttpEmbedder("http://llm-backend.test/v1", "e", 4, timeout=5, sleep=lambda _: None)
+    try:
+        monkeypatch.setenv("http_proxy", proxy.url("corp:pw"))
+        config = BackendConfig(name="far", url="http://llm-backend.test/v1", model="m", timeout=5)
+        client = make_client(config, attempts=1)
+        assert ask(client).backend == "far"
+        assert client.probe() is True
+        assert embedder.embed(["hello"]) == [pytest.approx(hash_embedding("hello", 4))]
+    finally:
+        embedder.close()
+        proxy.close()
+    lines = [seen.request_line for seen in proxy.seen]
+    assert lines[0] == "POST http://llm-backend.test/v1/chat/completions HTTP/1.1"
+    assert lines[-1] == "POST http://llm-backend.test/v1/embeddings HTTP/1.1"
+    assert all(seen.headers["proxy-authorization"] == "Basic Y29ycDpwdw==" for seen in proxy.seen)
+    assert len(server.requests) == len(lines) >= 3
 
 
 def test_a_probe_answered_with_a_corrupt_gzip_body_is_down(

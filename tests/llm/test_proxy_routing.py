@@ -93,15 +93,16 @@ class _Named(httpx.BaseTransport):
 @pytest.mark.parametrize(
     ("no_proxy", "url", "direct"),
     [
-        ("localhost,127.0.0.1", "http://127.0.0.1:8080/v1", True),
-        ("localhost,127.0.0.1", "http://10.0.0.5:8080/v1", False),
+        ("gpu.lan,10.0.0.5", "http://10.0.0.5:8080/v1", True),  # (loopback: always direct)
+        ("gpu.lan,10.0.0.5", "http://10.0.0.6:8080/v1", False),
         (".example.com", "https://llm.example.com/v1", True),
         ("example.com", "https://example.com/v1", True),
         ("example.com", "https://notexample.com/v1", False),
         ("*", "https://api.openai.com/v1", True),
         ("gpu:8080", "http://gpu:8080/v1", True),
         ("gpu:8080", "http://gpu:9090/v1", False),
-        ("::1", "http://[::1]:8080/v1", True),
+        ("fd00::5", "http://[fd00::5]:8080/v1", True),
+        ("fd00::5", "http://[fd00::6]:8080/v1", False),
         ("", "https://api.openai.com/v1", False),
     ],
 )

@@ -1,8 +1,12 @@
 """A small forward HTTP proxy on 127.0.0.1 for the proxy tests (not a test module).
 
 Absolute-form requests are forwarded (one per connection, ``Connection: close`` upstream);
-``CONNECT`` opens a tunnel. Every host name resolves to 127.0.0.1. ``connect_answer`` replaces
-the tunnel with a function of the client socket (a 407, a dripping reply, ...).
+``CONNECT`` opens a tunnel. Only the proxy knows where its backends are: ``upstreams`` maps a
+``host:port`` as a request names it (``llm.test:443``, a name no resolver knows) to a port on
+127.0.0.1, and any other target is answered 502, so a call that reached a backend is a call
+the proxy carried (a loopback backend is called directly, never through the proxy).
+``connect_answer`` replaces the tunnel with a function of the client socket (a 407, a dripping
+reply, ...).
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ class Seen:
 
 
 class ForwardProxy:
-    def __init__(self, connect_answer: Callable[[socket.socket], None] | None = None) -> None:
+    def __init__(
+        self,
+        connect_answer: Callable[[socket.socket], None] | None = None,
+        upstreams: dict[str, int] | None = None,
+    ) -> None:
         self.connect_answer = connect_answer
+        self.upstreams = dict(upstreams or {})
         self.seen: list[Seen] = []
         self.connections = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -75,8 +84,9 @@ class ForwardProxy:
                     self.connect_answer(conn)
                     conn.close()
                     return
-                port = int(target.rsplit(":", 1)[1])
-                upstream = socket.create_connection(("127.0.0.1", port), timeout=30)
+                upstream = self._upstream(conn, target)
+                if upstream is None:
+                    return
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 if rest:
                     upstream.sendall(rest)
@@ -84,8 +94,10 @@ class ForwardProxy:
                 return
             # absolute-form: http://host:port/path
             hostport, _, path = target.removeprefix("http://").partition("/")
-            port = int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 80
-            upstream = socket.create_connection(("127.0.0.1", port), timeout=30)
+            has_port = hostport.rfind(":") > hostport.rfind("]")  # (an IPv6 [address] alone)
+            upstream = self._upstream(conn, hostport if has_port else f"{hostport}:80")
+            if upstream is None:
+                return
             kept = [
                 line
                 for line in lines[1:]
@@ -97,6 +109,15 @@ class ForwardProxy:
             self._pipe(conn, upstream, close_reply=True)
         except OSError:
             conn.close()
+
+    def _upstream(self, conn: socket.socket, authority: str) -> socket.socket | None:
+        """The connection to the backend ``authority`` names, or None once answered 502."""
+        port = self.upstreams.get(authority.lower())
+        if port is None:
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+            conn.close()
+            return None
+        return socket.create_connection(("127.0.0.1", port), timeout=30)
 
     @staticmethod
     def _pipe(a: socket.socket, b: socket.socket, close_reply: bool = False) -> None:
