@@ -269,15 +269,21 @@ reload_systemd
 
 # roles.sql as installed: inside the wheel, or sql/ of a checkout (a path relative to the
 # operator's directory named nothing after an install from a wheel or a requirement).
-ROLES_SQL=$("$VENV/bin/python" -c 'from sokratos_worker.store.migrations import sql_directory
-print(sql_directory() / "roles.sql")' 2>/dev/null) || true
+ROLES_SQL_OF='from sokratos_worker.store.migrations import sql_directory; print(sql_directory() / "roles.sql")'
+ROLES_SQL=$("$VENV/bin/python" -c "$ROLES_SQL_OF" 2>/dev/null) || true
 [[ -f "$ROLES_SQL" ]] || ROLES_SQL="$REPO_DIR/sql/roles.sql"
 # Step 2 runs on the target system, where a staged tree's paths have no prefix (the staged
 # launcher's #! line names /opt/... already: run by its staged path it failed).
 ON_TARGET=""
 if [[ -n "$PREFIX" ]]; then
     ON_TARGET=" once the tree is copied to /"
-    [[ "$ROLES_SQL" != "$PREFIX"/* ]] || ROLES_SQL=${ROLES_SQL#"$PREFIX"}
+    if [[ "$ROLES_SQL" == "$PREFIX"/* ]]; then
+        ROLES_SQL=${ROLES_SQL#"$PREFIX"}
+    else
+        # No staged venv (--skip-venv): the file is in the target's venv, which says where
+        # (this machine's checkout is not on the target).
+        ROLES_SQL="\$($LIVE_VENV/bin/python -c '$ROLES_SQL_OF')"
+    fi
 fi
 
 cat <<NEXT

@@ -21,6 +21,7 @@ import structlog
 from sokratos_worker.command_database import database_url, stops_while_starting
 from sokratos_worker.config import Settings
 from sokratos_worker.model import Queue
+from sokratos_worker.service.stop_requests import cleaned_up_at_exit_now
 from sokratos_worker.store import report
 
 log = structlog.get_logger(__name__)
@@ -149,13 +150,22 @@ def _run_demo(settings: Settings, out: TextIO) -> int:
 @contextmanager
 def _throwaway_directory() -> Iterator[Path]:
     """A temporary directory, removed at the end even when a stop signal comes meanwhile: a
-    second Ctrl-C cut the removal short and left the demo's database in $TMPDIR."""
+    second Ctrl-C cut the removal short and left the demo's database in $TMPDIR. A second
+    Ctrl-C during a round exits at once (os._exit), which removes it too."""
     path = Path(tempfile.mkdtemp(prefix="sokratos-demo-"))
     try:
-        yield path
+        with cleaned_up_at_exit_now("demo_directory", lambda: _remove(path)):
+            yield path
     finally:
         with _stop_signals_ignored():  # (the demo is ending: nothing is left to stop)
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Remove what can be removed, and say when something is left."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        raise OSError(f"{path} could not be removed entirely")
 
 
 @contextmanager

@@ -28,6 +28,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "database": "unreachable",
         "queues": {},
         "failures_24h": {},
+        "failures_24h_closed": {},  # (of failures_24h: replayed, or the mail recorded since)
         "outcomes_24h": {},
         "workers": [],
         "email_accounts": [],
@@ -167,9 +168,9 @@ def _read_state(settings: Settings, conn: psycopg.Connection, report: dict[str, 
             q.value, q.value, partial(status_store.queue_stats, conn, (q,), next_retry=True)
         )
         report["queues"].update(stats or {})
-    report["failures_24h"] = (
-        read("failures_24h", "failed_operations", lambda: status_store.failures_24h(conn)) or {}
-    )
+    report["failures_24h"], report["failures_24h_closed"] = read(
+        "failures_24h", "failed_operations", lambda: status_store.failures_24h_and_closed(conn)
+    ) or ({}, {})
     report["outcomes_24h"] = (
         read("outcomes_24h", "work_outcomes", lambda: status_store.outcomes_24h(conn)) or {}
     )
@@ -251,8 +252,13 @@ def render_status(report: dict[str, Any]) -> str:
         for tables, holder in status_store.by_holder(report.get("locked_tables") or [])
     ]
     # An op_type is whatever a producer or Sokratos wrote: shown, never obeyed, by the terminal.
+    closed = report.get("failures_24h_closed") or {}
     failures = (
-        ", ".join(f"{terminal_safe(k)} {v}" for k, v in report["failures_24h"].items()) or "none"
+        ", ".join(
+            f"{terminal_safe(k)} {v}" + (f" ({closed[k]} closed since)" if closed.get(k) else "")
+            for k, v in report["failures_24h"].items()
+        )
+        or "none"
     )
     lines.append(
         f"failures (24h): {f'unknown ({LOCKED})' if 'failures_24h' in unknown else failures}"

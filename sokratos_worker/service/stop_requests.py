@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -30,6 +31,22 @@ SECOND_SIGNAL_HINT = (
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # A second signal's last words (the "stopped" heartbeat) get this long before the exit.
 LAST_WORDS_BUDGET_S = 2.0
+# And the cleanups registered with cleaned_up_at_exit_now get this long in all.
+CLEANUPS_BUDGET_S = 5.0
+
+# What a process exiting at once must still undo (os._exit skips every finally), by name.
+_exit_now_cleanups: dict[str, Callable[[], None]] = {}
+
+
+@contextmanager
+def cleaned_up_at_exit_now(name: str, cleanup: Callable[[], None]) -> Iterator[None]:
+    """While inside, a second stop signal's exit runs ``cleanup`` before it exits, after the
+    embedded PostgreSQL is released (the demo's temporary directory holds its data)."""
+    _exit_now_cleanups[name] = cleanup
+    try:
+        yield
+    finally:
+        _exit_now_cleanups.pop(name, None)
 
 
 class StopRequests:
@@ -93,7 +110,8 @@ def exit_now(
     """The second stop signal: exit 1 without waiting for the items in flight, after
     ``last_words`` (the worker's "stopped" heartbeat, given LAST_WORDS_BUDGET_S) and after
     stopping the embedded PostgreSQL this process was the last to hold (a few seconds at
-    most), which os._exit would leave running: it runs in a session of its own.
+    most), which os._exit would leave running: it runs in a session of its own. Then the
+    cleanups of :func:`cleaned_up_at_exit_now` run (CLEANUPS_BUDGET_S in all).
 
     Further stop signals are ignored meanwhile (a third Ctrl-C would leave it running).
     """
@@ -111,7 +129,47 @@ def exit_now(
         _write_line(failed)
     for event in release_held_at_exit_now():
         _write_line(event)
+    for event in _run_cleanups():
+        _write_line(event)
     os._exit(EXIT_FAILURE)
+
+
+def _run_cleanups() -> list[dict[str, Any]]:
+    """Run the registered cleanups in a thread for up to CLEANUPS_BUDGET_S; returns a log
+    event for each that failed, and one naming those left unfinished."""
+    pending = list(_exit_now_cleanups.items())
+    events: list[dict[str, Any]] = []
+    done: list[str] = []
+
+    def run() -> None:
+        for name, cleanup in pending:
+            try:
+                cleanup()
+            except Exception as exc:  # the process exits anyway: say so, never raise
+                events.append(
+                    {
+                        "event": "exit_now_cleanup_failed",
+                        "level": "warning",
+                        "cleanup": name,
+                        "error": repr(exc),
+                    }
+                )
+            done.append(name)
+
+    thread = threading.Thread(target=run, name="exit-now-cleanups", daemon=True)
+    thread.start()
+    thread.join(CLEANUPS_BUDGET_S)
+    said = list(events)
+    if unfinished := [name for name, _ in pending if name not in done]:
+        said.append(
+            {
+                "event": "exit_now_cleanup_unfinished",
+                "level": "warning",
+                "cleanups": unfinished,
+                "waited_s": CLEANUPS_BUDGET_S,
+            }
+        )
+    return said
 
 
 def _within_budget(last_words: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -110,14 +110,30 @@ def _next_retry(conn: psycopg.Connection, queue: Queue) -> dict[str, Any] | None
 NEVER_DUE = "run_after is infinity"
 
 
+# The last 24 hours, ending now: a row dated 'infinity' (Sokratos's own) is never recent.
+_CREATED_IN_24H = "created_at > now() - interval '24 hours' AND created_at <= now()"
+
+
 def failures_24h(conn: psycopg.Connection) -> dict[str, int]:
-    """Failures in the last 24 hours by op_type."""
+    """Failures in the last 24 hours by op_type (closed ones too: see failures_24h_closed)."""
     rows = conn.execute(
-        "SELECT op_type, count(*) FROM failed_operations"
-        " WHERE created_at > now() - interval '24 hours' AND created_at <= now()"
+        f"SELECT op_type, count(*) FROM failed_operations WHERE {_CREATED_IN_24H}"
         " GROUP BY op_type ORDER BY op_type"
     ).fetchall()
     return {str(op): int(n) for op, n in rows}
+
+
+def failures_24h_and_closed(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, int]]:
+    """:func:`failures_24h`, and by op_type how many of them are closed since (``retried_at``
+    set: replayed by ``failed retry``, or the mail passed unread recorded later), in one read."""
+    rows = conn.execute(
+        "SELECT op_type, count(*), count(*) FILTER (WHERE retried_at IS NOT NULL)"
+        f" FROM failed_operations WHERE {_CREATED_IN_24H} GROUP BY op_type ORDER BY op_type"
+    ).fetchall()
+    return (
+        {str(op): int(n) for op, n, _ in rows},
+        {str(op): int(closed) for op, _, closed in rows if closed},
+    )
 
 
 def outcomes_24h(conn: psycopg.Connection) -> dict[str, dict[str, int]]:

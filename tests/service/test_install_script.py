@@ -89,10 +89,12 @@ def test_staged_install_is_idempotent(tmp_path: Path) -> None:
         ) in lines
         assert not any("bad name" in line or "README" in line for line in lines)
     assert "skipped credential bad name" in second.stdout
-    # The roles.sql to run is named by a path that exists, wherever the operator stands.
+    # The roles.sql to run is named as on the target, wherever the operator stands: with no
+    # staged venv, by the target's venv (tests/service/test_install_roles_path.py runs it).
     roles = next(line for line in second.stdout.splitlines() if "roles.sql" in line and "-f" in line)
-    path = roles.split("-f", 1)[1].strip().strip('"')
-    assert Path(path).is_absolute() and Path(path).is_file(), roles
+    path = roles.split("-f", 1)[1].strip()
+    assert path.startswith('"$(/opt/sokratos-worker/venv/bin/python -c '), roles
+    assert str(REPO) not in path and str(tmp_path) not in path, roles
 
 
 @pytest.mark.parametrize(
@@ -182,6 +184,11 @@ def test_a_staged_venv_names_where_the_unit_runs_it(tmp_path: Path) -> None:
     naming_stage = [p.name for p in venv_bin.iterdir()
                     if p.is_file() and str(stage) in p.read_text("utf-8", errors="replace")]
     assert naming_stage == [], naming_stage
+    # roles.sql is named where the copied tree has it: the staged file, without the prefix.
+    roles = next(line for line in done.stdout.splitlines() if "roles.sql" in line and "-f" in line)
+    path = roles.split(" -f ", 1)[1].strip().strip('"')
+    assert path.startswith("/opt/sokratos-worker/venv/") and path.endswith("/roles.sql"), roles
+    assert (stage / path.lstrip("/")).is_file(), roles
     # The venv itself still works in the staging root (its python is a link to the base's).
     assert subprocess.run(
         [str(venv_bin / "python"), "-c", "import sokratos_worker"], check=False, timeout=60
