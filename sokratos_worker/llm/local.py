@@ -27,6 +27,7 @@ import structlog
 from sokratos_worker.child_environment import child_environment
 from sokratos_worker.config import BackendConfig
 from sokratos_worker.errors import WorkerError
+from sokratos_worker.process_protection import protect_from_same_user
 
 if TYPE_CHECKING:
     from sokratos_worker.llm.chat import FallbackChatClient
@@ -254,6 +255,9 @@ class LocalModelServer:
         self._log_file = tempfile.TemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="sokratos-local-model-", suffix=".log"
         )
+        # The server runs as this process's user: it must not read the worker's secrets in
+        # /proc/WORKER_PID/environ or its memory (its own files after exec stay readable).
+        protect_from_same_user()
         lifeline_read, self._lifeline = os.pipe()
         try:
             self._process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
