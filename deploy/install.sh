@@ -282,7 +282,7 @@ if [[ -n "$PREFIX" ]]; then
     else
         # No staged venv (--skip-venv): the file is in the target's venv, which says where
         # (this machine's checkout is not on the target).
-        ROLES_SQL="\$($LIVE_VENV/bin/python -c '$ROLES_SQL_OF')"
+        ROLES_SQL="\$($LIVE_VENV/bin/python -I -c '$ROLES_SQL_OF')"
     fi
 fi
 

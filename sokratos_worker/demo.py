@@ -20,6 +20,7 @@ import structlog
 
 from sokratos_worker.command_database import database_url, stops_while_starting
 from sokratos_worker.config import Settings
+from sokratos_worker.exit_codes import EXIT_FAILURE, EXIT_OK
 from sokratos_worker.model import Queue
 from sokratos_worker.service.stop_requests import cleaned_up_at_exit_now
 from sokratos_worker.store import report
@@ -141,7 +142,13 @@ def _run_demo(settings: Settings, out: TextIO) -> int:
             code = _rounds(local, url, stopped)
             if code != 0:
                 return code
-            print_report(url, out)
+            try:
+                print_report(url, out)
+            except KeyboardInterrupt:
+                # (start-up's handler is still in force; this is not "before the first round")
+                out.write("\nInterrupted while printing the report.\n")
+                log.warning("demo_report_interrupted", second_signal=stopped.is_set())
+                return EXIT_FAILURE if stopped.is_set() else EXIT_OK
             if stopped.is_set():
                 out.write("\nInterrupted: the report shows what was done until then.\n")
     return 0

@@ -41,12 +41,14 @@ _exit_now_cleanups: dict[str, Callable[[], None]] = {}
 @contextmanager
 def cleaned_up_at_exit_now(name: str, cleanup: Callable[[], None]) -> Iterator[None]:
     """While inside, a second stop signal's exit runs ``cleanup`` before it exits, after the
-    embedded PostgreSQL is released (the demo's temporary directory holds its data)."""
+    embedded PostgreSQL is released or given up on (the demo's temporary directory holds its
+    data: a server left running stops itself once its lock file is gone)."""
     _exit_now_cleanups[name] = cleanup
     try:
         yield
     finally:
-        _exit_now_cleanups.pop(name, None)
+        if _exit_now_cleanups.get(name) is cleanup:  # (never a newer registration's)
+            del _exit_now_cleanups[name]
 
 
 class StopRequests:
@@ -138,6 +140,8 @@ def _run_cleanups() -> list[dict[str, Any]]:
     """Run the registered cleanups in a thread for up to CLEANUPS_BUDGET_S; returns a log
     event for each that failed, and one naming those left unfinished."""
     pending = list(_exit_now_cleanups.items())
+    if not pending:
+        return []  # (no thread started from the signal handler for nothing)
     events: list[dict[str, Any]] = []
     done: list[str] = []
 

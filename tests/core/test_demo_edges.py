@@ -118,3 +118,48 @@ def test_the_demo_ignores_a_bad_pg_variable_meant_for_the_url(short_tmp: Path) -
     ignored = [line for line in err.splitlines() if "libpq_environment_ignored" in line]
     assert ignored and "PGSSLMODE" in ignored[0], err[-3000:]
     assert _servers_under(short_tmp) == []
+
+
+# The rounds end as a first Ctrl-C ends them (or not), then a Ctrl-C lands while the report
+# prints; no model is needed for that, so the rounds are stood in for.
+_REPORT_INTERRUPTED = """
+import os, runpy, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from sokratos_worker import demo
+first_ctrl_c = sys.argv[1] == "after-a-first-ctrl-c"
+def rounds(local, url, stopped):
+    if first_ctrl_c:
+        stopped.set()
+    return 0
+def report(url, out):
+    out.write("Outcomes\\n")
+    out.flush()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)  # (interrupted at once)
+demo._rounds = rounds
+demo.print_report = report
+sys.argv = ["sokratos-worker", "demo"]
+runpy.run_module("sokratos_worker", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "code"), [("after-a-first-ctrl-c", 1), ("after-the-rounds-ended", 0)]
+)
+def test_a_ctrl_c_while_the_report_prints_is_not_called_a_stop_during_the_start(
+    short_tmp: Path, case: str, code: int
+) -> None:
+    """It was caught as one: "before the demo's first round: nothing was processed", exit 0,
+    even when it was the second Ctrl-C (which exits 1, as `run`'s)."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("SOKRATOS_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPORT_INTERRUPTED, case],
+        env={**env, "SOKRATOS_LOG_FORMAT": "json", "TMPDIR": str(short_tmp), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert proc.stdout == "Outcomes\n\nInterrupted while printing the report.\n"
+    assert '"event": "demo_report_interrupted"' in proc.stderr, proc.stderr[-3000:]
+    assert "stopped_while_starting" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(short_tmp.glob("sokratos-demo-*"))
+    assert _servers_under(short_tmp) == []
