@@ -114,9 +114,18 @@ def _listed_line(row: dict[str, Any]) -> str:
     # server's, and printed without a zone it misled).
     when = row["created_at"]
     if isinstance(when, datetime):  # (else the server's text: 'infinity')
-        when = f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+        when = _host_time(when)
     op_type = terminal_safe(row["op_type"])
     return f"{row['id']:>6}  {when}  {op_type:<20} {terminal_safe(error)}{retried}"
+
+
+def _host_time(when: datetime) -> str:
+    """``when`` in the host's zone, or as the server gave it when no datetime holds it there
+    (Go's zero time west of UTC is year 0, the last hours of 9999 east of it year 10000)."""
+    try:
+        return f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+    except OverflowError:
+        return when.isoformat(" ", "minutes")
 
 
 # What reaches a terminal raw only to act on it: C0 and C1 controls (ESC starts a sequence
