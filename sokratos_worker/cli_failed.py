@@ -243,7 +243,8 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
     size = failures.RETRY_BATCH if args.all else 1  # IDs by hand: each on its own, as named
     for start in range(0, len(ids), size):
         for result in _retry_chunk(conn, ids, start, size):
-            closed_stdout.print_on(f"{result.failure_id}: {result.message}")
+            # A refusal can quote the stored failure (its source): shown, never obeyed.
+            closed_stdout.print_on(f"{result.failure_id}: {terminal_safe(result.message)}")
             if result.item_id is None:
                 code = EXIT_FAILURE
     return code
