@@ -114,9 +114,18 @@ def _listed_line(row: dict[str, Any]) -> str:
     # server's, and printed without a zone it misled).
     when = row["created_at"]
     if isinstance(when, datetime):  # (else the server's text: 'infinity')
-        when = f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+        when = _host_time(when)
     op_type = terminal_safe(row["op_type"])
     return f"{row['id']:>6}  {when}  {op_type:<20} {terminal_safe(error)}{retried}"
+
+
+def _host_time(when: datetime) -> str:
+    """``when`` in the host's zone, or as the server gave it when no datetime holds it there
+    (Go's zero time west of UTC is year 0, the last hours of 9999 east of it year 10000)."""
+    try:
+        return f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+    except OverflowError:
+        return when.isoformat(" ", "minutes")
 
 
 # What reaches a terminal raw only to act on it: C0 and C1 controls (ESC starts a sequence
@@ -234,7 +243,8 @@ def _retry_failures(args: argparse.Namespace, conn: Any) -> int:
     size = failures.RETRY_BATCH if args.all else 1  # IDs by hand: each on its own, as named
     for start in range(0, len(ids), size):
         for result in _retry_chunk(conn, ids, start, size):
-            closed_stdout.print_on(f"{result.failure_id}: {result.message}")
+            # A refusal can quote the stored failure (its source): shown, never obeyed.
+            closed_stdout.print_on(f"{result.failure_id}: {terminal_safe(result.message)}")
             if result.item_id is None:
                 code = EXIT_FAILURE
     return code

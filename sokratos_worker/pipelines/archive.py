@@ -47,7 +47,7 @@ def archive_from_payload(payload: dict[str, Any], archived_at: datetime | None) 
         text = payload["archive_text"]
         if not isinstance(text, str):
             raise InvalidPayload("archive_text", f"must be a string, not {type(text).__name__}")
-        return Archive(text=text, empty=_header_only(text))
+        return Archive(text=text, empty=header_only(text))
     lines = format_messages(payload["messages"])
     # Local time, as Sokratos writes it (the item's created_at comes in the session's zone).
     when = f" {archived_at.astimezone().strftime(_TIME_FORMAT)}" if archived_at else ""
@@ -152,6 +152,6 @@ def _clean(content: str) -> str:
     return strip_tool_intent_tags(strip_think_tags(content)).strip()
 
 
-def _header_only(text: str) -> bool:
+def header_only(text: str) -> bool:
     """True when nothing but archive headers and blank lines is left."""
     return all(not line.strip() or _HEADER.match(line.strip()) for line in text.splitlines())

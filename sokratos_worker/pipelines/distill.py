@@ -15,9 +15,14 @@ from sokratos_worker.llm.types import (
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
-from sokratos_worker.pipelines.archive import Archive, archive_from_payload
+from sokratos_worker.pipelines.archive import Archive, archive_from_payload, header_only
 from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
-from sokratos_worker.pipelines.text import SHORTEST_HALVED_BYTES, byte_len, chunk_text
+from sokratos_worker.pipelines.text import (
+    MAX_CHUNK_BYTES,
+    SHORTEST_HALVED_BYTES,
+    byte_len,
+    chunk_text,
+)
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter, WritePlan, contradiction_note
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
@@ -62,8 +67,7 @@ class DistillationHandler:
             return ()  # an invalid payload is kept whole in failed_operations instead
         if archive.empty:
             return ()
-        # min_bytes=1: the archive must keep every message, short ones too (no scrap rule).
-        chunks = chunk_text(archive.text.strip(), min_bytes=1)
+        chunks = _pieces(archive.text.strip(), MAX_CHUNK_BYTES)
         rows = self._embed_best_effort(item, chunks)
         model = self.embedder.model if self.embedder is not None else None
         return tuple(
@@ -91,7 +95,7 @@ class DistillationHandler:
         so nothing in it goes undistilled. Returns the facts, the backend that answered last
         and the backends passed over on the way (each named once).
         """
-        windows = chunk_text(archive.text, DISTILL_MAX_BYTES, min_bytes=1)
+        windows = _pieces(archive.text, DISTILL_MAX_BYTES)
         if len(windows) > 1:
             log.info(
                 "distillation_in_windows",
@@ -126,7 +130,7 @@ class DistillationHandler:
             facts: list[Fact] = []
             backend = ""
             passed: list[str] = []
-            for half in chunk_text(text, max(MIN_HALF_BYTES, byte_len(text) // 2), min_bytes=1):
+            for half in _pieces(text, max(MIN_HALF_BYTES, byte_len(text) // 2)):
                 found, backend, passed_here = self._distil_window(item, half)
                 facts.extend(found)
                 passed.extend(passed_here)
@@ -230,6 +234,14 @@ class DistillationHandler:
         if len(vectors) != len(chunks):
             return bare
         return [(chunk, vec) for chunk, vec in zip(chunks, vectors, strict=True)]
+
+
+def _pieces(text: str, max_bytes: int) -> list[str]:
+    """``text`` in pieces of at most ``max_bytes``, every message kept (min_bytes=1: no scrap
+    rule), but none holding only the archive's header: a first message too long to share a
+    piece with it leaves the header alone, a memory or a model call that holds nothing."""
+    pieces = chunk_text(text, max_bytes, min_bytes=1)
+    return [piece for piece in pieces if not header_only(piece)] or pieces
 
 
 def _bounded(item: Item, archive: Archive) -> Archive:
