@@ -296,7 +296,7 @@ def _add_failed(commands: argparse._SubParsersAction[_Parser]) -> None:
         "show",
         help="one failure with its full context_data",
         description="Print one failure with its full context_data (the stored payload and"
-        " every attempt's error) as JSON.",
+        " every attempt's error) as JSON. Exit 1 when no failure has that ID.",
     )
     fshow.add_argument("id", type=int, metavar="ID", help="the failure's id (first column of list)")
     fretry = actions.add_parser(
