@@ -41,7 +41,17 @@ def _utf8_input(option: str, value: str) -> str:
         except OSError as exc:
             raise WorkerError(f"cannot read {value}: {exc.strerror or exc}") from exc
     else:
-        raw = os.fsencode(value)  # argv's own bytes, undecodable ones restored
+        return _argv_utf8(option, value)
+    return _utf8(option, raw)
+
+
+def _argv_utf8(option: str, value: str) -> str:
+    """An argument's text as UTF-8, from argv's own bytes (undecodable ones restored)."""
+    return _utf8(option, os.fsencode(value))
+
+
+def _utf8(option: str, raw: bytes) -> str:
+    """``raw`` decoded; InvalidPayload naming ``option`` and the first byte that is not UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -61,9 +71,12 @@ def enqueue(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidPayload(
             "--key", "is blank (an empty variable?): give the item's key, or leave --key out"
         )
+    # Checked as its bytes: a Latin-1 key reached the client as a lone surrogate, refused
+    # there with advice for Python callers.
+    key = None if args.key is None else _argv_utf8("--key", args.key)
     queue, payload = _enqueue_input(args)
     try:
-        result = _enqueue_or_spool(settings, queue, payload, key=args.key)
+        result = _enqueue_or_spool(settings, queue, payload, key=key)
     except psycopg.Error as exc:
         raise WorkerError(_refused_enqueue(exc)) from exc
     except OSError as exc:

@@ -15,7 +15,7 @@ import structlog
 
 from sokratos_worker.config import ConfigError
 from sokratos_worker.errors import WorkerError
-from sokratos_worker.store.connection import connect, translated
+from sokratos_worker.store.connection import connect, is_transient, translated
 from sokratos_worker.store.status import SESSION_COLUMNS, session
 
 log = structlog.get_logger(__name__)
@@ -396,6 +396,30 @@ def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration)
         psycopg.errors.InsufficientPrivilege,
     ) as exc:
         raise MigrationRefused(_explain(migration, exc)) from exc
+    except psycopg.Error as exc:
+        if is_transient(exc) or isinstance(exc, psycopg.errors.QueryCanceled):
+            raise  # (not the migration's own failure: the command says what happened)
+        # Read as "the schema is missing", it sent the operator to run the migrate that failed.
+        if (exc.sqlstate or "")[:2] in _FAILS_AGAIN:
+            raise MigrationRefused(_failed(migration, exc)) from exc  # (78: no restart loop)
+        raise MigrationError(_failed(migration, exc)) from exc
+
+
+# SQLSTATE classes a migration's statements meet again at every try, whatever the moment:
+# wrong data, a constraint, a name taken or missing, a dependent object, a program limit.
+_FAILS_AGAIN = frozenset({"22", "23", "2B", "42", "54"})
+
+
+def _failed(migration: Migration, exc: psycopg.Error) -> str:
+    """What a migration the database refused half-way did, and what the operator does."""
+    text = exc.diag.message_primary or str(exc).strip().splitlines()[0]
+    return (
+        f"migration {migration.name} failed ({exc.sqlstate}): {text}. It was rolled back:"
+        " nothing of it is applied, the migrations before it stay applied. Fix what the error"
+        " names (an object of the same name in its way, an adopted table of another shape:"
+        f" compare with sql/{migration.name}.sql), then run 'sokratos-worker migrate' again"
+        f" ({UPGRADING})."
+    )
 
 
 def _explain(migration: Migration, exc: psycopg.Error) -> str:
