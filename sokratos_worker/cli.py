@@ -204,7 +204,10 @@ def _add_migrate(commands: argparse._SubParsersAction[_Parser]) -> None:
         description="Apply the numbered SQL migrations that are not yet recorded, under an"
         " advisory lock (safe to run from several hosts at once). Warns (exit 0) of a"
         " migration recorded that only a newer sokratos-worker has, and of an applied one"
-        " whose file changed since.",
+        " whose file changed since. Exit 0 when every migration is applied; 75 when the"
+        " database stays unreachable or read-only past SOKRATOS_STARTUP_TIMEOUT; 78 when it may"
+        " not be migrated (no pgvector, a role that may not create tables) or a migration fails"
+        " as it would at every try (named, rolled back whole); 1 for other errors.",
     )
 
 
