@@ -367,6 +367,12 @@ class Settings(BaseSettings):
     @field_validator("data_dir")
     @classmethod
     def _directory(cls, value: Path, info: ValidationInfo) -> Path:
+        if not value.is_absolute():  # enqueue would spool where run never looks
+            raise ValueError(
+                f"{str(value)!r} is relative: each command would read it from its own working"
+                " directory (enqueue spools there, run imports from its own); give an absolute"
+                " path"
+            )
         # Caught now: later the embedded PostgreSQL or the spool would fail with a raw OSError.
         try:
             is_something_else = value.exists() and not value.is_dir()

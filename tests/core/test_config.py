@@ -656,3 +656,13 @@ def test_an_api_key_no_http_header_can_carry_is_refused_without_quoting_it(
         return
     error = _refusal(from_file)
     assert said in error.message and "api_key_file" in error.message
+
+
+@pytest.mark.parametrize("relative", ["data", "./data", "~/sokratos"])
+def test_a_relative_data_dir_is_refused(relative: str) -> None:
+    """enqueue spooled under its own working directory and a worker started elsewhere never
+    imported those files (found by an ingress hunt)."""
+    with pytest.raises(ConfigError) as err:
+        load_settings({"SOKRATOS_DATA_DIR": relative, "HOME": "/nonexistent"})
+    assert "SOKRATOS_DATA_DIR" in str(err.value)
+    assert "is relative" in str(err.value) and "absolute path" in str(err.value)
