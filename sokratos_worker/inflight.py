@@ -140,6 +140,14 @@ class InFlight:
                 return newer
             return self._items.get(key, item)
 
+    def correct(self, item: Item) -> None:
+        """Hold ``item`` in place of this process's claim of the same item (its attempt
+        corrected in the database): the settles are fenced by it."""
+        key = (item.queue, item.id)
+        with self.lock:
+            if key in self._items:
+                self._items[key] = item
+
     def untrack(self, item: Item, *, leave_leased: bool = False) -> tuple[bool, Item | None]:
         """The run of ``item`` is over. ``leave_leased``: it ran but its settle could not be
         written, so its lease (and attempt) stays; recorded in the same step, so the

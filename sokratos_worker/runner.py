@@ -542,12 +542,23 @@ class Runner:
         # logged while it is handled and settled, the pipelines' and LLM client's too, names it.
         # (A claim past the limit is not an attempt: its lines name the last one counted, as
         # its dead letter does.)
+        item = self._pay_owed_give_back(item)
         with structlog.contextvars.bound_contextvars(
             queue=item.queue.value,
             item_id=item.id,
             attempt=last_attempt(item, self.settings.max_attempts),
         ):
             return self._handle_and_settle(item)
+
+    def _pay_owed_give_back(self, item: Item) -> Item:
+        """The claim as it runs: with the give-back this process owes its previous attempt
+        written (:meth:`Settler.pay_owed_give_back`) before the attempt limit is checked, so an
+        outage on the last attempt does not dead-letter it; the settles are fenced by it."""
+        paid = self._settler.pay_owed_give_back(item)
+        if paid is None:
+            return item
+        self._inflight.correct(paid)
+        return paid
 
     def _handle_and_settle(self, item: Item) -> Item | None:
         """:meth:`_process` within the item's log context."""

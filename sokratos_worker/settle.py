@@ -10,6 +10,7 @@ the callables it is given: ``count``, ``untrack``, ``database_lost``, ``database
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +37,11 @@ from sokratos_worker.store.connection import (
     Connection,
     Database,
     claim_refusal,
+    lock_wait_limited,
     refused_by_setup,
     time_limited,
 )
+from sokratos_worker.store.queue_sql import QUEUE_SQL
 
 log = structlog.get_logger(__name__)
 
@@ -187,6 +190,9 @@ class Settler:
         self._claim_refused = claim_refused
         self._claim_accepted = claim_accepted
         self._database_give_backs: dict[tuple[Queue, int], int] = {}
+        # Give-backs not written (the outage outlasted the settle): the attempt owed, per item,
+        # written at this process's next claim of it (pay_owed_give_back).
+        self._owed_give_backs: dict[tuple[Queue, int], int] = {}
         self._give_backs_lock = threading.Lock()
 
     # -- success ---------------------------------------------------------------------
@@ -330,17 +336,73 @@ class Settler:
         return True
 
     def _give_back(self, item: Item, reason: str, bound: structlog.BoundLogger) -> str:
-        """Not the item's fault: its attempt given back."""
+        """Not the item's fault: its attempt given back. Owed until written (an abandoned
+        settle hands a claim of ours adopted meanwhile to a slot before it returns)."""
+        self._owe_give_back(item, owed=True)
         given = self._with_database(
             item, lambda c: store.give_back(c, item, owner=self.worker_id), bound
         )
         if given:
             self._count(item.queue, "given_back")
             bound.warning("attempt_given_back", reason=reason)
-            return RELEASED
-        if given is False:
-            return self.report_fenced(item, bound, released=RELEASED)
-        return ABANDONED
+            kind = RELEASED
+        else:
+            kind = ABANDONED if given is None else self.report_fenced(item, bound, RELEASED)
+        if kind == RELEASED:
+            self._owe_give_back(item, owed=False)
+        return kind
+
+    def _owe_give_back(self, item: Item, *, owed: bool) -> None:
+        """Remember (or forget) a give-back not written (the outage outlasted it, or this
+        process took the item over meanwhile), for this process's next claim of the item."""
+        key = (item.queue, item.id)
+        with self._give_backs_lock:
+            if not owed:
+                self._owed_give_backs.pop(key, None)
+                return
+            if len(self._owed_give_backs) >= _GIVE_BACKS_REMEMBERED:
+                self._owed_give_backs.clear()  # (a bound: an outage touches few items)
+            self._owed_give_backs[key] = item.attempt
+
+    def pay_owed_give_back(self, item: Item) -> Item | None:
+        """The claim ``item`` with the give-back this process owes its previous attempt written
+        (attempt uncounted, fenced in SQL: only when this claim took over our own lease of that
+        attempt); None when none is owed or it could not be written (the attempt counts)."""
+        if not self._owed_give_backs:  # (the hot path: nothing owed, no lock)
+            return None
+        with self._give_backs_lock:
+            owed = self._owed_give_backs.pop((item.queue, item.id), None)
+        if owed is None or owed != item.attempt - 1:
+            return None
+        params = {"id": item.id, "owner": self.worker_id, "attempt": item.attempt}
+        bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=owed)
+        try:
+            # A row locked by a long transaction must not hold the slot: the attempt counts.
+            with (
+                self.database.connection() as conn,
+                lock_wait_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS),
+            ):
+                row = conn.execute(QUEUE_SQL[item.queue].give_back_owed, params).fetchone()
+        except (DatabaseUnavailable, pg_errors.Error) as exc:
+            bound.warning(
+                "owed_give_back_failed",
+                error=describe(exc),
+                hint="its claim counts as another attempt, as for any settle an outage cut off",
+            )
+            return None
+        if row is None:
+            # Another worker's claim came in between: its count stands.
+            bound.info("owed_give_back_fenced")
+            return None
+        self._count(item.queue, "given_back")
+        bound.warning(
+            "owed_give_back_written",
+            hint="the database was away past 0.8 x SOKRATOS_LEASE: the give-back is written"
+            " now that this worker claims it again, and it runs under the same attempt",
+        )
+        return dataclasses.replace(
+            item, attempt=owed, errors=item.errors[:-1], took_over_lease=False
+        )
 
     def _schedule_retry(
         self,

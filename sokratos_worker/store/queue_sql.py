@@ -31,6 +31,7 @@ class _QueueSql:
     delete_fenced: bytes
     retry: bytes
     give_back: bytes
+    give_back_owed: bytes
     renew: bytes
     settle_plain: bytes
     settle_claim: dict[Queue, bytes]  # by the queue the next item is claimed from
@@ -95,6 +96,18 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                    lease_expires_at = NULL
                WHERE {fence} RETURNING id"""
         ).format(table=table, fence=fence),
+        # The give-back an outage kept this worker from writing for attempt N, written at its
+        # own claim N+1 that took over the lease it held: only if that claim's history entry
+        # (the last) names this worker's lease at attempt N, so an attempt another worker
+        # counted (or died in) is never uncounted; the entry goes with the attempt.
+        "give_back_owed": sql.SQL(
+            """UPDATE {table} SET attempts = attempts - 1, attempt_errors = attempt_errors - (-1)
+               WHERE {fence}
+                 AND attempt_errors -> -1 -> 'attempt' = to_jsonb(%(attempt)s::int - 1)
+                 AND attempt_errors -> -1 ->> 'error'
+                     = {died} || ' (its lease, held by ' || %(owner)s::text || ', expired)'
+               RETURNING id"""
+        ).format(table=table, fence=fence, died=sql.Literal(DIED_ENTRY)),
         # Leases run from clock_timestamp(), not now() (the statement's or transaction's start):
         # a statement that waited behind a lock longer than the lease would otherwise grant
         # one already over, and another worker would take the item while it runs here.
