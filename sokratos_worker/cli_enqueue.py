@@ -42,7 +42,8 @@ def _utf8_input(option: str, value: str) -> str:
             raise WorkerError(f"cannot read {value}: {exc.strerror or exc}") from exc
     else:
         return _argv_utf8(option, value)
-    return _utf8(option, raw)
+    # A byte order mark (Windows editors, PowerShell's redirection) is not part of the text.
+    return _utf8(option, raw).removeprefix("\ufeff")
 
 
 def _argv_utf8(option: str, value: str) -> str:

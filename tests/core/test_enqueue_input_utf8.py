@@ -76,3 +76,29 @@ def test_utf8_from_stdin_and_argv_is_queued_as_given(
     assert _enqueue(["triage", "--exchange", text, "--key", "argv"], env).returncode == 0
     rows = db.execute("SELECT payload->>'exchange' FROM pending_triage ORDER BY id").fetchall()
     assert [r[0] for r in rows] == [text.decode()] * 2
+
+
+@pytest.mark.parametrize("source", ["stdin", "path"])
+def test_a_byte_order_mark_from_a_file_or_stdin_is_not_part_of_the_text(
+    database_url: str, db: psycopg.Connection, tmp_path: Path, source: str
+) -> None:
+    """Windows editors and PowerShell's redirection start UTF-8 text with a BOM: a --file was
+    refused with Python's "decode using utf-8-sig", and an exchange kept an invisible U+FEFF."""
+    env = env_for(database_url, tmp_path, SOKRATOS_DATA_DIR=str(tmp_path / "d"))
+    bom = b"\xef\xbb\xbf"
+    archive = bom + b'{"archive_text": "user: caf\xc3\xa9 in Lisbon"}'
+    exchange = bom + "user: café in Lisbon\nassistant: noted".encode()
+    for kind, option, text in (("distillation", "--file", archive), ("triage", "--exchange", exchange)):
+        if source == "stdin":
+            proc = _enqueue([kind, option, "-"], env, text)
+        elif option == "--file":
+            path = tmp_path / "archive.json"
+            path.write_bytes(text)
+            proc = _enqueue([kind, option, str(path)], env)
+        else:
+            continue  # (--exchange takes no file)
+        assert proc.returncode == 0, os.fsdecode(proc.stderr)
+    archived = db.execute("SELECT payload->>'archive_text' FROM pending_distillation").fetchall()
+    assert archived == [("user: café in Lisbon",)]
+    exchanges = db.execute("SELECT payload->>'exchange' FROM pending_triage").fetchall()
+    assert exchanges == ([("user: café in Lisbon\nassistant: noted",)] if source == "stdin" else [])
