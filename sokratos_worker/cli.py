@@ -205,7 +205,8 @@ def _add_migrate(commands: argparse._SubParsersAction[_Parser]) -> None:
         " advisory lock (safe to run from several hosts at once). Warns (exit 0) of a"
         " migration recorded that only a newer sokratos-worker has, and of an applied one"
         " whose file changed since. Exit 0 when every migration is applied; 75 when the"
-        " database stays unreachable or read-only past SOKRATOS_STARTUP_TIMEOUT; 78 when it may"
+        " database stays unreachable or read-only past SOKRATOS_STARTUP_TIMEOUT (or a"
+        " deadlock, full disk or connection limit ends a migration); 78 when it may"
         " not be migrated (no pgvector, a role that may not create tables) or a migration fails"
         " as it would at every try (named, rolled back whole); 1 for other errors.",
     )
@@ -469,7 +470,7 @@ def _reported_exit_code(exc: Exception, settings: Settings) -> int | None:
     """Say on stderr what ``exc`` means for the operator and return the exit code; None for
     an error with no known meaning (its traceback is the report)."""
     if isinstance(exc, ConfigError):
-        print(f"sokratos-worker: invalid configuration: {exc}", file=sys.stderr)
+        print(f"sokratos-worker: {exc.heading + ': ' if exc.heading else ''}{exc}", file=sys.stderr)
         return EXIT_CONFIG
     if isinstance(exc, TableLocked):
         print(f"sokratos-worker: {exc}", file=sys.stderr)

@@ -123,7 +123,8 @@ def _host_time(when: datetime) -> str:
     """``when`` in the host's zone, or as the server gave it when no datetime holds it there
     (Go's zero time west of UTC is year 0, the last hours of 9999 east of it year 10000)."""
     try:
-        return f"{when.astimezone():%Y-%m-%d %H:%M %Z}"
+        local = when.astimezone()
+        return f"{local.year:04d}-{local:%m-%d %H:%M %Z}"  # (glibc's %Y leaves 1 as "1")
     except OverflowError:
         return when.isoformat(" ", "minutes")
 

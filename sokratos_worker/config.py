@@ -369,9 +369,9 @@ class Settings(BaseSettings):
     def _directory(cls, value: Path, info: ValidationInfo) -> Path:
         if not value.is_absolute():  # enqueue would spool where run never looks
             raise ValueError(
-                f"{str(value)!r} is relative: each command would read it from its own working"
-                " directory (enqueue spools there, run imports from its own); give an absolute"
-                " path"
+                f"{str(value)!r} is relative (~ is not expanded): each command would read it"
+                " from its own working directory (enqueue spools there, run imports from its"
+                " own); give an absolute path"
             )
         # Caught now: later the embedded PostgreSQL or the spool would fail with a raw OSError.
         try:

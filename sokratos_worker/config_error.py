@@ -13,6 +13,8 @@ from __future__ import annotations
 class ConfigError(Exception):
     """Invalid configuration: ``variable`` names what to fix, ``message`` says why."""
 
+    heading = "invalid configuration"  # what the CLI's line calls it (before the message)
+
     def __init__(self, variable: str, message: str) -> None:
         super().__init__(f"{variable}: {message}")
         self.variable = variable

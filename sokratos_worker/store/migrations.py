@@ -57,6 +57,16 @@ class MigrationRefused(MigrationError, ConfigError):
         ConfigError.__init__(self, "SOKRATOS_DATABASE_URL", message)
 
 
+class MigrationFailedForGood(MigrationRefused):
+    """A migration the database refused half-way as it would at every try: 78 as a refusal,
+    but told as the migration's failure, not as something wrong with the URL."""
+
+    heading = ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass(frozen=True)
 class Migration:
     """One ``sql/NNNN_name.sql`` file."""
@@ -342,7 +352,7 @@ def _create_history_table(conn: psycopg.Connection) -> None:
 def _apply_one(conn: psycopg.Connection, migration: Migration, on_progress: Progress) -> None:
     """Apply ``migration`` in one transaction, retried while its locks are not to be had."""
     started, delay = time.monotonic(), 1.0
-    while not _applied_within_lock_timeout(conn, migration):
+    while not _applied_after_a_create_race(conn, migration):
         holders = _long_lock_holders(conn)
         on_progress(f"migration {migration.name} waits for tables held by {_named(holders)}")
         log.warning(
@@ -376,6 +386,26 @@ def _long_lock_holders(conn: psycopg.Connection) -> list[dict[str, Any]]:
     return [{**session(r), "tables": str(r[6])} for r in rows]
 
 
+def _applied_after_a_create_race(conn: psycopg.Connection, migration: Migration) -> bool:
+    """As _applied_within_lock_timeout, tried again at once when another session created one
+    of its objects meanwhile (Sokratos starting on the same fresh database): IF NOT EXISTS
+    does not wait for a creation in flight, so the catalog's unique index refused ours."""
+    tries = 1
+    while True:
+        try:
+            return _applied_within_lock_timeout(conn, migration)
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.schema_name != "pg_catalog" or tries >= CREATE_RACE_TRIES:
+                raise MigrationFailedForGood(_failed(migration, exc)) from exc
+            tries += 1
+            log.info(
+                "migration_create_raced",
+                migration=migration.name,
+                error=exc.diag.message_primary,
+                hint="another session created the same object at the same moment; tried again",
+            )
+
+
 def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration) -> bool:
     """True once applied and recorded; False when a lock was not granted in time."""
     try:
@@ -399,11 +429,15 @@ def _applied_within_lock_timeout(conn: psycopg.Connection, migration: Migration)
     except psycopg.Error as exc:
         if is_transient(exc) or isinstance(exc, psycopg.errors.QueryCanceled):
             raise  # (not the migration's own failure: the command says what happened)
+        if isinstance(exc, psycopg.errors.UniqueViolation):
+            raise  # (the caller tells a creation race from a name taken for good)
         # Read as "the schema is missing", it sent the operator to run the migrate that failed.
         if (exc.sqlstate or "")[:2] in _FAILS_AGAIN:
-            raise MigrationRefused(_failed(migration, exc)) from exc  # (78: no restart loop)
+            raise MigrationFailedForGood(_failed(migration, exc)) from exc  # (78: no restart loop)
         raise MigrationError(_failed(migration, exc)) from exc
 
+
+CREATE_RACE_TRIES = 3
 
 # SQLSTATE classes a migration's statements meet again at every try, whatever the moment:
 # wrong data, a constraint, a name taken or missing, a dependent object, a program limit.

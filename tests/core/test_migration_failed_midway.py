@@ -44,6 +44,8 @@ def test_a_failing_migration_is_rolled_back_and_named(
         assert 'column "decided_at" does not exist' in done.stderr, done.stderr
         assert "rolled back" in done.stderr, done.stderr
         assert "run 'sokratos-worker migrate' first" not in done.stderr, done.stderr
+        # Told as the migration's failure, not as a wrong SOKRATOS_DATABASE_URL.
+        assert done.stderr.startswith("sokratos-worker: migration 0002_tables failed"), done.stderr
 
     # 0001 committed before; nothing of 0002 stayed (its first table is not there).
     assert _recorded(url) == [1]
@@ -101,3 +103,43 @@ def test_a_cancelled_migration_is_told_as_a_cancel_to_run_again(
     assert 47 not in _recorded(url)
     assert run_cli(["migrate"], env).returncode == 0
     assert 50 in _recorded(url)
+
+
+def test_a_migration_that_meets_another_session_creating_the_same_object_finishes(
+    tmp_path: Path, empty_database_url: str
+) -> None:
+    """IF NOT EXISTS does not wait for a creation in flight: when Sokratos (or another
+    installer) creates the pgvector extension on the same fresh database at the same moment,
+    the catalog's unique index refuses ours (23505). That is no name taken for good: it exited
+    78, which keeps a systemd worker down, though the next try adopts the extension (found by a
+    review)."""
+    url = empty_database_url
+    env = cli_env(tmp_path, SOKRATOS_DATABASE_URL=url)
+    other = psycopg.connect(url)
+    other.execute("CREATE EXTENSION IF NOT EXISTS vector")  # not committed yet
+    migrating = subprocess.Popen(
+        [sys.executable, "-m", "sokratos_worker", "migrate"],
+        env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            deadline = time.monotonic() + 60
+            waiting = False
+            while not waiting and time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query ILIKE '%CREATE EXTENSION%' AND pid <> pg_backend_pid()"
+                ).fetchone()
+                waiting = bool(row and row[0])
+                time.sleep(0.02)
+            assert waiting, "the migration never waited for the other session's extension"
+        other.commit()
+        _, err = migrating.communicate(timeout=120)
+    finally:
+        other.close()
+        if migrating.poll() is None:
+            migrating.kill()
+            migrating.wait()
+    assert migrating.returncode == 0, err
+    assert '"event": "migration_create_raced"' in err or "migration_create_raced" in err, err
+    assert sorted(_recorded(url)) == [m.version for m in load_migrations()]
