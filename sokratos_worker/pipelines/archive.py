@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sokratos_worker import jsontext
 from sokratos_worker.errors import InvalidPayload
 from sokratos_worker.pipelines.text import (
     byte_len,
@@ -26,6 +27,10 @@ TOOL_RESULT_MAX_BYTES = 1000
 AGENT_STATE_MARKER = "\n\n[Current Agent State]"
 _HEADER = re.compile(r"^\[Conversation archived[^\]]*\]\s*$")
 _TIME_FORMAT = "%Y-%m-%d %H:%M"
+# Sokratos's own tool messages (behaviour §5.1): a result or error comes back as a user
+# message with this prefix; a call is the assistant's content, a JSON object with a "name".
+TOOL_RESULT_PREFIX = "Tool result:"
+TOOL_ERROR_PREFIX = "Tool error:"
 # A window or piece that starts inside a message starts with this and the message's speaker.
 CONTINUED = "[continued] "
 # A speaker's label in that marker is at most this long (a tool's name is the payload's).
@@ -110,15 +115,18 @@ def _formatted_entries(messages: object) -> list[tuple[str, str]]:
         raise InvalidPayload("messages", "must be a list")
     tool_names: dict[str, str] = {}
     entries: list[tuple[str, str]] = []
+    last_call = "tool"  # the tool an assistant's JSON call last named (Sokratos's own form)
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidPayload(f"messages[{i}]", "must be an object")
-        entries.extend(_format_message(i, message, tool_names))
+        entries.extend(_format_message(i, message, tool_names, last_call))
+        if message.get("role") == "assistant":
+            last_call = _sokratos_call_name(message.get("content")) or "tool"
     return entries
 
 
 def _format_message(
-    i: int, message: dict[str, Any], tool_names: dict[str, str]
+    i: int, message: dict[str, Any], tool_names: dict[str, str], last_call: str
 ) -> list[tuple[str, str]]:
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:  # a list or object role raised TypeError
@@ -129,16 +137,21 @@ def _format_message(
     name = _optional_str(i, message, "name")
     call_id = _optional_str(i, message, "tool_call_id")
     prefix = _timestamp_prefix(i, message)
-    text = _clean(content or "")
     if role == "system":
         return []  # the system prompt holds instructions, not facts about the user
+    if role == "user" and content and content.startswith(TOOL_RESULT_PREFIX):
+        return _tool_result(prefix, last_call, "result", content[len(TOOL_RESULT_PREFIX) :])
+    if role == "user" and content and content.startswith(TOOL_ERROR_PREFIX):
+        return _tool_result(prefix, last_call, "error", content[len(TOOL_ERROR_PREFIX) :])
     if role == "tool":
-        if not text:  # as Go drops it: an archive of nothing else is empty, not sent
-            return []
         tool = name or tool_names.get(call_id or "", "tool")
-        label = f"[{tool} result] "
-        return [(f"{prefix}{label}{truncate(text, TOOL_RESULT_MAX_BYTES)}", label)]
-    lines = [(f"{prefix}{role}: {text}", f"{role}: ")] if text else []
+        return _tool_result(prefix, tool, "result", content or "")
+    sokratos_call = _sokratos_call(content) if role == "assistant" else None
+    text = _clean(content or "")
+    if sokratos_call is not None:
+        lines = [_tool_call_line(prefix, *sokratos_call)]
+    else:
+        lines = [(f"{prefix}{role}: {text}", f"{role}: ")] if text else []
     if role == "assistant":
         for call in _tool_calls(i, message):
             call_name, arguments, call_ref = call
@@ -148,10 +161,54 @@ def _format_message(
     return lines
 
 
+def _tool_result(prefix: str, tool: str, kind: str, content: str) -> list[tuple[str, str]]:
+    """A tool's result (or error) as ``[tool result] body``, the body bounded; none when empty
+    (as Go drops it: an archive of nothing else is empty, not sent)."""
+    text = _clean(content)
+    if not text:
+        return []
+    label = f"[{tool} {kind}] "
+    return [(f"{prefix}{label}{truncate(text, TOOL_RESULT_MAX_BYTES)}", label)]
+
+
 def _tool_call_line(prefix: str, name: str, arguments: str) -> tuple[str, str]:
     """A tool call as ``assistant called name(arguments)``, the arguments bounded."""
     label = f"assistant called {name}("
     return f"{prefix}{label}{truncate(arguments, TOOL_ARGUMENTS_MAX_BYTES)})", label
+
+
+def _sokratos_call(content: object) -> tuple[str, str] | None:
+    """(name, arguments) when ``content`` is Sokratos's own tool call (behaviour §5.1: after
+    a leading code-fence line and a trailing fence are stripped, a JSON object with a "name"
+    key); the arguments are the object's "arguments" when that is all it holds besides the
+    name, else every other key."""
+    if not isinstance(content, str):
+        return None
+    text = content.strip()
+    if text.startswith("```"):
+        newline = text.find("\n")
+        if newline >= 0:
+            text = text[newline + 1 :]
+        text = text.removesuffix("```").strip()
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    try:
+        call = jsontext.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or "name" not in call:
+        return None
+    name = call.pop("name")
+    arguments: object = call["arguments"] if call.keys() == {"arguments"} else call
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    return str(name) if name else "tool", arguments
+
+
+def _sokratos_call_name(content: object) -> str | None:
+    """The tool an assistant's content calls in Sokratos's own form, if it is one."""
+    call = _sokratos_call(content)
+    return call[0] if call is not None else None
 
 
 def _tool_calls(i: int, message: dict[str, Any]) -> list[tuple[str, str, str]]:
