@@ -15,14 +15,15 @@ from sokratos_worker.llm.types import (
 from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
-from sokratos_worker.pipelines.archive import Archive, archive_from_payload, header_only
-from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
-from sokratos_worker.pipelines.text import (
-    MAX_CHUNK_BYTES,
-    SHORTEST_HALVED_BYTES,
-    byte_len,
-    chunk_text,
+from sokratos_worker.pipelines.archive import (
+    Archive,
+    Window,
+    archive_from_payload,
+    header_only,
+    windows,
 )
+from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
+from sokratos_worker.pipelines.text import MAX_CHUNK_BYTES, SHORTEST_HALVED_BYTES, byte_len
 from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter, WritePlan, contradiction_note
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
@@ -67,7 +68,7 @@ class DistillationHandler:
             return ()  # an invalid payload is kept whole in failed_operations instead
         if archive.empty:
             return ()
-        chunks = _pieces(archive.text.strip(), MAX_CHUNK_BYTES)
+        chunks = [piece.text for piece in _pieces(archive.stripped(), MAX_CHUNK_BYTES)]
         rows = self._embed_best_effort(item, chunks)
         model = self.embedder.model if self.embedder is not None else None
         return tuple(
@@ -95,26 +96,29 @@ class DistillationHandler:
         so nothing in it goes undistilled. Returns the facts, the backend that answered last
         and the backends passed over on the way (each named once).
         """
-        windows = _pieces(archive.text, DISTILL_MAX_BYTES)
-        if len(windows) > 1:
+        pieces = _pieces(archive, DISTILL_MAX_BYTES)
+        if len(pieces) > 1:
             log.info(
                 "distillation_in_windows",
                 item_id=item.id,
-                windows=len(windows),
+                windows=len(pieces),
                 bytes=byte_len(archive.text),
             )
         facts: list[Fact] = []
         backend = ""
         passed: dict[str, None] = {}  # (ordered, each once)
-        for window in windows:
-            found, backend, passed_here = self._distil_window(item, window)
+        for window in pieces:
+            found, backend, passed_here = self._distil_window(item, archive, window)
             facts.extend(found)
             passed.update(dict.fromkeys(passed_here))
         return facts, backend, "; ".join(passed)
 
-    def _distil_window(self, item: Item, text: str) -> tuple[list[Fact], str, list[str]]:
+    def _distil_window(
+        self, item: Item, archive: Archive, window: Window
+    ) -> tuple[list[Fact], str, list[str]]:
         """One call; on "context too long", the window's halves, and theirs, down to
         SHORTEST_HALVED_BYTES."""
+        text = window.text
         try:
             result = self.chat.complete(
                 response_model=Distillation,
@@ -130,8 +134,9 @@ class DistillationHandler:
             facts: list[Fact] = []
             backend = ""
             passed: list[str] = []
-            for half in _pieces(text, max(MIN_HALF_BYTES, byte_len(text) // 2)):
-                found, backend, passed_here = self._distil_window(item, half)
+            half_bytes = max(MIN_HALF_BYTES, byte_len(text) // 2)
+            for half in _pieces(archive, half_bytes, window):
+                found, backend, passed_here = self._distil_window(item, archive, half)
                 facts.extend(found)
                 passed.extend(passed_here)
             return facts, backend, passed
@@ -236,12 +241,14 @@ class DistillationHandler:
         return [(chunk, vec) for chunk, vec in zip(chunks, vectors, strict=True)]
 
 
-def _pieces(text: str, max_bytes: int) -> list[str]:
-    """``text`` in pieces of at most ``max_bytes``, every message kept (min_bytes=1: no scrap
-    rule), but none holding only the archive's header: a first message too long to share a
-    piece with it leaves the header alone, a memory or a model call that holds nothing."""
-    pieces = chunk_text(text, max_bytes, min_bytes=1)
-    return [piece for piece in pieces if not header_only(piece)] or pieces
+def _pieces(archive: Archive, max_bytes: int, within: Window | None = None) -> list[Window]:
+    """The archive (or the part of it ``within`` holds) in pieces of at most ``max_bytes``,
+    every message kept (no scrap rule), each piece cut inside a message naming its speaker,
+    but none holding only the archive's header: a first message too long to share a piece
+    with it leaves the header alone, a memory or a model call that holds nothing."""
+    span = (within.start, within.end) if within is not None else (0, None)
+    pieces = windows(archive, max_bytes, *span)
+    return [piece for piece in pieces if not header_only(piece.text)] or pieces
 
 
 def _bounded(item: Item, archive: Archive) -> Archive:

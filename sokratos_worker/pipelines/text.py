@@ -79,18 +79,23 @@ def chunk_text(
     chunks: list[str] = []
     rest = data
     while rest:
-        if len(rest) <= max_bytes:
-            window = rest
-        else:
-            window = rest[: _rune_start(rest, max_bytes) or _first_char_len(rest)]
-            newline = window.rfind(b"\n")
-            if newline > 0:
-                window = window[: newline + 1]
+        window = rest[: window_length(rest, max_bytes)]
         rest = rest[len(window) :]
         chunk = window.decode("utf-8").strip()
         if byte_len(chunk) >= min_bytes:
             chunks.append(chunk)
     return chunks or [text.strip()]
+
+
+def window_length(data: bytes, max_bytes: int) -> int:
+    """How many bytes of ``data`` the next chunk takes: all of it when it fits, else at most
+    ``max_bytes`` ending after the last newline there (if any), never inside a character and
+    never nothing (at least one whole character)."""
+    if len(data) <= max_bytes:
+        return len(data)
+    window = data[: _rune_start(data, max_bytes) or _first_char_len(data)]
+    newline = window.rfind(b"\n")
+    return newline + 1 if newline > 0 else len(window)
 
 
 def is_trivial(exchange: str) -> bool:
