@@ -20,6 +20,7 @@ from sokratos_worker.pipelines.text import (
     truncate_within,
     window_length,
 )
+from sokratos_worker.store.sanitize import clean_text
 
 ROLES = frozenset({"user", "assistant", "tool", "system"})
 TOOL_ARGUMENTS_MAX_BYTES = 500
@@ -167,13 +168,13 @@ def _tool_result(prefix: str, tool: str, kind: str, content: str) -> list[tuple[
     text = _clean(content)
     if not text:
         return []
-    label = f"[{tool} {kind}] "
+    label = f"[{truncate_within(tool, _LABEL_MAX_BYTES)} {kind}] "  # (repeated on every result)
     return [(f"{prefix}{label}{truncate(text, TOOL_RESULT_MAX_BYTES)}", label)]
 
 
 def _tool_call_line(prefix: str, name: str, arguments: str) -> tuple[str, str]:
     """A tool call as ``assistant called name(arguments)``, the arguments bounded."""
-    label = f"assistant called {name}("
+    label = f"assistant called {truncate_within(name, _LABEL_MAX_BYTES)}("
     return f"{prefix}{label}{truncate(arguments, TOOL_ARGUMENTS_MAX_BYTES)})", label
 
 
@@ -193,7 +194,7 @@ def _sokratos_call(content: object) -> tuple[str, str] | None:
     if not (text.startswith("{") and text.endswith("}")):
         return None
     try:
-        call = jsontext.loads(text)
+        call = jsontext.loads(text, parse_constant=_not_json)
     except ValueError:
         return None
     if not isinstance(call, dict) or "name" not in call:
@@ -202,7 +203,14 @@ def _sokratos_call(content: object) -> tuple[str, str] | None:
     arguments: object = call["arguments"] if call.keys() == {"arguments"} else call
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
-    return str(name) if name else "tool", arguments
+    # Escapes a payload may hold (\\u0000, a lone \\ud83d) are real characters once parsed,
+    # which no archive can be written with: kept as the escapes they were.
+    return (clean_text(str(name)) if name else "tool"), clean_text(arguments)
+
+
+def _not_json(constant: str) -> float:
+    """NaN and the infinities are no JSON (Go's parser refuses them; Python's takes them)."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _sokratos_call_name(content: object) -> str | None:

@@ -141,3 +141,51 @@ def test_sokratos_forms_are_recognised_exactly_as_sokratos_does() -> None:
 def test_a_sokratos_call_is_cut_at_500_bytes() -> None:
     message = {"role": "assistant", "content": json.dumps({"name": "f", "arguments": "a" * 600})}
     assert format_messages([message]) == ["assistant called f(" + "a" * 500 + "...)"]
+
+
+@pytest.mark.parametrize(
+    "call",
+    ['{"name": "web_search", "arguments": {"q": "\\ud83d"}}', '{"name": "web\\u0000search"}'],
+    ids=["lone surrogate", "nul"],
+)
+def test_an_escape_in_a_sokratos_call_stays_an_escape(call: str) -> None:
+    """Parsed, the call's \\ud83d or \\u0000 became a real lone surrogate or NUL: the archive
+    could not be encoded or stored, so the conversation lost its distillation and its raw
+    archive both, and the client's check raised UnicodeEncodeError (found by a review)."""
+    from sokratos_worker import client
+
+    payload = {
+        "messages": [
+            {"role": "user", "content": "I live in Oslo and I am looking for a flat."},
+            {"role": "assistant", "content": call},
+            {"role": "user", "content": "Tool result: ok"},
+        ]
+    }
+    client.check_distillation(payload)  # (raised UnicodeEncodeError)
+    lines = format_messages(payload["messages"])
+    text = "\n".join(lines)
+    text.encode("utf-8")  # storable: no lone surrogate
+    assert "\x00" not in text
+    assert lines[1].startswith("assistant called web")
+    assert ("\\ud83d" in lines[1]) if "ud83d" in call else ("\\u0000" in lines[1])
+
+
+def test_a_huge_tool_name_is_not_repeated_past_the_archive_limit() -> None:
+    """The name labels every result after its call: a 100 kB name and five short results made
+    a 600 kB archive from a 100 kB payload, refused whole (found by a review)."""
+    name = "n" * 100_000
+    messages = [
+        {"role": "user", "content": "Please look up the weather in Oslo for the trip."},
+        {"role": "assistant", "content": json.dumps({"name": name, "arguments": {}})},
+        *[{"role": "user", "content": "Tool result: ok"} for _ in range(5)],
+    ]
+    lines = format_messages(messages)
+    assert len(lines) == 7
+    assert all(byte_len(line) < 300 for line in lines), [byte_len(line) for line in lines]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_reply_with_a_non_json_constant_is_the_assistants_words(constant: str) -> None:
+    """Go's parser refuses NaN and the infinities, so Sokratos keeps such a reply as words."""
+    content = '{"name": "x", "v": ' + constant + "}"
+    assert format_messages([{"role": "assistant", "content": content}]) == [f"assistant: {content}"]
