@@ -108,6 +108,15 @@ class Supersession:
 
 
 @dataclass(frozen=True)
+class DraftSupersession:
+    """Mark the memory written under ``old_origin``, planned earlier in the same item, superseded
+    by the one written under ``new_origin``: neither is in the table before the settle."""
+
+    old_origin: str
+    new_origin: str
+
+
+@dataclass(frozen=True)
 class Effects:
     """What a handler decided for one item; the store writes it in one transaction.
 
@@ -121,6 +130,8 @@ class Effects:
     supersessions: tuple[Supersession, ...] = ()
     existing_memory_ids: tuple[int, ...] = ()
     backend: str | None = None
+    # A later fact of the item contradicting an earlier one: applied after ``supersessions``.
+    draft_supersessions: tuple[DraftSupersession, ...] = ()
     # The backends passed over on the way to ``backend``'s answer: the recorded detail ends
     # with it, whatever the settle does to the detail (a near-duplicate found meanwhile).
     passed_over: str = ""

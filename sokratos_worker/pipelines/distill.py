@@ -12,7 +12,7 @@ from sokratos_worker.llm.types import (
     EmbeddingFailed,
     passed_over,
 )
-from sokratos_worker.model import Effects, Item, NewMemory, Outcome, Supersession
+from sokratos_worker.model import DraftSupersession, Effects, Item, NewMemory, Outcome, Supersession
 from sokratos_worker.pipelines import payload as fields
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.archive import (
@@ -24,7 +24,13 @@ from sokratos_worker.pipelines.archive import (
 )
 from sokratos_worker.pipelines.schemas import NOTABLE_FACT_SALIENCE, Distillation, Fact
 from sokratos_worker.pipelines.text import MAX_CHUNK_BYTES, SHORTEST_HALVED_BYTES, byte_len
-from sokratos_worker.pipelines.write import MemoryDraft, MemoryWriter, WritePlan, contradiction_note
+from sokratos_worker.pipelines.write import (
+    EarlierFacts,
+    MemoryDraft,
+    MemoryWriter,
+    WritePlan,
+    contradiction_note,
+)
 from sokratos_worker.store.sanitize import ESCAPED_NOTE
 
 log = structlog.get_logger(__name__)
@@ -150,11 +156,12 @@ class DistillationHandler:
         seen: set[str] = set()
         memories: list[NewMemory] = []
         supersessions: list[Supersession] = []
+        later: list[DraftSupersession] = []  # earlier facts a later one contradicts
         existing: list[int] = []
         known = 0  # facts matching one planned earlier in this item (no existing memory)
         plans: list[WritePlan] = []  # (their contradiction checks, for the detail)
         escaped = 0  # facts whose text held NUL or lone surrogates
-        batch: list[tuple[float, ...]] = []  # the vectors of the facts planned so far
+        earlier = EarlierFacts()  # the facts planned so far, compared with as if saved
         extracted = len(facts)
         facts = _notable(item, facts)
         minor = extracted - len(facts)
@@ -172,10 +179,9 @@ class DistillationHandler:
                 pipeline_id=pipeline_id,
             )
             plan = self.writer.plan(
-                item, draft, first_chunk=len(memories), fact_dedupe=True, batch=batch
+                item, draft, first_chunk=len(memories), fact_dedupe=True, earlier=earlier
             )
-            if plan.memories and plan.memories[0].embedding is not None:
-                batch.append(plan.memories[0].embedding)
+            earlier.add(plan)
             if plan.known_fact_of is not None:
                 existing.append(plan.known_fact_of)
             elif plan.known_fact:
@@ -184,6 +190,7 @@ class DistillationHandler:
                 existing.append(plan.duplicate_of)
             memories.extend(plan.memories)
             supersessions.extend(plan.supersessions)
+            later.extend(plan.draft_supersessions)
             plans.append(plan)
             escaped += plan.escaped
         log.info(
@@ -193,7 +200,7 @@ class DistillationHandler:
             below_notable=minor,
             new=len(memories),
             known=known + len(existing),
-            superseded=len(supersessions),
+            superseded=len(supersessions) + len(later),
             backend=backend,
         )
         below = f", {minor} below salience {NOTABLE_FACT_SALIENCE:g}" if minor else ""
@@ -203,6 +210,8 @@ class DistillationHandler:
                 Outcome.SKIPPED, detail=detail, existing_memory_ids=tuple(existing), backend=backend
             )
         detail = f"{len(seen) - known - len(existing)} new facts of {extracted}{below}"
+        if later:
+            detail += f"; {len(later)} superseded by a later fact of the same archive"
         note = contradiction_note(plans)
         if note:
             detail += f"; {note}"
@@ -213,6 +222,7 @@ class DistillationHandler:
             detail=detail,
             memories=tuple(memories),
             supersessions=tuple(supersessions),
+            draft_supersessions=tuple(later),
             existing_memory_ids=tuple(existing),
             backend=backend,
         )

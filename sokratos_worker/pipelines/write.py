@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import structlog
@@ -22,7 +22,7 @@ from sokratos_worker.llm.types import (
     EmbeddingFailed,
     RequestRefused,
 )
-from sokratos_worker.model import Item, NewMemory, Supersession
+from sokratos_worker.model import DraftSupersession, Item, NewMemory, Supersession
 from sokratos_worker.pipelines import prompts
 from sokratos_worker.pipelines.schemas import ContradictionVerdicts
 from sokratos_worker.pipelines.text import chunk_text
@@ -45,10 +45,70 @@ log = structlog.get_logger(__name__)
 _NO_VERDICT = (BackendsUnavailable, RequestRefused)
 
 
+@dataclass(frozen=True)
+class PlannedRow:
+    """A row planned for an earlier fact of the same item: written in the same transaction,
+    so not in the table yet, but compared with as if it were (Sokratos saves facts one by one)."""
+
+    origin: str
+    summary: str
+    vector: tuple[float, ...]
+
+
+# What a contradiction check compares with: a saved memory, or an earlier fact's row.
+Candidate = MemorySnippet | PlannedRow
+
+
+@dataclass
+class EarlierFacts:
+    """The rows an item's earlier facts will write and what they supersede, so that a later
+    fact is checked against them as if they were saved (a known fact, a contradiction)."""
+
+    rows: list[PlannedRow] = field(default_factory=list)
+    superseded_ids: set[int] = field(default_factory=set)  # saved memories they supersede
+    superseded_origins: set[str] = field(default_factory=set)  # their rows later facts do
+
+    def add(self, plan: WritePlan) -> None:
+        """Count ``plan``'s rows and supersessions in, once it is planned."""
+        self.rows += [
+            PlannedRow(m.origin, m.summary, m.embedding)
+            for m in plan.memories
+            if m.embedding is not None
+        ]
+        self.superseded_ids.update(s.old_memory_id for s in plan.supersessions)
+        self.superseded_origins.update(s.old_origin for s in plan.draft_supersessions)
+
+    def known(self, vec: Sequence[float]) -> bool:
+        """Whether a row lies within 0.15, superseded or not (as the table's check counts)."""
+        return any(cosine_distance(vec, row.vector) < FACT_DUPLICATE_DISTANCE for row in self.rows)
+
+    def live_near(
+        self, vec: Sequence[float], max_distance: float
+    ) -> list[tuple[float, PlannedRow]]:
+        """The rows no later fact superseded within ``max_distance``, with their distances."""
+        near = [(cosine_distance(vec, row.vector), row) for row in self.rows]
+        return [
+            (distance, row)
+            for distance, row in near
+            if distance < max_distance and row.origin not in self.superseded_origins
+        ]
+
+
 def _superseding(
-    contradicted: Sequence[MemorySnippet], new_origin: str
-) -> tuple[Supersession, ...]:
-    return tuple(Supersession(old_memory_id=c.id, new_origin=new_origin) for c in contradicted)
+    contradicted: Sequence[Candidate], new_origin: str
+) -> tuple[tuple[Supersession, ...], tuple[DraftSupersession, ...]]:
+    """The supersessions of saved memories, then of earlier facts' rows."""
+    saved = tuple(
+        Supersession(old_memory_id=c.id, new_origin=new_origin)
+        for c in contradicted
+        if isinstance(c, MemorySnippet)
+    )
+    planned = tuple(
+        DraftSupersession(old_origin=c.origin, new_origin=new_origin)
+        for c in contradicted
+        if isinstance(c, PlannedRow)
+    )
+    return saved, planned
 
 
 @dataclass(frozen=True)
@@ -57,13 +117,13 @@ class ContradictionCheck:
     many got a verdict, how many none, and why (no valid verdict only means no supersession
     for those: the memory itself is still worth saving)."""
 
-    contradicted: tuple[MemorySnippet, ...] = ()
+    contradicted: tuple[Candidate, ...] = ()
     checked: int = 0
     unchecked: int = 0
     failed: str | None = None  # the errors' class names, when some got no verdict
 
 
-def _unchecked(candidates: Sequence[MemorySnippet], error: str) -> ContradictionCheck:
+def _unchecked(candidates: Sequence[Candidate], error: str) -> ContradictionCheck:
     return ContradictionCheck(unchecked=len(candidates), failed=error)
 
 
@@ -96,6 +156,7 @@ class WritePlan:
 
     memories: tuple[NewMemory, ...] = ()
     supersessions: tuple[Supersession, ...] = ()
+    draft_supersessions: tuple[DraftSupersession, ...] = ()  # of earlier facts of the item
     duplicate_of: int | None = None
     known_fact: bool = False
     # The saved memory within 0.15 (None when the match is a fact planned earlier in the item).
@@ -116,7 +177,7 @@ def contradiction_note(plans: Sequence[WritePlan]) -> str:
     why = ", ".join(sorted({str(plan.contradiction_failed) for plan in failed}))
     unchecked = sum(plan.unchecked for plan in failed)
     candidates = unchecked + sum(plan.checked for plan in failed)
-    superseded = sum(len(plan.supersessions) for plan in failed) or "nothing"
+    superseded = sum(len(p.supersessions) + len(p.draft_supersessions) for p in failed) or "nothing"
     return (
         f"contradiction check failed ({why}): {unchecked} of {candidates} candidates unchecked,"
         f" {superseded} superseded"
@@ -157,13 +218,14 @@ class MemoryWriter:
         *,
         first_chunk: int = 0,
         fact_dedupe: bool = False,
-        batch: Sequence[Sequence[float]] = (),
+        earlier: EarlierFacts | None = None,
     ) -> WritePlan:
         """Rows for ``draft`` with origins ``item.origin(first_chunk + i)``.
 
-        ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation),
-        including the facts planned before it from the same item (``batch``: their vectors),
-        which are written in the same transaction and so are not in the table yet.
+        ``fact_dedupe`` also drops the draft when any memory lies within 0.15 (distillation).
+        The facts planned before it from the same item (``earlier``), written in the same
+        transaction and so not in the table yet, count as saved memories for that check and
+        the contradiction check: a later fact contradicting one supersedes it.
         Embedding and chat-backend outages propagate (the attempt is given back), and so does a
         contradiction request every backend refuses (:class:`RequestRefused`, the attempt
         used); a verdict that failed (no valid reply) does not: the memory is saved without
@@ -174,10 +236,11 @@ class MemoryWriter:
         if self.embedder is None:
             bare = [(chunk, None) for chunk in chunks]
             return WritePlan(memories=self._rows(item, draft, bare, first_chunk), escaped=escaped)
+        earlier = earlier or EarlierFacts()
         first = self._embed(chunks[0])
         vec = first[0][1]
         if fact_dedupe:
-            if any(cosine_distance(vec, other) < FACT_DUPLICATE_DISTANCE for other in batch):
+            if earlier.known(vec):
                 return WritePlan(known_fact=True)
             known = self.reader.known_fact_id(vec, FACT_DUPLICATE_DISTANCE)
             if known is not None:
@@ -189,10 +252,12 @@ class MemoryWriter:
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
         memories = self._rows(item, draft, embedded, first_chunk, fact_check=fact_dedupe)
-        check = self._contradictions(item, draft.text, vec)
+        check = self._contradictions(item, draft.text, vec, earlier)
+        saved, planned = _superseding(check.contradicted, memories[0].origin)
         return WritePlan(
             memories=memories,
-            supersessions=_superseding(check.contradicted, memories[0].origin),
+            supersessions=saved,
+            draft_supersessions=planned,
             contradiction_failed=check.failed,
             checked=check.checked,
             unchecked=check.unchecked,
@@ -240,12 +305,14 @@ class MemoryWriter:
             for i, (text, vec) in enumerate(chunks)
         )
 
-    def _contradictions(self, item: Item, summary: str, vec: list[float]) -> ContradictionCheck:
-        """The live memories the LLM judges contradicted by ``summary``, and the candidates
-        no verdict came for (logged)."""
+    def _contradictions(
+        self, item: Item, summary: str, vec: list[float], earlier: EarlierFacts
+    ) -> ContradictionCheck:
+        """The live memories (and earlier facts) the LLM judges contradicted by ``summary``,
+        and the candidates no verdict came for (logged)."""
         if self.chat is None:
             return ContradictionCheck()
-        candidates = self.reader.similar_live(vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES)
+        candidates = self._candidates(vec, earlier)
         if not candidates:
             return ContradictionCheck()
         check = self._check(self.chat, item, summary, candidates)
@@ -259,8 +326,21 @@ class MemoryWriter:
             )
         return check
 
+    def _candidates(self, vec: list[float], earlier: EarlierFacts) -> list[Candidate]:
+        """The nearest live memories within 0.4, the earlier facts' rows among them as if
+        saved, and without the memories those supersede (nearest first, saved ones on a tie)."""
+        saved = self.reader.similar_live(
+            vec, CONTRADICTION_DISTANCE, CONTRADICTION_CANDIDATES + len(earlier.superseded_ids)
+        )
+        near: list[tuple[float, Candidate]] = [
+            (c.distance, c) for c in saved if c.id not in earlier.superseded_ids
+        ]
+        near += earlier.live_near(vec, CONTRADICTION_DISTANCE)
+        near.sort(key=lambda pair: pair[0])  # (stable: the table's order holds on a tie)
+        return [candidate for _, candidate in near[:CONTRADICTION_CANDIDATES]]
+
     def _check(
-        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[Candidate]
     ) -> ContradictionCheck:
         """One call over all ``candidates``, or one per candidate if they are too long
         together for a backend's context."""
@@ -278,10 +358,10 @@ class MemoryWriter:
         return ContradictionCheck(tuple(contradicted), checked=len(candidates))
 
     def _one_by_one(
-        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[Candidate]
     ) -> ContradictionCheck:
         """Each candidate compared on its own: what one call found stands when another fails."""
-        contradicted: list[MemorySnippet] = []
+        contradicted: list[Candidate] = []
         failures: list[str] = []
         for candidate in candidates:
             try:
@@ -298,8 +378,8 @@ class MemoryWriter:
         )
 
     def _ask_contradicted(
-        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[MemorySnippet]
-    ) -> list[MemorySnippet]:
+        self, chat: ChatClient, item: Item, summary: str, candidates: Sequence[Candidate]
+    ) -> list[Candidate]:
         """One contradiction call over ``candidates``."""
         result = chat.complete(
             response_model=ContradictionVerdicts,

@@ -42,7 +42,9 @@ class Written:
 
 
 def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
-    """Insert ``effects.memories`` (idempotent by origin) and apply the supersessions.
+    """Insert ``effects.memories`` (idempotent by origin) and apply the supersessions, of
+    saved memories, then of the item's own earlier facts (a draft dropped here supersedes
+    nothing and is superseded by nothing).
 
     A draft whose first chunk asks for it (``duplicate_check``) is dropped, with its other
     chunks, when a near-duplicate was committed since the handler checked. The memory ids
@@ -65,12 +67,20 @@ def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
             by_origin[memory.origin] = _insert(conn, memory)
     for supersession in effects.supersessions:
         if supersession.new_origin in by_origin:
-            conn.execute(
-                "UPDATE memories SET superseded_by = %s WHERE id = %s AND superseded_by IS NULL",
-                (by_origin[supersession.new_origin], supersession.old_memory_id),
-            )
+            _supersede(conn, supersession.old_memory_id, by_origin[supersession.new_origin])
+    for later in effects.draft_supersessions:
+        if later.old_origin in by_origin and later.new_origin in by_origin:
+            _supersede(conn, by_origin[later.old_origin], by_origin[later.new_origin])
     ids = (*by_origin.values(), *effects.existing_memory_ids, *duplicates)
     return Written(memory_ids=ids, new=len(by_origin), duplicate_of=tuple(duplicates))
+
+
+def _supersede(conn: psycopg.Connection, old_id: int, new_id: int) -> None:
+    """Mark ``old_id`` superseded by ``new_id``, unless something superseded it first."""
+    conn.execute(
+        "UPDATE memories SET superseded_by = %s WHERE id = %s AND superseded_by IS NULL",
+        (new_id, old_id),
+    )
 
 
 def archive_already_saved(
@@ -209,6 +219,7 @@ class MemorySnippet:
 
     id: int
     summary: str
+    distance: float = 0.0  # from the vector it was found near
 
 
 # The cosine distance to %(vec)s, or NULL for rows embedded by another model or dimension
@@ -305,14 +316,14 @@ class MemoryReader:
         archive its failure saved)."""
         rows = self._read(
             "similar_live",
-            f"""SELECT m.id, m.summary FROM memories m
+            f"""SELECT m.id, m.summary, {_DISTANCE} FROM memories m
                 WHERE m.superseded_by IS NULL AND m.memory_type <> 'identity'
                   AND {_NOT_RAW_ARCHIVE} AND {_DISTANCE} < %(max)s
                 ORDER BY {_DISTANCE}, m.id LIMIT %(limit)s""",
             {**self._vec(vec), "max": max_distance, "limit": limit},
             fallback=[],
         )
-        return [MemorySnippet(int(r[0]), str(r[1])) for r in rows]
+        return [MemorySnippet(int(r[0]), str(r[1]), float(r[2])) for r in rows]
 
     def known_fact_id(
         self, vec: Sequence[float], max_distance: float = FACT_DUPLICATE_DISTANCE

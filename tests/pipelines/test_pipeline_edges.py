@@ -273,6 +273,7 @@ def test_distilled_facts_carry_the_pipeline_id(
             ]
         },
     )
+    chat.script("contradiction", {"verdicts": []})  # climbing, checked against Leipzig
     payload = {"archive_text": "[x] user: I live in Leipzig and climb", "pipeline_id": 42}
     apply(db, distill_handler(database, chat, embedder).handle(distill_item(payload)))
     assert [r["pipeline_id"] for r in memory_rows(db)] == [42, 42]
