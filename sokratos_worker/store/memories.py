@@ -7,7 +7,6 @@ commit, and everything it inserts is keyed by ``origin`` so a replay writes noth
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,35 +92,18 @@ def archive_already_saved(
     """``archive`` split into the chunks still to write and the ids of those already saved.
 
     A dead-lettered item that ``failed retry`` replays is a new item with new origins: when
-    it fails again, its raw archive would be saved a second time. The chunks an earlier item
-    of its replay chain saved with the same text (its header's time aside) are reused. The
-    chain is followed only along the links ``failed retry`` made (``replay_of``, the item's
-    own, then its predecessors' outcomes; failed_operations.retried_as for replays enqueued
-    before migration 0044), never along a key's shape: keys are the producer's to choose.
+    it fails again, its raw archive would be saved a second time. The replay holds its
+    predecessor's payload byte for byte, and an archive is written whole in one transaction,
+    so when any item of its replay chain archived it, those memories are the archive: all
+    are reused and none written. Their text is not compared: the header names another time,
+    and another version of the worker (or its host's zone) cuts other pieces. The chain is
+    followed only along the links ``failed retry`` made (``replay_of``, the item's own, then
+    its predecessors' outcomes; failed_operations.retried_as for replays enqueued before
+    migration 0044), never along a key's shape: keys are the producer's to choose.
     """
     params = {"queue": item.queue.value, "id": item.id, "replay_of": replay_of}
-    pool: dict[str, list[int]] = {}
-    for memory_id, summary in conn.execute(_EARLIER_ARCHIVES, params):
-        pool.setdefault(_without_header(summary), []).append(int(memory_id))
-    to_write: list[NewMemory] = []
-    reused: list[int] = []
-    for memory in archive:
-        ids = pool.get(_without_header(memory.summary))
-        if ids:
-            reused.append(ids.pop(0))
-        else:
-            to_write.append(memory)
-    return tuple(to_write), tuple(reused)
-
-
-# The first line of a raw archive from ``messages`` (pipelines/archive.py) names the time its
-# item was enqueued, which a replay's item does not share.
-_ARCHIVE_HEADER = re.compile(r"\[Conversation archived [^\]\n]*\]\n?")
-
-
-def _without_header(text: str) -> str:
-    match = _ARCHIVE_HEADER.match(text)
-    return text[match.end() :] if match else text
+    earlier = tuple(int(memory_id) for memory_id, _ in conn.execute(_EARLIER_ARCHIVES, params))
+    return ((), earlier) if earlier else (tuple(archive), ())
 
 
 # The archive memories of the items this one replays, walked back from the item's own

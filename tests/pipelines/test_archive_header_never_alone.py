@@ -83,8 +83,9 @@ def test_no_window_of_the_header_alone_is_sent_to_the_model(database: Database) 
 def test_a_replay_of_an_archive_saved_with_its_header_alone_saves_nothing_again(
     db: psycopg.Connection, database_url: str
 ) -> None:
-    """An archive saved before this change holds the header-only piece too; the replay's
-    pieces (all but that one) still match it, so a replay failing again saves nothing."""
+    """An archive saved before this change holds the header-only piece too; a replay failing
+    again saves nothing and lists what the earlier item saved, that piece included (the chain's
+    archive is the archive, however an earlier version cut it)."""
     payload = {"messages": [{"role": "assistant", "content": REPLY}]}
     item = enqueue(db, "SELECT sokratos_enqueue_distillation(%s::jsonb)", json.dumps(payload))
     never = ScriptedLLM(chat=lambda _: Reply.chat({"not": "facts"}))
@@ -112,4 +113,8 @@ def test_a_replay_of_an_archive_saved_with_its_header_alone_saves_nothing_again(
     result, memory_ids, detail = outcome(db, "pending_distillation", replay.item_id)
     assert result == "archived", detail
     assert db.execute("SELECT count(*) FROM memories").fetchone() == before
-    assert header[0] not in memory_ids  # the header alone is no piece of the replay's archive
+    earlier = db.execute(
+        "SELECT memory_ids FROM work_outcomes WHERE queue = 'pending_distillation' AND item_id = %s",
+        (item,),
+    ).fetchone()
+    assert earlier is not None and sorted(memory_ids) == sorted(earlier[0])

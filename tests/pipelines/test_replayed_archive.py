@@ -239,3 +239,41 @@ def test_a_replayed_archive_with_identical_chunks_lists_each_earlier_chunk_once(
     assert first[0] == again[0] == "archived"
     assert sorted(first[1]) == saved
     assert sorted(again[1]) == saved, f"the replay listed {again[1]}, not each chunk once"
+
+
+def test_a_replay_cut_by_another_version_keeps_the_earlier_raw_archive(
+    db: psycopg.Connection, database_url: str
+) -> None:
+    """The replay of an item a worker of an earlier version archived, failing again under this
+    one, saved its archive a second time: the earlier pieces were reused only when their text
+    matched, and another version cuts other pieces (a `[continued]` marker, bounded tool
+    output; found by a review). The replay holds the same payload: its chain's archive is the
+    archive, whatever its pieces say."""
+    line = "user: the backup finished without errors, and I moved to Lisbon in May. " * 17 + "\n"
+    payload = {"archive_text": line * 3}
+    (item_id,) = db.execute(
+        "SELECT sokratos_enqueue_distillation(%s::jsonb)", (json.dumps(payload),)
+    ).fetchone()
+    with ScriptedLLM(chat=_never_valid) as server:
+        _drain(database_url, server)
+        # As an earlier version cut it: other piece boundaries, other words at each cut.
+        db.execute(
+            "UPDATE memories SET summary = 'as cut by an earlier version: ' || summary"
+            " WHERE source = 'conversation_archive'"
+        )
+        earlier = [r[0] for r in db.execute("SELECT id FROM memories ORDER BY id")]
+        assert len(earlier) >= 2
+        (failure_id,) = db.execute("SELECT id FROM failed_operations").fetchone()
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            replay = failures.retry_failure(conn, failure_id)
+        assert replay.item_id is not None, replay.message
+        _drain(database_url, server)  # the replay fails the same way
+    saved = [r[0] for r in db.execute("SELECT id FROM memories ORDER BY id")]
+    assert saved == earlier, f"the archive was saved again: {saved} after {earlier}"
+    again = db.execute(
+        "SELECT outcome, memory_ids FROM work_outcomes WHERE item_id = %s", (replay.item_id,)
+    ).fetchone()
+    assert again is not None and again[0] == "archived"
+    assert sorted(again[1]) == earlier
+    assert count(db, "SELECT count(*) FROM pending_distillation") == 0
+    assert item_id != replay.item_id
