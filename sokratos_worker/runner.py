@@ -557,9 +557,12 @@ class Runner:
         """The claim as it runs: with the give-back this process owes its previous attempt
         written (:meth:`Settler.pay_owed_give_back`) before the attempt limit is checked, so an
         outage on the last attempt does not dead-letter it; the settles are fenced by it.
-        None: not to be run (released at the stop)."""
+        None: not to be run (left to its lease, or released at the stop)."""
         paid = self._settler.pay_owed_give_back(item)
         if paid is None:
+            self._finished(item, time.monotonic(), ABANDONED)  # (left to its lease)
+            return None
+        if paid is item:
             return item
         if self._inflight.correct(paid):
             return paid

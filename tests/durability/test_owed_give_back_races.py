@@ -1,28 +1,37 @@
-"""The owed give-back (see test_owed_give_back.py) where its write meets a stop.
+"""The owed give-back (see test_owed_give_back.py) where its write meets a stop or loses its
+answer.
 
 Found by a review of 74cc404 (owedfix hunt, 2026-12-07):
 
 - a stop whose take of the items in flight came between the owed give-back's commit and the
   slot's swap of the corrected claim released the uncorrected claim, fenced and so writing
   nothing: the item stayed leased to the exiting worker, and the next takeover counted the
-  attempt again (on the last attempt: failed_operations, "worker died during the last attempt").
+  attempt again (on the last attempt: failed_operations, "worker died during the last attempt");
+- a give-back that committed but whose answer was lost with its connection was taken for not
+  written: the slot ran the stale claim, every settle of it was fenced, its result dropped as
+  "another worker took it over", and the orphan release then uncounted a run that happened.
 
-Real parts: PostgreSQL, the runner in-process.
+Real parts: PostgreSQL, the runner in-process; the lost answer is the pool's connection raising
+DatabaseUnavailable after its transaction committed, as a connection cut then does.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
+from sokratos_worker.errors import DatabaseUnavailable
 from sokratos_worker.model import Item, Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
+from sokratos_worker.store.queue_sql import QUEUE_SQL
 from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
@@ -31,6 +40,7 @@ pytestmark = pytest.mark.postgres
 
 LEASE_S = 3.0
 WORKER = "owed-worker"
+ANSWER_LOST = "database unavailable: server closed the connection unexpectedly"
 
 
 def _owed_and_expired(db: psycopg.Connection, runner: Runner, item_id: int) -> None:
@@ -102,3 +112,114 @@ def test_a_stop_between_the_owed_give_back_and_its_correction_frees_the_item(
     assert "owed_give_back_written" in events and "item_released" in events, events
     counts = runner.take_stats().counts[Queue.TRIAGE.value]
     assert (counts["claimed"], counts["given_back"]) == (1, 2), counts
+
+
+class LosesTheOwedGiveBacksAnswer:
+    """The worker's database, but the connection that writes the owed give-back raises
+    DatabaseUnavailable once its transaction has committed (the answer lost with the
+    connection); with ``then_away``, the next checkout raises it too (the database gone)."""
+
+    def __init__(self, database: Database, *, then_away: bool = False) -> None:
+        self._database = database
+        self._then_away = then_away
+        self.answers_lost = 0
+        self.rereads_refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._database, name)
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        if self._then_away and self.answers_lost and not self.rereads_refused:
+            self.rereads_refused += 1
+            raise DatabaseUnavailable(ANSWER_LOST)
+        with self._database.connection() as conn:
+            recorder = _Recorder(conn)
+            yield recorder
+        if recorder.wrote_owed_give_back and not self.answers_lost:
+            self.answers_lost += 1
+            raise DatabaseUnavailable(ANSWER_LOST)
+
+
+class _Recorder:
+    """A connection that notes whether it ran give_back_owed."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self._conn = conn
+        self.wrote_owed_give_back = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        if query == QUEUE_SQL[Queue.TRIAGE].give_back_owed:
+            self.wrote_owed_give_back = True
+        return self._conn.execute(query, params)
+
+
+@pytest.mark.timeout(120)
+def test_an_owed_give_back_whose_answer_was_lost_runs_under_the_owed_attempt(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed give-back commits and its answer is lost: the row, read again, says it was
+    written, so the item runs under attempt 1 and is saved. (It ran the stale claim, attempt
+    2, whose settle was fenced; its result was dropped as another worker's lease.)"""
+    [item_id] = enqueue_many(db, 1, prefix="lost")
+    database = Database(database_url, size=4)
+    handler = ScriptedHandler()
+    runner = _runner(database, handler)
+    _owed_and_expired(db, runner, item_id)
+    losing = LosesTheOwedGiveBacksAnswer(database)
+    monkeypatch.setattr(runner._settler, "database", losing)
+    try:
+        with capture_logs() as logs:
+            runner.start()
+            saved = wait_until(
+                lambda: count(db, "SELECT count(*) FROM work_outcomes") == 1, timeout=30
+            )
+            runner.shutdown(2)
+    finally:
+        database.close()
+    events = [e["event"] for e in logs]
+    assert losing.answers_lost == 1
+    assert saved, (_row(db, item_id), events)
+    assert db.execute("SELECT outcome, attempts FROM work_outcomes").fetchall() == [("saved", 1)]
+    assert "owed_give_back_written" in events and "owed_give_back_failed" not in events, events
+    assert "lease_lost" not in events, events
+    assert handler.calls == 1
+    counts = runner.take_stats().counts[Queue.TRIAGE.value]
+    assert (counts["claimed"], counts["given_back"], counts["saved"]) == (1, 1, 1), counts
+
+
+@pytest.mark.timeout(120)
+def test_an_owed_give_back_not_known_to_be_written_is_left_to_its_lease_and_paid_later(
+    db: psycopg.Connection, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed give-back commits, its answer is lost, and the read that would tell is refused
+    too: the item is not run (a run whose settle the written give-back fences is an LLM call
+    wasted) but left to its lease, still owed; at this worker's next claim of it, once that
+    lease ran out, the give-back is written again and the item runs once, under attempt 1."""
+    [item_id] = enqueue_many(db, 1, prefix="unknown")
+    database = Database(database_url, size=4)
+    handler = ScriptedHandler()
+    runner = _runner(database, handler)
+    _owed_and_expired(db, runner, item_id)
+    losing = LosesTheOwedGiveBacksAnswer(database, then_away=True)
+    monkeypatch.setattr(runner._settler, "database", losing)
+    try:
+        with capture_logs() as logs:
+            runner.start()
+            saved = wait_until(
+                lambda: count(db, "SELECT count(*) FROM work_outcomes") == 1, timeout=60
+            )
+            runner.shutdown(2)
+    finally:
+        database.close()
+    events = [e["event"] for e in logs]
+    assert (losing.answers_lost, losing.rereads_refused) == (1, 1)
+    assert saved, (_row(db, item_id), events)
+    assert db.execute("SELECT outcome, attempts FROM work_outcomes").fetchall() == [("saved", 1)]
+    assert events.count("owed_give_back_failed") == 1, events
+    assert events.count("owed_give_back_written") == 1, events
+    assert handler.calls == 1
+    assert count(db, "SELECT count(*) FROM failed_operations") == 0
