@@ -1,5 +1,5 @@
 """The owed give-back (see test_owed_give_back.py) where its write meets a stop or loses its
-answer.
+answer, and the SQL fence that keeps it to the attempt owed.
 
 Found by a review of 74cc404 (owedfix hunt, 2026-12-07):
 
@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from sokratos_worker.errors import DatabaseUnavailable
@@ -31,7 +32,7 @@ from sokratos_worker.model import Item, Queue
 from sokratos_worker.runner import Runner
 from sokratos_worker.store import queue as store
 from sokratos_worker.store.connection import Database
-from sokratos_worker.store.queue_sql import QUEUE_SQL
+from sokratos_worker.store.queue_sql import DIED_ENTRY, QUEUE_SQL
 from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
@@ -223,3 +224,33 @@ def test_an_owed_give_back_not_known_to_be_written_is_left_to_its_lease_and_paid
     assert events.count("owed_give_back_written") == 1, events
     assert handler.calls == 1
     assert count(db, "SELECT count(*) FROM failed_operations") == 0
+
+
+def test_the_owed_give_back_uncounts_only_the_attempt_its_history_entry_names(
+    db: psycopg.Connection,
+) -> None:
+    """give_back_owed for attempt 2 (claim 3, leased to this worker) whose last history entry
+    names this worker's lease but attempt 1, an attempt that really died: not written (the
+    fence on the entry's attempt); with the entry naming attempt 2, it is."""
+    [item_id] = enqueue_many(db, 1, prefix="fence")
+
+    def history(attempt: int) -> None:
+        died = f"{DIED_ENTRY} (its lease, held by {WORKER}, expired)"
+        entry = {"attempt": attempt, "error": died}
+        db.execute(
+            "UPDATE pending_triage SET attempts = 3, lease_owner = %s,"
+            " lease_expires_at = now() + interval '1 minute',"
+            " attempt_errors = jsonb_build_array(%s::jsonb) WHERE id = %s",
+            (WORKER, Jsonb(entry), item_id),
+        )
+
+    params = {"id": item_id, "owner": WORKER, "attempt": 3}
+    owed = QUEUE_SQL[Queue.TRIAGE].give_back_owed
+    history(1)
+    assert db.execute(owed, params).fetchone() is None
+    assert _row(db, item_id) == (3, WORKER)
+    history(2)
+    assert db.execute(owed, params).fetchone() == (item_id,)
+    assert _row(db, item_id) == (2, WORKER)
+    entries = "SELECT jsonb_array_length(attempt_errors) FROM pending_triage WHERE id = %s"
+    assert count(db, entries, item_id) == 0  # (the entry went with the attempt)
