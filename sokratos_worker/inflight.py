@@ -140,13 +140,17 @@ class InFlight:
                 return newer
             return self._items.get(key, item)
 
-    def correct(self, item: Item) -> None:
+    def correct(self, item: Item) -> bool:
         """Hold ``item`` in place of this process's claim of the same item (its attempt
-        corrected in the database): the settles are fenced by it."""
+        corrected in the database): the settles are fenced by it. False when the claim is no
+        longer held (the stop took it to release it, fenced by the claim before the
+        correction): the caller releases ``item`` itself."""
         key = (item.queue, item.id)
         with self.lock:
-            if key in self._items:
-                self._items[key] = item
+            if key not in self._items:
+                return False
+            self._items[key] = item
+            return True
 
     def untrack(self, item: Item, *, leave_leased: bool = False) -> tuple[bool, Item | None]:
         """The run of ``item`` is over. ``leave_leased``: it ran but its settle could not be

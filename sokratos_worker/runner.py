@@ -542,7 +542,10 @@ class Runner:
         # logged while it is handled and settled, the pipelines' and LLM client's too, names it.
         # (A claim past the limit is not an attempt: its lines name the last one counted, as
         # its dead letter does.)
-        item = self._pay_owed_give_back(item)
+        claim = self._pay_owed_give_back(item)
+        if claim is None:
+            return None
+        item = claim
         with structlog.contextvars.bound_contextvars(
             queue=item.queue.value,
             item_id=item.id,
@@ -550,15 +553,23 @@ class Runner:
         ):
             return self._handle_and_settle(item)
 
-    def _pay_owed_give_back(self, item: Item) -> Item:
+    def _pay_owed_give_back(self, item: Item) -> Item | None:
         """The claim as it runs: with the give-back this process owes its previous attempt
         written (:meth:`Settler.pay_owed_give_back`) before the attempt limit is checked, so an
-        outage on the last attempt does not dead-letter it; the settles are fenced by it."""
+        outage on the last attempt does not dead-letter it; the settles are fenced by it.
+        None: not to be run (left to its lease, or released at the stop)."""
         paid = self._settler.pay_owed_give_back(item)
         if paid is None:
+            self._finished(item, time.monotonic(), ABANDONED)  # (left to its lease)
+            return None
+        if paid is item:
             return item
-        self._inflight.correct(paid)
-        return paid
+        if self._inflight.correct(paid):
+            return paid
+        # The stop took the claim before its correction: its release, fenced by the claim,
+        # wrote nothing, so the item would stay leased to a worker that exits; released here.
+        self._give_back([paid])
+        return None
 
     def _handle_and_settle(self, item: Item) -> Item | None:
         """:meth:`_process` within the item's log context."""

@@ -365,15 +365,17 @@ class Settler:
             self._owed_give_backs[key] = item.attempt
 
     def pay_owed_give_back(self, item: Item) -> Item | None:
-        """The claim ``item`` with the give-back this process owes its previous attempt written
-        (attempt uncounted, fenced in SQL: only when this claim took over our own lease of that
-        attempt); None when none is owed or it could not be written (the attempt counts)."""
+        """The claim ``item`` to run: with the give-back this process owes its previous attempt
+        written (attempt uncounted, fenced in SQL: only when this claim took over our own lease
+        of that attempt); ``item`` itself when none is owed or it was not written (the attempt
+        counts); None when whether it was written is unknown: the item is not run but left to
+        its lease, the give-back still owed."""
         if not self._owed_give_backs:  # (the hot path: nothing owed, no lock)
-            return None
+            return item
         with self._give_backs_lock:
             owed = self._owed_give_backs.pop((item.queue, item.id), None)
         if owed is None or owed != item.attempt - 1:
-            return None
+            return item
         params = {"id": item.id, "owner": self.worker_id, "attempt": item.attempt}
         bound = log.bind(queue=item.queue.value, item_id=item.id, attempt=owed)
         try:
@@ -383,17 +385,22 @@ class Settler:
                 lock_wait_limited(conn, RELEASE_STATEMENT_TIMEOUT_MS),
             ):
                 row = conn.execute(QUEUE_SQL[item.queue].give_back_owed, params).fetchone()
-        except (DatabaseUnavailable, pg_errors.Error) as exc:
-            bound.warning(
-                "owed_give_back_failed",
-                error=describe(exc),
-                hint="its claim counts as another attempt, as for any settle an outage cut off",
-            )
-            return None
-        if row is None:
-            # Another worker's claim came in between: its count stands.
-            bound.info("owed_give_back_fenced")
-            return None
+        except DatabaseUnavailable as exc:
+            # The connection may have dropped after the commit (unless the server answered
+            # the failure, rolled back): the row tells.
+            written = False if reached_database(exc) else self._owed_give_back_landed(item, params)
+            if written is None:
+                self._leave_owed_to_its_lease(item, owed, exc, bound)
+                return None
+            if not written:
+                return self._owed_give_back_failed(item, exc, bound)
+        except pg_errors.Error as exc:  # (refused or cancelled: rolled back)
+            return self._owed_give_back_failed(item, exc, bound)
+        else:
+            if row is None:
+                # Another worker's claim came in between: its count stands.
+                bound.info("owed_give_back_fenced")
+                return item
         self._count(item.queue, "given_back")
         bound.warning(
             "owed_give_back_written",
@@ -403,6 +410,45 @@ class Settler:
         return dataclasses.replace(
             item, attempt=owed, errors=item.errors[:-1], took_over_lease=False
         )
+
+    def _owed_give_back_landed(self, item: Item, params: dict[str, object]) -> bool | None:
+        """Whether the owed give-back of ``item`` (its answer lost) was written: the row
+        leased to us at the owed attempt; None when the database did not answer."""
+        try:
+            with self.database.connection() as conn:
+                row = conn.execute(QUEUE_SQL[item.queue].owed_attempts, params).fetchone()
+        except (DatabaseUnavailable, pg_errors.Error):
+            return None
+        return row is not None and row[0] == item.attempt - 1
+
+    def _owed_give_back_failed(
+        self, item: Item, exc: BaseException, bound: structlog.BoundLogger
+    ) -> Item:
+        """Not written: the claim runs as counted."""
+        bound.warning(
+            "owed_give_back_failed",
+            error=describe(exc),
+            hint="its claim counts as another attempt, as for any settle an outage cut off",
+        )
+        return item
+
+    def _leave_owed_to_its_lease(
+        self, item: Item, owed: int, exc: BaseException, bound: structlog.BoundLogger
+    ) -> None:
+        """Its answer lost and the database away: not run (had the give-back been written,
+        every settle of the run would be fenced, its LLM call wasted and its result dropped)
+        but left to its lease, still owed, so that this worker's next claim, taking over our
+        lease at the owed attempt, writes it again and the counts are as if the answer had
+        come (had it not been written, that claim counts, as for any settle an outage cut off)."""
+        bound.warning(
+            "owed_give_back_failed",
+            error=describe(exc),
+            hint="whether it was written is unknown (the database went away): the item is not"
+            " run but left to its lease; this worker's next claim of it runs it under the owed"
+            " attempt if it was, and counts the attempt if not",
+        )
+        self._owe_give_back(dataclasses.replace(item, attempt=owed), owed=True)
+        self._untrack(item, leave_leased=True)
 
     def _schedule_retry(
         self,

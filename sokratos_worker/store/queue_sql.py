@@ -32,6 +32,7 @@ class _QueueSql:
     retry: bytes
     give_back: bytes
     give_back_owed: bytes
+    owed_attempts: bytes
     renew: bytes
     settle_plain: bytes
     settle_claim: dict[Queue, bytes]  # by the queue the next item is claimed from
@@ -108,6 +109,11 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
                      = {died} || ' (its lease, held by ' || %(owner)s::text || ', expired)'
                RETURNING id"""
         ).format(table=table, fence=fence, died=sql.Literal(DIED_ENTRY)),
+        # The attempts of an item leased to this worker: tells whether a give_back_owed whose
+        # answer was lost with its connection was written.
+        "owed_attempts": sql.SQL(
+            "SELECT attempts FROM {table} WHERE id = %(id)s AND lease_owner = %(owner)s"
+        ).format(table=table),
         # Leases run from clock_timestamp(), not now() (the statement's or transaction's start):
         # a statement that waited behind a lock longer than the lease would otherwise grant
         # one already over, and another worker would take the item while it runs here.
