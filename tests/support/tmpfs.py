@@ -152,10 +152,12 @@ class PrivateServer:
         )
         assert done.returncode == 0, done.stderr
 
-    def start(self) -> subprocess.CompletedProcess[str]:
+    def start(self, *settings: str) -> subprocess.CompletedProcess[str]:
+        """``pg_ctl start``; ``settings`` as ``name=value`` (``-c`` options of the server)."""
+        options = " ".join([f"-h '' -k {self.socket_dir}", *(f"-c {s}" for s in settings)])
         return self._run(
             "pg_ctl", "-D", str(self.pgdata), "-w", "-t", "30", "-l", str(self.log),
-            "-o", f"-h '' -k {self.socket_dir}", "start",
+            "-o", options, "start",
         )
 
     def stop(self, mode: str = "fast") -> None:
