@@ -1,4 +1,5 @@
-"""A small tmpfs the test server can fill for real: a tablespace on it runs out of disk (53100)."""
+"""Real resource limits for fault tests: a small tmpfs to fill (a tablespace or a WAL on it runs
+out of disk for real), and a private PostgreSQL whose settings a test chooses."""
 
 from __future__ import annotations
 
