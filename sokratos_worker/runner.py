@@ -332,8 +332,12 @@ class Runner:
 
     def _claimed_without_error(self, asked: int) -> None:
         """The dispatcher's pass ended without a database error: leave any wait for it."""
-        if asked:  # a claim was sent (none when every slot is busy): the database answered
-            self._worker_state.database_back()
+        if not asked:  # (no claim was sent when every slot is busy)
+            return
+        # A full disk still lets claims through: the settles of the items in flight tell.
+        if self._worker_state.writes_refused() and self.inflight_count():
+            return
+        self._worker_state.database_back()
 
     def _wait(self, seconds: float) -> None:
         # Wake at least every second so the watchdog sees progress.

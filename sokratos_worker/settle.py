@@ -39,6 +39,7 @@ from sokratos_worker.store.connection import (
     claim_refusal,
     lock_wait_limited,
     refused_by_setup,
+    server_short_of_a_resource,
     time_limited,
 )
 from sokratos_worker.store.queue_sql import QUEUE_SQL
@@ -65,6 +66,10 @@ _GIVE_BACKS_REMEMBERED = 10_000
 RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend, the database away)
 _FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
+_SHORT_HINT = (
+    "the server refused it for a full disk or no memory: the lease expires and this worker"
+    " runs the item again under the same attempt once the server has room"
+)
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
 
@@ -639,10 +644,16 @@ class Settler:
             except DatabaseUnavailable as exc:
                 self._database_lost(exc)
                 if time.monotonic() + delay > deadline:
+                    short = server_short_of_a_resource(exc)
+                    if short:
+                        # The server refused the settle (rolled back): not the item's attempt.
+                        self._owe_give_back(item, owed=True)
                     bound.error(
                         "settle_abandoned",
                         error=str(exc),
-                        hint="the lease expires and the item is claimed again",
+                        hint=_SHORT_HINT
+                        if short
+                        else "the lease expires and the item is claimed again",
                     )
                     self._untrack(item, leave_leased=True)
                     return None

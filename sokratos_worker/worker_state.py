@@ -39,6 +39,7 @@ from sokratos_worker.errors import (
 from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Queue
 from sokratos_worker.policy import describe
+from sokratos_worker.store.connection import server_short_of_a_resource
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +72,17 @@ _REFUSED_HINT = (
 )
 
 
+_SHORT_HINT = (
+    "the server answers, but refuses writes for want of disk space or memory (SQLSTATE 53100,"
+    " 53200): free space on the disk that holds PostgreSQL's data, WAL or tablespace (or"
+    " memory on its host); items wait, their refused settles cost no attempt, and the worker"
+    " goes on by itself once there is room"
+)
+
+
 def _waiting_hint(exc: DatabaseUnavailable) -> str:
+    if server_short_of_a_resource(exc):
+        return _SHORT_HINT
     if isinstance(exc, ClaimRefused):
         return _REFUSED_HINT
     if isinstance(exc, TableLocked):
@@ -139,6 +150,9 @@ class WorkerState:
         # When the database outage in progress was first met (None: no outage), so it is
         # said once, by whichever thread meets it, and its end with how long it lasted.
         self._outage_since: float | None = None
+        # The outage in progress is the server refusing writes for a full disk or no memory:
+        # a claim that goes through (its row fits a page already there) does not end it.
+        self._writes_refused = False
         self._report_lock = threading.Lock()  # state reports go out one at a time
         self._reported = (self.state, self.detail)
         # The queues whose claims the server refuses: each refusal and when it was first met.
@@ -186,6 +200,7 @@ class WorkerState:
             first = self._outage_since is None
             if first:
                 self._outage_since = time.monotonic()
+            self._writes_refused = server_short_of_a_resource(exc)
             # (Waiting for a refused queue: the outage is now what it waits for first.)
             if self.state == State.RUNNING or (first and self.state == State.WAITING_FOR_DATABASE):
                 self.state, self.detail = State.WAITING_FOR_DATABASE, str(exc)
@@ -205,11 +220,17 @@ class WorkerState:
             return  # the hot path: no lock when there is no outage
         with self._lock:
             since, self._outage_since = self._outage_since, None
+            self._writes_refused = False
             if self.state == State.WAITING_FOR_DATABASE:
                 self.state, self.detail = self._running_or_refused()
         if since is not None:
             log.info("database_reachable_again", down_s=round(time.monotonic() - since, 1))
         self._report()
+
+    def writes_refused(self) -> bool:
+        """True while the outage in progress is the server refusing writes for want of disk
+        space or memory: only a settle that goes through ends it."""
+        return self._writes_refused
 
     # -- claims the server refuses (per queue) -------------------------------------
 

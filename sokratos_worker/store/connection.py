@@ -128,6 +128,22 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+# The server short of a full disk or memory (53100, 53200): it refused the statement, so
+# its transaction rolled back, and nothing the item did caused it.
+_SHORT_OF_A_RESOURCE = ("53100", "53200")
+
+
+def server_short_of_a_resource(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it was translated from) is the server refusing a statement
+    for a full disk or no memory: the transaction surely rolled back, unlike a lost connection."""
+    found: BaseException | None = exc
+    while found is not None:
+        if isinstance(found, psycopg.Error) and (found.sqlstate or "") in _SHORT_OF_A_RESOURCE:
+            return True
+        found = found.__cause__
+    return False
+
+
 # What the server answers a new connection when a limit, not an outage, refuses it: the role's
 # or database's CONNECTION LIMIT, max_connections (libpq gives these as text, no SQLSTATE).
 CONNECTION_LIMIT_REFUSALS = (
