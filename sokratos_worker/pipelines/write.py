@@ -78,19 +78,34 @@ class EarlierFacts:
         self.superseded_ids.update(s.old_memory_id for s in plan.supersessions)
         self.superseded_origins.update(s.old_origin for s in plan.draft_supersessions)
 
-    def known(self, vec: Sequence[float]) -> bool:
-        """Whether a row lies within 0.15, superseded or not (as the table's check counts)."""
-        return any(cosine_distance(vec, row.vector) < FACT_DUPLICATE_DISTANCE for row in self.rows)
+    def measured(self, vec: Sequence[float]) -> MeasuredFacts:
+        """The rows with their distances from ``vec``, computed once for both checks: pure
+        Python over every earlier row costs seconds per fact on a long archive."""
+        return MeasuredFacts(self, [(cosine_distance(vec, row.vector), row) for row in self.rows])
 
-    def live_near(
-        self, vec: Sequence[float], max_distance: float
-    ) -> list[tuple[float, PlannedRow]]:
+
+@dataclass(frozen=True)
+class MeasuredFacts:
+    """The earlier facts' rows, each with its distance from the fact being planned."""
+
+    earlier: EarlierFacts
+    distances: list[tuple[float, PlannedRow]]
+
+    @property
+    def superseded_ids(self) -> set[int]:
+        """The saved memories the earlier facts supersede."""
+        return self.earlier.superseded_ids
+
+    def known(self) -> bool:
+        """Whether a row lies within 0.15, superseded or not (as the table's check counts)."""
+        return any(distance < FACT_DUPLICATE_DISTANCE for distance, _ in self.distances)
+
+    def live_near(self, max_distance: float) -> list[tuple[float, PlannedRow]]:
         """The rows no later fact superseded within ``max_distance``, with their distances."""
-        near = [(cosine_distance(vec, row.vector), row) for row in self.rows]
         return [
             (distance, row)
-            for distance, row in near
-            if distance < max_distance and row.origin not in self.superseded_origins
+            for distance, row in self.distances
+            if distance < max_distance and row.origin not in self.earlier.superseded_origins
         ]
 
 
@@ -236,11 +251,11 @@ class MemoryWriter:
         if self.embedder is None:
             bare = [(chunk, None) for chunk in chunks]
             return WritePlan(memories=self._rows(item, draft, bare, first_chunk), escaped=escaped)
-        earlier = earlier or EarlierFacts()
         first = self._embed(chunks[0])
         vec = first[0][1]
+        measured = (earlier or EarlierFacts()).measured(vec)
         if fact_dedupe:
-            if earlier.known(vec):
+            if measured.known():
                 return WritePlan(known_fact=True)
             known = self.reader.known_fact_id(vec, FACT_DUPLICATE_DISTANCE)
             if known is not None:
@@ -252,7 +267,7 @@ class MemoryWriter:
         for chunk in chunks[1:]:
             embedded.extend(self._embed(chunk))
         memories = self._rows(item, draft, embedded, first_chunk, fact_check=fact_dedupe)
-        check = self._contradictions(item, draft.text, vec, earlier)
+        check = self._contradictions(item, draft.text, vec, measured)
         saved, planned = _superseding(check.contradicted, memories[0].origin)
         return WritePlan(
             memories=memories,
@@ -306,7 +321,7 @@ class MemoryWriter:
         )
 
     def _contradictions(
-        self, item: Item, summary: str, vec: list[float], earlier: EarlierFacts
+        self, item: Item, summary: str, vec: list[float], earlier: MeasuredFacts
     ) -> ContradictionCheck:
         """The live memories (and earlier facts) the LLM judges contradicted by ``summary``,
         and the candidates no verdict came for (logged)."""
@@ -326,7 +341,7 @@ class MemoryWriter:
             )
         return check
 
-    def _candidates(self, vec: list[float], earlier: EarlierFacts) -> list[Candidate]:
+    def _candidates(self, vec: list[float], earlier: MeasuredFacts) -> list[Candidate]:
         """The nearest live memories within 0.4, the earlier facts' rows among them as if
         saved, and without the memories those supersede (nearest first, saved ones on a tie)."""
         saved = self.reader.similar_live(
@@ -335,7 +350,7 @@ class MemoryWriter:
         near: list[tuple[float, Candidate]] = [
             (c.distance, c) for c in saved if c.id not in earlier.superseded_ids
         ]
-        near += earlier.live_near(vec, CONTRADICTION_DISTANCE)
+        near += earlier.live_near(CONTRADICTION_DISTANCE)
         near.sort(key=lambda pair: pair[0])  # (stable: the table's order holds on a tie)
         return [candidate for _, candidate in near[:CONTRADICTION_CANDIDATES]]
 

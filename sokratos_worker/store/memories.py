@@ -42,36 +42,71 @@ class Written:
 
 def write_effects(conn: psycopg.Connection, effects: Effects) -> Written:
     """Insert ``effects.memories`` (idempotent by origin) and apply the supersessions, of
-    saved memories, then of the item's own earlier facts (a draft dropped here supersedes
-    nothing and is superseded by nothing).
+    saved memories and of the item's own earlier facts.
 
     A draft whose first chunk asks for it (``duplicate_check``) is dropped, with its other
-    chunks, when a near-duplicate was committed since the handler checked. The memory ids
-    are those written (existing rows for origins already present), then
-    ``effects.existing_memory_ids``, then the near-duplicates. Runs in the caller's
-    transaction.
+    chunks, when a near-duplicate was committed since the handler checked. In the
+    supersessions, that memory stands for the dropped draft (if live and not identity, as the
+    contradiction check's candidates are): it says the same, so the contradiction the draft
+    resolved stays resolved. The memory ids are those written (existing rows for origins
+    already present), then ``effects.existing_memory_ids``, then the near-duplicates. Runs in
+    the caller's transaction.
     """
     if any(m.duplicate_check and m.embedding is not None for m in effects.memories):
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_DUPLICATE_WRITE_LOCK,))
     by_origin: dict[str, int] = {}
+    replaced: dict[str, int] = {}  # a dropped draft's origins: the memory that made it redundant
     duplicates: list[int] = []
-    dropping = False
+    duplicate: int | None = None
     for memory in effects.memories:
         if memory.duplicate_check:
             duplicate = _duplicate_at_settle(conn, memory)
-            dropping = duplicate is not None
             if duplicate is not None:
                 duplicates.append(duplicate)
-        if not dropping:
+        if duplicate is None:
             by_origin[memory.origin] = _insert(conn, memory)
-    for supersession in effects.supersessions:
-        if supersession.new_origin in by_origin:
-            _supersede(conn, supersession.old_memory_id, by_origin[supersession.new_origin])
-    for later in effects.draft_supersessions:
-        if later.old_origin in by_origin and later.new_origin in by_origin:
-            _supersede(conn, by_origin[later.old_origin], by_origin[later.new_origin])
+        else:
+            replaced[memory.origin] = duplicate
+    _apply_supersessions(conn, effects, by_origin, _stand_ins(conn, replaced))
     ids = (*by_origin.values(), *effects.existing_memory_ids, *duplicates)
     return Written(memory_ids=ids, new=len(by_origin), duplicate_of=tuple(duplicates))
+
+
+def _apply_supersessions(
+    conn: psycopg.Connection,
+    effects: Effects,
+    by_origin: dict[str, int],
+    stand_ins: dict[str, int],
+) -> None:
+    """Apply the supersessions of saved memories and of the item's earlier facts, those of
+    the memories written first: a stand-in supersedes only what none of them superseded."""
+    written = {**stand_ins, **by_origin}
+    pairs: list[tuple[int | None, int | None]] = [
+        (s.old_memory_id, written.get(s.new_origin)) for s in effects.supersessions
+    ]
+    pairs += [
+        (written.get(s.old_origin), written.get(s.new_origin)) for s in effects.draft_supersessions
+    ]
+    own = set(by_origin.values())
+    for old, new in sorted(pairs, key=lambda pair: pair[1] not in own):
+        if old is not None and new is not None and old != new:
+            _supersede(conn, old, new)
+
+
+def _stand_ins(conn: psycopg.Connection, replaced: dict[str, int]) -> dict[str, int]:
+    """The dropped origins whose memory may supersede and be superseded: a live one, not an
+    identity (the fact check also drops a draft for a superseded or identity memory)."""
+    if not replaced:
+        return {}
+    live = {
+        int(row[0])
+        for row in conn.execute(
+            """SELECT id FROM memories
+               WHERE id = ANY(%s) AND superseded_by IS NULL AND memory_type <> 'identity'""",
+            (list(set(replaced.values())),),
+        )
+    }
+    return {origin: memory_id for origin, memory_id in replaced.items() if memory_id in live}
 
 
 def _supersede(conn: psycopg.Connection, old_id: int, new_id: int) -> None:

@@ -213,3 +213,96 @@ def test_the_earlier_fact_is_superseded_in_the_settle_and_a_replay_changes_nothi
         (OSLO, rows[1]["id"]),
         (LISBON, None),
     ]
+
+
+def _toward(cos: float, axis: int) -> list[float]:
+    """A unit vector at cosine ``cos`` from the first axis, the rest of it along ``axis``."""
+    vec = _unit(cos)
+    vec[axis] = math.sqrt(1 - cos * cos)
+    return vec
+
+
+def _plan_facts(
+    database: Database, chat: FakeChat, vectors: dict[str, list[float]], *verdicts: list[int]
+) -> Any:
+    """The item's plan over the facts of ``vectors`` in order; each contradiction check judges
+    the candidates numbered in its ``verdicts`` contradicted."""
+    chat.script("distillation", {"facts": [{"text": text, "salience": 7} for text in vectors]})
+    for contradicted in verdicts:
+        chat.script(
+            "contradiction",
+            {"verdicts": [{"existing": n, "contradicts": True} for n in contradicted]},
+        )
+    return distill_handler(database, chat, FakeEmbedder(vectors=dict(vectors))).handle(
+        make_item({"archive_text": "[x] user: where I live"}, queue=Queue.DISTILLATION)
+    )
+
+
+def _asked(chat: FakeChat) -> list[str]:
+    return [call.user for call in chat.calls if call.purpose == "contradiction"]
+
+
+def test_at_most_three_candidates_the_nearest_of_saved_and_earlier_facts_together(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    """Four saved memories within 0.4 of the later fact, the nearest of which the earlier fact
+    supersedes, and the earlier fact itself the farthest: the three nearest live ones are
+    asked about (the table read asks for one more per memory the earlier facts supersede)."""
+    saved = {
+        f"The user lived in place {n}.": _toward(1 - distance, n)
+        for n, distance in enumerate((0.18, 0.22, 0.26, 0.30), start=1)
+    }
+    ids = [insert_memory(db, text, vec) for text, vec in saved.items()]
+    db.commit()
+    first, *others = saved
+    # 0.25 from the nearest saved memory, over 0.4 from the others, 0.36 from the later fact.
+    earlier = [0.64, 0.4, 0.0, 0.0, 0.0, math.sqrt(1 - 0.64**2 - 0.16), 0.0, 0.0]
+
+    effects = _plan_facts(database, chat, {LISBON: earlier, OSLO: _unit(1.0)}, [1], [])
+
+    assert _asked(chat) == [
+        prompts.contradiction_input(LISBON, [first]),
+        prompts.contradiction_input(OSLO, others),
+    ]
+    assert [s.old_memory_id for s in effects.supersessions] == [ids[0]]
+    assert effects.draft_supersessions == ()
+
+
+def test_an_earlier_fact_nearer_than_a_saved_memory_is_asked_about_first(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    insert_memory(db, BERGEN, _toward(0.7, 2))  # 0.3 from Oslo, 0.44 from Lisbon
+    db.commit()
+    lisbon = _unit(0.8, 0.6)  # 0.2 from Oslo
+
+    effects = _plan_facts(database, chat, {LISBON: lisbon, OSLO: _unit(1.0)}, [1])
+
+    assert _asked(chat) == [prompts.contradiction_input(OSLO, [LISBON, BERGEN])]
+    assert effects.supersessions == ()  # the verdict on EXISTING_1 is about Lisbon
+    assert [(d.old_origin, d.new_origin) for d in effects.draft_supersessions] == [
+        ("pending_distillation:7:0", "pending_distillation:7:1")
+    ]
+    apply(db, effects)
+    live = [r["summary"] for r in memory_rows(db) if r["superseded_by"] is None]
+    assert sorted(live) == sorted([BERGEN, OSLO])
+
+
+def test_an_earlier_fact_a_later_one_superseded_is_no_candidate_for_the_next(
+    db: psycopg.Connection, database: Database, chat: FakeChat
+) -> None:
+    """Oslo, then Lisbon superseding it, then Bergen within 0.4 of both: Bergen is asked about
+    Lisbon only, as the table would offer once Oslo was superseded."""
+    bergen = [0.75, 0.4, math.sqrt(1 - 0.75**2 - 0.16), 0.0, 0.0, 0.0, 0.0, 0.0]
+    vectors = {OSLO: _unit(1.0), LISBON: _toward(0.75, 1), BERGEN: bergen}  # 0.25, 0.25, 0.17
+
+    effects = _plan_facts(database, chat, vectors, [1], [1])
+
+    assert _asked(chat) == [
+        prompts.contradiction_input(LISBON, [OSLO]),
+        prompts.contradiction_input(BERGEN, [LISBON]),
+    ]
+    apply(db, effects)
+    rows = {r["summary"]: r for r in memory_rows(db)}
+    assert rows[OSLO]["superseded_by"] == rows[LISBON]["id"]
+    assert rows[LISBON]["superseded_by"] == rows[BERGEN]["id"]
+    assert rows[BERGEN]["superseded_by"] is None
