@@ -302,22 +302,35 @@ def _clear_interrupted_initdb(pgdata: Path, marker: Path, *, lock: Any) -> None:
 
 
 def _initdb_processes_gone(pgdata: Path, wait_s: float) -> list[int]:
-    """Wait up to ``wait_s`` for the processes whose command line names ``pgdata`` (initdb,
-    its bootstrap backend) to end; returns the pids of those still running."""
+    """Wait up to ``wait_s`` for initdb's processes on ``pgdata`` to end: initdb, whose command
+    line names it, and its bootstrap and single-user backends, which are given it in PGDATA
+    and work inside it (their command line does not name it: a start emptied the directory
+    under a backend still writing, and its own initdb aborted); returns the pids still
+    running."""
     import psutil  # type: ignore[import-untyped]  # noqa: PLC0415 - the wheel's dependency
 
     path = str(pgdata)
+    inside = os.path.realpath(pgdata)
     deadline = time.monotonic() + wait_s
     while True:
         running = [
             proc.info["pid"]
-            for proc in psutil.process_iter(attrs=["pid", "cmdline"])
+            for proc in psutil.process_iter(attrs=["pid", "cmdline", "cwd"])
             if proc.info["pid"] != os.getpid()
-            and any(path in str(part) for part in proc.info.get("cmdline") or ())
+            and (
+                any(path in str(part) for part in proc.info.get("cmdline") or ())
+                or _within(proc.info.get("cwd"), inside)
+            )
         ]
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(0.1)
+
+
+def _within(directory: str | None, top: str) -> bool:
+    """Whether ``directory`` (a process's working directory, None when it may not be read)
+    is ``top`` or below it."""
+    return directory is not None and (directory == top or directory.startswith(top + os.sep))
 
 
 def _server_alive(pgdata: Path) -> bool:

@@ -624,6 +624,36 @@ def test_a_directory_a_server_runs_in_is_not_emptied_as_an_interrupted_initdb(
     assert not marker.exists()  # its process is gone: the marker is not kept
 
 
+def test_an_interrupted_initdb_whose_backend_still_works_inside_is_not_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """initdb's bootstrap and single-user backends get the directory in PGDATA, not on their
+    command line, and work inside it: once initdb itself was killed, a start emptied the
+    directory under a backend still writing, and its own initdb aborted (a CI failure of
+    test_run_group_sigterm_during_initdb_exits_0_and_the_next_start_works). Here a process
+    working inside it stands for that backend: the directory is kept and the log says why."""
+    from sokratos_worker.store import embedded
+
+    monkeypatch.setattr(embedded, "INITDB_EXIT_WAIT_S", 0.5)
+    pgdata = tmp_path / "postgres"
+    (pgdata / "base" / "1").mkdir(parents=True)
+    (pgdata / "PG_VERSION").write_text("18\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    marker = tmp_path / INITDB_MARKER
+    marker.write_text(str(gone.pid))
+    backend = subprocess.Popen(["sleep", "60"], cwd=pgdata / "base")  # no -D on its line
+    try:
+        with capture_logs() as logs:
+            _clear_interrupted_initdb(pgdata, marker, lock=_NoLock())
+    finally:
+        backend.kill()
+        backend.wait()
+    assert (pgdata / "PG_VERSION").exists() and (pgdata / "base" / "1").exists()
+    still = [e for e in logs if e["event"] == "embedded_postgres_initdb_still_running"]
+    assert still and still[0]["pids"] == [backend.pid], logs
+
+
 def _runtime_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]:
     """A CLI environment whose embedded-PostgreSQL lock lives in a runtime directory of its
     own (other tests' starts never wait on the lock this test holds); and that lock's path."""
