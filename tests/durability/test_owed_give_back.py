@@ -109,6 +109,13 @@ class OutageProxy:
             upstream = socket.socket(family, socket.SOCK_STREAM)
             upstream.connect(self._target)
             with self._lock:
+                # A connection accepted as down() came: cut_all may have run before it was
+                # listed here, and it must not outlive the outage (a pool opening slowly on a
+                # busy machine kept one, and the give-back went through).
+                if self._down.is_set():
+                    client.close()
+                    upstream.close()
+                    continue
                 self._sockets += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
