@@ -175,15 +175,16 @@ class Settler:
         count: Count,
         untrack: Untrack,
         database_lost: Callable[[DatabaseUnavailable], None],
-        database_back: Callable[[], None],
+        database_back: Callable[[float], None],
         pause: Callable[[str], None],
         claim_refused: Callable[[Queue, ClaimRefused], None] = lambda queue, exc: None,
         claim_accepted: Callable[[Queue], None] = lambda queue: None,
     ) -> None:
         """``database_lost`` / ``database_back``: a settle met the database away / reached it
-        (the runner's state); ``pause``: no backend can be reached, stop claiming;
-        ``claim_refused`` / ``claim_accepted``: the claim of the next item a settle carried was
-        refused by the server / went through."""
+        (the runner's state; ``database_back`` is given when that settle was sent, so one sent
+        before the outage was met does not end it); ``pause``: no backend can be reached, stop
+        claiming; ``claim_refused`` / ``claim_accepted``: the claim of the next item a settle
+        carried was refused by the server / went through."""
         self.settings = settings
         self.database = database
         self.worker_id = worker_id
@@ -330,6 +331,10 @@ class Settler:
         DATABASE_GIVE_BACKS_PER_ITEM give-backs of this item (then it is the item's attempt)."""
         if not isinstance(exc, DatabaseUnavailable) or reached_database(exc):
             return False
+        return self._database_give_back_left(item)
+
+    def _database_give_back_left(self, item: Item) -> bool:
+        """Count one more give-back of ``item`` for the database; False past the limit."""
         key = (item.queue, item.id)
         with self._give_backs_lock:
             given = self._database_give_backs.get(key, 0)
@@ -638,13 +643,14 @@ class Settler:
         deadline = time.monotonic() + self.settings.lease * 0.8
         delay = _FIRST_SETTLE_DELAY
         while True:
+            sent = time.monotonic()
             try:
                 with self.database.connection() as conn:
                     result = fn(conn)
             except DatabaseUnavailable as exc:
                 self._database_lost(exc)
                 if time.monotonic() + delay > deadline:
-                    short = server_short_of_a_resource(exc)
+                    short = server_short_of_a_resource(exc) and self._database_give_back_left(item)
                     if short:
                         # The server refused the settle (rolled back): not the item's attempt.
                         self._owe_give_back(item, owed=True)
@@ -664,7 +670,7 @@ class Settler:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
             else:
-                self._database_back()
+                self._database_back(sent)
                 return result
 
     # -- give-backs ------------------------------------------------------------------

@@ -212,13 +212,15 @@ class WorkerState:
             )
         self._report()
 
-    def database_back(self) -> None:
+    def database_back(self, sent: float | None = None) -> None:
         """A claim or settle reached the database: the end of an outage is said once; the
         worker runs again unless a queue's claims are still refused."""
         self._on_database_contact(True)
         if self._outage_since is None and self.state != State.WAITING_FOR_DATABASE:
             return  # the hot path: no lock when there is no outage
         with self._lock:
+            if sent is not None and self._outage_since is not None and sent < self._outage_since:
+                return  # (sent before the outage was met: its answer does not end it)
             since, self._outage_since = self._outage_since, None
             self._writes_refused = False
             if self.state == State.WAITING_FOR_DATABASE:

@@ -28,7 +28,8 @@ MAX_CONNECTIONS = 20
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateServer]:
+def server(pg_server: str) -> Iterator[PrivateServer]:
+    # (pg_server: the shared server's start creates the OS user a private server runs as)
     if not can_mount():  # (the server runs as the embedded wheel's user: root starts it)
         pytest.skip("a private server here needs root")
     base = Path(tempfile.mkdtemp(prefix="sw-mc-", dir="/tmp"))
@@ -36,12 +37,14 @@ def server() -> Iterator[PrivateServer]:
     own = PrivateServer(base / "pg", base / "wal")
     try:
         own.init()
-        started = own.start(
-            f"max_connections={MAX_CONNECTIONS}", "superuser_reserved_connections=3"
-        )
-        assert started.returncode == 0, started.stderr
-        yield own
-        own.stop("immediate")
+        try:
+            started = own.start(
+                f"max_connections={MAX_CONNECTIONS}", "superuser_reserved_connections=3"
+            )
+            assert started.returncode == 0, started.stderr
+            yield own
+        finally:
+            own.stop("immediate")  # (also when a start timed out with the server up)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -26,7 +26,8 @@ ITEMS = 200
 
 
 @pytest.fixture
-def wal_on_tmpfs() -> Iterator[tuple[PrivateServer, Path]]:
+def wal_on_tmpfs(pg_server: str) -> Iterator[tuple[PrivateServer, Path]]:
+    # (pg_server: the shared server's start creates the OS user a private server runs as)
     if not can_mount():
         pytest.skip("mounting a tmpfs needs root")
     base = Path(tempfile.mkdtemp(prefix="sw-wal-", dir="/tmp"))
@@ -35,9 +36,9 @@ def wal_on_tmpfs() -> Iterator[tuple[PrivateServer, Path]]:
         with small_tmpfs(48) as mount:
             server = PrivateServer(base / "pg", mount / "wal")
             server.init()
-            started = server.start()
-            assert started.returncode == 0, started.stderr + server.log.read_text()
             try:
+                started = server.start()  # (a start timed out may have left it running)
+                assert started.returncode == 0, started.stderr + server.log.read_text()
                 yield server, mount
             finally:
                 server.stop("immediate")
