@@ -106,7 +106,7 @@ def test_a_killed_postmaster_stops_the_daemon_with_75_and_the_next_start_drains_
     pgdata = short_dir / "data" / "postgres"
     logs = [short_dir / f"first-{i}.log" for i in range(sharing)]
     second_log = short_dir / "second.log"
-    n = 40
+    n = 80  # 0.5 s each, 4 or 8 at a time: still draining when the server is killed
     firsts: list[subprocess.Popen[bytes]] = []
     try:
         for log_path in logs:  # one after the other: the next attaches to the running server
@@ -114,7 +114,7 @@ def test_a_killed_postmaster_stops_the_daemon_with_75_and_the_next_start_drains_
             started = wait_until(partial(_started, log_path), timeout=120)
             assert started, log_path.read_text()[-2000:]
         with _connect(pgdata) as conn:
-            enqueue_many(conn, n, behaviour="sleep:0.3")
+            enqueue_many(conn, n, behaviour="sleep:0.5")
             # Some done, some in flight: the death comes mid-drain.
             assert wait_until(
                 lambda: count(conn, "SELECT count(*) FROM work_outcomes") >= 4, timeout=60
