@@ -78,6 +78,7 @@ def _wait_for_database(settings: Settings, url: str) -> None:
             waited_s=round(waited, 1),
             error=err,
             deadline_s=settings.startup_timeout,
+            hint=unreachable_hint(settings),
         ),
     )
 

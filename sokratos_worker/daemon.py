@@ -50,6 +50,7 @@ from sokratos_worker.store import email as email_store
 from sokratos_worker.store import failures as failures_store
 from sokratos_worker.store import status as status_store
 from sokratos_worker.store.connection import Database, connect, time_limited
+from sokratos_worker.store.embedded_watch import watch_postmaster, watched_server
 from sokratos_worker.store.locks import COMMAND_LOCK_TIMEOUT_MS
 from sokratos_worker.store.queue import NOTIFY_CHANNEL
 from sokratos_worker.worker_state import State
@@ -506,6 +507,7 @@ class Worker:
         scheduler = self._start_scheduler(jobs)
         listener = threading.Thread(target=self.listen_forever, name="listener", daemon=True)
         listener.start()
+        self._watch_embedded_postgres()
         email = self._start_email_thread()
         # What start-up built lives as long as the process: leave it out of the full
         # collections, which otherwise paused every slot for ~25 ms (bench/README.md).
@@ -558,12 +560,25 @@ class Worker:
         )
         return self.exit_code
 
+    def _watch_embedded_postgres(self) -> None:
+        """On the embedded PostgreSQL, stop with exit 75 once its server died: nothing else
+        would start it again, and the service manager's restart of the worker does."""
+        server = watched_server(self.database.conninfo)
+        if server is None:
+            return
+        watch_postmaster(
+            server,
+            stopping=self._stop,
+            on_death=lambda: self.stop_with(EXIT_TEMPFAIL, "embedded_postgres_died"),
+        )
+
     def _counts_since_last_report(self) -> dict[str, dict[str, int]]:
         return _per_queue(self.runner.take_stats().counts)
 
     def stop_with(self, code: int, reason: str) -> None:
         """From any thread: stop as SIGTERM would (items in flight finish), then exit ``code``
-        (the local model server that keeps dying) unless an operator's signal came first."""
+        (the local model server that keeps dying, the embedded PostgreSQL that died) unless an
+        operator's signal came first."""
         self.stops.request(code, reason)
 
     @property

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 import structlog
 
@@ -40,13 +41,36 @@ from sokratos_worker.handlers import Handler
 from sokratos_worker.model import Queue
 from sokratos_worker.policy import describe
 from sokratos_worker.store.connection import server_short_of_a_resource
+from sokratos_worker.store.embedded import held_here
 
 log = structlog.get_logger(__name__)
 
-_AWAY_HINT = (
-    "items in flight keep their leases and settle when PostgreSQL answers again; nothing is"
-    " lost. Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker check' tells)"
+_AWAY = (
+    "items in flight keep their leases and settle when PostgreSQL answers again; nothing is lost."
 )
+
+
+def away_hint(embedded_data_dir: Path | None) -> str:
+    """What to look at when the database is away: the URL's server, or the embedded one (in
+    ``embedded_data_dir``) when the worker runs it (no URL is set: naming one misled)."""
+    if embedded_data_dir is None:
+        return (
+            f"{_AWAY} Is the server up, and SOKRATOS_DATABASE_URL right? ('sokratos-worker"
+            " check' tells)"
+        )
+    return (
+        f"{_AWAY} The embedded PostgreSQL in {embedded_data_dir} is not answering: if its"
+        " server died, the worker exits (75) so that its service manager starts both again;"
+        " the server's log is the file 'log' in that directory"
+    )
+
+
+def _embedded_data_dir() -> Path | None:
+    """The data directory of the embedded server this process runs on, if any."""
+    held = held_here()
+    return held[0].data_dir if held else None
+
+
 _LOCKED_HINT = (
     "another session holds a queue table locked (dispatcher_waiting_for_lock names it); claiming"
     " goes on when it lets go, and nothing is lost"
@@ -89,7 +113,7 @@ def _waiting_hint(exc: DatabaseUnavailable) -> str:
         return _LOCKED_HINT
     if isinstance(exc, ConnectionLimitReached):
         return _LIMIT_HINT
-    return _BUSY_HINT if isinstance(exc, PoolBusy) else _AWAY_HINT
+    return _BUSY_HINT if isinstance(exc, PoolBusy) else away_hint(_embedded_data_dir())
 
 
 class State:

@@ -74,6 +74,10 @@ class EmbeddedPostgres:
 
     server: Any
     data_dir: Path
+    # The postmaster this handle attached to: its pid, and its start in clock ticks after boot
+    # (/proc/<pid>/stat), which tells it from a later process given the same pid.
+    postmaster_pid: int | None = None
+    postmaster_started: int | None = None
 
     @property
     def uri(self) -> str:
@@ -183,10 +187,40 @@ def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     # The wheel releases at exit too (atexit) when stop() was never reached; handlers run last
     # registered first, so this prune runs just before that release.
     atexit.register(_prune_quietly, Path(server.pgdata), PostgresServer._lock)
-    handle = EmbeddedPostgres(server=server, data_dir=pgdata)
+    pid = server.get_pid()
+    handle = EmbeddedPostgres(
+        server=server,
+        data_dir=pgdata,
+        postmaster_pid=pid,
+        postmaster_started=process_start_ticks(pid) if pid is not None else None,
+    )
     _held[Path(server.pgdata)] = handle
-    log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=server.get_pid())
+    log.info("embedded_postgres_ready", data_dir=str(pgdata), pid=pid)
     return handle
+
+
+def held_here() -> list[EmbeddedPostgres]:
+    """The embedded servers this process holds and has not released."""
+    return list(_held.values())
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat``, field
+    22): unlike a wall-clock start time, a clock step does not change it. None when there is
+    no such process, or it is a zombie (dead, not yet reaped); -1 when it cannot be read."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text("utf-8", errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return -1  # (no /proc, or hidden from us: cannot tell)
+    # The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
+    fields = stat_line[stat_line.rfind(")") + 2 :].split()
+    if len(fields) < 20 or not fields[19].isdigit():
+        return -1
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 def parents_lock_path() -> Path:
