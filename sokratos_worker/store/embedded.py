@@ -211,9 +211,10 @@ def process_start_ticks(pid: int) -> int | None:
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text("utf-8", errors="replace")
     except (FileNotFoundError, ProcessLookupError):
-        return None
+        # (hidepid=invisible, or no /proc, hides a live process the same way: ask the kernel)
+        return None if _no_such_process(pid) else -1
     except OSError:
-        return -1  # (no /proc, or hidden from us: cannot tell)
+        return -1  # (hidden from us: cannot tell)
     # The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
     fields = stat_line[stat_line.rfind(")") + 2 :].split()
     if len(fields) < 20 or not fields[19].isdigit():
@@ -221,6 +222,17 @@ def process_start_ticks(pid: int) -> int | None:
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
+
+
+def _no_such_process(pid: int) -> bool:
+    """Whether the kernel knows no process ``pid`` (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # (another user's: it exists)
+    return False
 
 
 def parents_lock_path() -> Path:

@@ -27,8 +27,8 @@ DIED_HINT = (
 
 def postmaster_gone(handle: EmbeddedPostgres) -> bool:
     """Whether the postmaster ``handle`` attached to has ended: no such process, a zombie, or
-    another process that was given its pid since. A process that cannot be read (another
-    user's, /proc hidden) counts as running."""
+    another process that was given its pid since. A process whose start cannot be read
+    (/proc hidden or absent, while the kernel still knows its pid) counts as running."""
     if handle.postmaster_pid is None:
         return False  # (the wheel named none: nothing to watch)
     started = process_start_ticks(handle.postmaster_pid)

@@ -12,6 +12,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from sokratos_worker.store.embedded import EmbeddedPostgres, process_start_ticks
 from sokratos_worker.store.embedded_watch import postmaster_gone
 from sokratos_worker.worker_state import away_hint
@@ -72,3 +74,34 @@ def test_the_start_waiting_for_the_database_says_what_to_check(tmp_path: Path) -
     ]
     assert waits, done.stderr[-1500:]
     assert "Check SOKRATOS_DATABASE_URL and that PostgreSQL is running" in waits[0]["hint"]
+
+
+def test_a_live_process_whose_proc_entry_is_hidden_is_not_taken_for_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/proc mounted hidepid=invisible (or not mounted) answers ENOENT for a live process as
+    for a dead one: the kernel is asked (signal 0) before the postmaster is declared dead
+    (found by a review)."""
+    import os
+
+    from sokratos_worker.store import embedded
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    real_read_text = Path.read_text
+
+    def hidden(self: Path, *args: object, **kwargs: object) -> str:
+        if str(self).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        monkeypatch.setattr(Path, "read_text", hidden)
+        assert embedded.process_start_ticks(sleeper.pid) == -1  # alive: cannot tell its start
+        assert embedded.process_start_ticks(gone.pid) is None  # no such process
+        assert embedded.process_start_ticks(os.getpid()) == -1
+    finally:
+        monkeypatch.undo()
+        sleeper.kill()
+        sleeper.wait(timeout=10)
