@@ -131,13 +131,13 @@ def test_a_killed_postmaster_stops_the_daemon_with_75_and_the_next_start_drains_
                 )
             assert code == 75, (code, log_path.read_text()[-2000:])
             died = _named(log_path, "embedded_postgres_died")
-            assert len(died) == 1, died
+            assert len(died) == 1, (died, log_path.read_text()[-2000:])
             assert died[0]["pid"] == postmaster and died[0]["level"] == "error", died
             assert "service manager restarts it" in str(died[0]["hint"]), died
-            assert "Traceback" not in log_path.read_text()
+            assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
         # The settles of the items in flight met it away: the hint names the embedded server.
         away = [event for log_path in logs for event in _named(log_path, "waiting_for_database")]
-        assert away, logs[0].read_text()[-2000:]
+        assert away, "\n".join(p.read_text()[-2000:] for p in logs)
         for event in away:
             assert "SOKRATOS_DATABASE_URL" not in str(event["hint"]), event
             assert f"embedded PostgreSQL in {pgdata}" in str(event["hint"]), event
@@ -157,7 +157,7 @@ def test_a_killed_postmaster_stops_the_daemon_with_75_and_the_next_start_drains_
                 lambda: count(conn, "SELECT count(*) FROM work_outcomes") >= n,
                 timeout=120,
                 interval=0.2,
-            ), count(conn, "SELECT count(*) FROM work_outcomes")
+            ), (count(conn, "SELECT count(*) FROM work_outcomes"), second_log.read_text()[-2000:])
             time.sleep(1.0)  # (an item done twice would show now)
             done = count(conn, "SELECT count(*) FROM work_outcomes")
             distinct = count(conn, "SELECT count(DISTINCT item_id) FROM work_outcomes")
@@ -165,7 +165,9 @@ def test_a_killed_postmaster_stops_the_daemon_with_75_and_the_next_start_drains_
             memories = count(conn, "SELECT count(*) FROM memories")
             origins = count(conn, "SELECT count(DISTINCT origin) FROM memories")
         print(f"\n{n} items in, {done} outcomes ({distinct} items), {memories} memories")
-        assert (done, distinct, saved, memories, origins) == (n, n, n, n, n)
+        assert (done, distinct, saved, memories, origins) == (n, n, n, n, n), second_log.read_text()[
+            -2000:
+        ]
     finally:
         _stop(second)
     assert second.returncode == 0, second_log.read_text()[-2000:]
