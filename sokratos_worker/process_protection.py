@@ -9,8 +9,9 @@ files by root and refuses other processes of the same user (``ptrace_may_access`
 ``py-spy`` must run as root.
 
 The worker itself keeps reading what it reads from /proc: its own ``fd``, ``net/tcp``,
-``status`` and the children's files. Only its own mode-0400 files (``/proc/self/environ``,
-``io``, ``auxv``, ``mem``) become root's; nothing in the worker reads them.
+``status`` and the children's files. Its own mode-0400 files (``/proc/self/environ``, ``io``,
+``auxv``, ``mem``) and its ``fd`` directory become root's for other processes (``ls
+/proc/PID/fd`` or ``lsof`` by its user is refused); nothing in the worker needs them there.
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ RETRY = "retry"  # failed, scheduled again after a backoff
 RELEASED = "released"  # given back: not the item's fault (no backend, the database away)
 _FIRST_SETTLE_DELAY = 0.2  # a settle's first wait for the database; it doubles up to 5 s
 _SHORT_HINT = (
-    "the server refused it for a full disk or no memory: the lease expires and this worker"
-    " runs the item again under the same attempt once the server has room"
+    "the server refused it for a full disk or no memory: the lease expires; if this worker"
+    " claims the item again it runs under the same attempt (up to three times an item),"
+    " another worker's claim counts it"
 )
 LEASE_LOST = "lease_lost"  # another worker took the item over; this settle changed nothing
 ABANDONED = "abandoned"  # the database stayed away past the lease; the item runs again
@@ -414,7 +415,8 @@ class Settler:
         self._count(item.queue, "given_back")
         bound.warning(
             "owed_give_back_written",
-            hint="the database was away past 0.8 x SOKRATOS_LEASE: the give-back is written"
+            hint="the database was away (or refused writes) past 0.8 x SOKRATOS_LEASE: the"
+            " give-back is written"
             " now that this worker claims it again, and it runs under the same attempt",
         )
         return dataclasses.replace(

@@ -99,8 +99,8 @@ _REFUSED_HINT = (
 _SHORT_HINT = (
     "the server answers, but refuses writes for want of disk space or memory (SQLSTATE 53100,"
     " 53200): free space on the disk that holds PostgreSQL's data, WAL or tablespace (or"
-    " memory on its host); items wait, their refused settles cost no attempt, and the worker"
-    " goes on by itself once there is room"
+    " memory on its host); items wait, their refused settles cost this worker's claims no"
+    " attempt (up to three times an item), and the worker goes on by itself once there is room"
 )
 
 

@@ -311,7 +311,7 @@ def windows(
     pieces: list[Window] = []
     at = start
     while at < end:
-        rest = data[at:end]
+        rest = data[at : min(end, at + max_bytes + 1)]  # (enough to tell whether it fits)
         first = at + _leading_space(rest[:max_bytes])
         marker = _continuation(archive, offsets, first, max_bytes)
         taken = rest[: window_length(rest, max_bytes - byte_len(marker))]

@@ -137,7 +137,7 @@ def archive_already_saved(
     migration 0044), never along a key's shape: keys are the producer's to choose.
     """
     params = {"queue": item.queue.value, "id": item.id, "replay_of": replay_of}
-    earlier = tuple(int(memory_id) for memory_id, _ in conn.execute(_EARLIER_ARCHIVES, params))
+    earlier = tuple(int(memory_id) for (memory_id,) in conn.execute(_EARLIER_ARCHIVES, params))
     return ((), earlier) if earlier else (tuple(archive), ())
 
 
@@ -164,7 +164,7 @@ WITH RECURSIVE earlier (item_id) AS (
         WHERE f.source_queue = %(queue)s AND f.retried_as = e.item_id AND f.item_id IS NOT NULL
     ) AS back (item_id)
 )
-SELECT m.id, m.summary FROM memories m
+SELECT m.id FROM memories m
 WHERE m.id IN (
     SELECT saved.id FROM earlier e
     JOIN work_outcomes o ON o.queue = %(queue)s AND o.item_id = e.item_id

@@ -41,13 +41,22 @@ class _QueueSql:
 # A claim that takes over an expired lease records the attempt that died with its worker
 # (counted, and otherwise missing from the history a dead letter keeps).
 DIED_ENTRY = "worker died during the attempt"
+
+
+def _died_error(owner: sql.Composable) -> sql.Composed:
+    """The history entry's error for an attempt whose worker ``owner`` (an SQL expression)
+    let its lease expire: written by the claim, matched by give_back_owed, so one text."""
+    return sql.SQL("{died} || ' (its lease, held by ' || {owner} || ', expired)'").format(
+        died=sql.Literal(DIED_ENTRY), owner=owner
+    )
+
+
 _DIED_ATTEMPT = sql.SQL(
     """CASE WHEN picked.held THEN t.attempt_errors || jsonb_build_array(jsonb_build_object(
            'at', now(), 'attempt', t.attempts,
-           'error', {died} || ' (its lease, held by '
-                    || coalesce(t.lease_owner, '?') || ', expired)'))
+           'error', {error}))
        ELSE t.attempt_errors END"""
-).format(died=sql.Literal(DIED_ENTRY))
+).format(error=_died_error(sql.SQL("coalesce(t.lease_owner, '?')")))
 
 
 # A producer's created_at no datetime can hold (infinity, Go's zero time west of UTC) comes as
@@ -105,10 +114,9 @@ def _composed(queue: Queue) -> dict[str, sql.Composed]:
             """UPDATE {table} SET attempts = attempts - 1, attempt_errors = attempt_errors - (-1)
                WHERE {fence}
                  AND attempt_errors -> -1 -> 'attempt' = to_jsonb(%(attempt)s::int - 1)
-                 AND attempt_errors -> -1 ->> 'error'
-                     = {died} || ' (its lease, held by ' || %(owner)s::text || ', expired)'
+                 AND attempt_errors -> -1 ->> 'error' = {error}
                RETURNING id"""
-        ).format(table=table, fence=fence, died=sql.Literal(DIED_ENTRY)),
+        ).format(table=table, fence=fence, error=_died_error(sql.SQL("%(owner)s::text"))),
         # The attempts of an item leased to this worker: tells whether a give_back_owed whose
         # answer was lost with its connection was written.
         "owed_attempts": sql.SQL(

@@ -116,11 +116,7 @@ _CREATED_IN_24H = "created_at > now() - interval '24 hours' AND created_at <= no
 
 def failures_24h(conn: psycopg.Connection) -> dict[str, int]:
     """Failures in the last 24 hours by op_type (closed ones too: see failures_24h_closed)."""
-    rows = conn.execute(
-        f"SELECT op_type, count(*) FROM failed_operations WHERE {_CREATED_IN_24H}"
-        " GROUP BY op_type ORDER BY op_type"
-    ).fetchall()
-    return {str(op): int(n) for op, n in rows}
+    return failures_24h_and_closed(conn)[0]
 
 
 def failures_24h_and_closed(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, int]]:
