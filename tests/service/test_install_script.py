@@ -93,7 +93,7 @@ def test_staged_install_is_idempotent(tmp_path: Path) -> None:
     # staged venv, by the target's venv (tests/service/test_install_roles_path.py runs it).
     roles = next(line for line in second.stdout.splitlines() if "roles.sql" in line and "-f" in line)
     path = roles.split("-f", 1)[1].strip()
-    assert path.startswith('"$(/opt/sokratos-worker/venv/bin/python -c '), roles
+    assert path.startswith('"$(/opt/sokratos-worker/venv/bin/python -I -c '), roles
     assert str(REPO) not in path and str(tmp_path) not in path, roles
 
 
