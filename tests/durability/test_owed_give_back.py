@@ -21,12 +21,10 @@ import contextlib
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import psycopg
 import pytest
 import structlog
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from structlog.testing import capture_logs
 
 from sokratos_worker.errors import DatabaseUnavailable
@@ -38,6 +36,7 @@ from sokratos_worker.store.connection import Database
 from tests.support.daemon import wait_until
 from tests.support.db import count, enqueue_many
 from tests.support.handlers import ScriptedHandler, fast_settings
+from tests.support.tcp_proxy import upstream_of, url_through
 
 pytestmark = pytest.mark.postgres
 
@@ -50,15 +49,8 @@ class OutageProxy:
     through it and closes new ones at once (the server gone); ``up()`` forwards again."""
 
     def __init__(self, url: str) -> None:
-        info = conninfo_to_dict(url)
         self._url = url
-        host = str(info.get("host") or "localhost")
-        port = int(info.get("port") or 5432)
-        self._target: Any = (
-            f"{host}/.s.PGSQL.{port}"
-            if host.startswith("/")
-            else (host.split(",", maxsplit=1)[0], port)
-        )
+        self._target = upstream_of(url)
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.1)
         self._down = threading.Event()
@@ -69,10 +61,7 @@ class OutageProxy:
 
     @property
     def url(self) -> str:
-        info = {k: str(v) for k, v in conninfo_to_dict(self._url).items() if v is not None}
-        info.pop("hostaddr", None)
-        info.update(host="127.0.0.1", port=str(self._server.getsockname()[1]))
-        return make_conninfo(**info)
+        return url_through(self._url, self._server.getsockname()[1])
 
     def down(self) -> None:
         self._down.set()

@@ -15,20 +15,30 @@ from typing import Any
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
+def upstream_of(url: str) -> Any:
+    """Where a proxy in front of the server of ``url`` connects: a Unix socket's path, or
+    (host, port)."""
+    info = conninfo_to_dict(url)
+    host = str(info.get("host") or "localhost")
+    port = int(info.get("port") or 5432)
+    return f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host.split(",", 1)[0], port)
+
+
+def url_through(url: str, port: int) -> str:
+    """``url`` with its server replaced by a proxy listening on 127.0.0.1:``port``."""
+    info = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
+    info.pop("hostaddr", None)
+    info.update(host="127.0.0.1", port=str(port))
+    return make_conninfo(**info)
+
+
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to the server of ``url``; ``blackhole()`` stops forwarding in
     both directions and leaves new connections unanswered (a network partition)."""
 
     def __init__(self, url: str) -> None:
-        info = conninfo_to_dict(url)
         self._url = url
-        host = str(info.get("host") or "localhost")
-        port = int(info.get("port") or 5432)
-        self._target: Any = (
-            f"{host}/.s.PGSQL.{port}"
-            if host.startswith("/")
-            else (host.split(",", maxsplit=1)[0], port)
-        )
+        self._target = upstream_of(url)
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.1)
         self._holes = False
@@ -39,10 +49,7 @@ class TcpProxy:
 
     @property
     def url(self) -> str:
-        info = {k: str(v) for k, v in conninfo_to_dict(self._url).items() if v is not None}
-        info.pop("hostaddr", None)
-        info.update(host="127.0.0.1", port=str(self._server.getsockname()[1]))
-        return make_conninfo(**info)
+        return url_through(self._url, self._server.getsockname()[1])
 
     def blackhole(self) -> None:
         """Cut the network: forward nothing more, answer no new connection."""
